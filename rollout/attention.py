@@ -1,0 +1,176 @@
+"""Paged attention for Hugging Face models, registered with `transformers.AttentionInterface`.
+
+Every step is one packed forward over `[1, T]` tokens. The per-step `AttentionMetadata` reaches the
+attention function through the model's forward kwargs (`rollout_meta=`), never a module global.
+Cost grows with the sum over requests of (query tokens x that request's KV length):
+
+- decode rows (one query token each) are batched: their KV is gathered by slot index into
+  `[B, Lmax, Hkv, D]` and attended with a key-padding mask;
+- prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step
+  when nothing is cached yet, else a gather of the request's slots).
+
+No mask is ever built over the whole packed batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "rollout_paged"
+
+
+@dataclass(slots=True)
+class Segment:
+    """A request with more than one query token this step."""
+
+    q_start: int  # first row in the packed batch
+    q_len: int
+    kv_len: int  # tokens of KV after this step (past + new)
+    kv_slots: torch.Tensor | None  # [kv_len] slots to read, None when all KV is fresh (kv_len == q_len)
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step inputs of the paged attention (built by the runner, shared by every layer)."""
+
+    cache: object  # PagedKVCache
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    dec_rows: torch.Tensor | None = None  # [Bd] packed rows of single-token queries
+    dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding points at slot 0)
+    dec_kv_len: torch.Tensor | None = None  # [Bd]
+    dec_positions: torch.Tensor | None = None  # [Bd] position of each query token
+    segments: list[Segment] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        """[Bd, 1, 1, Lmax] True where a decode query may attend."""
+        key = ("dec", window)
+        mask = self._masks.get(key)
+        if mask is None:
+            lmax = self.dec_slots.shape[1]
+            j = torch.arange(lmax, device=self.dec_slots.device)
+            mask = j[None, :] < self.dec_kv_len[:, None]
+            if window is not None:
+                mask &= j[None, :] > (self.dec_positions[:, None] - window)
+            mask = self._masks[key] = mask[:, None, None, :]
+        return mask
+
+    def segment_mask(self, i: int, seg: Segment, window: int | None) -> torch.Tensor | None:
+        """[1, 1, q_len, kv_len] causal (and windowed) mask of a segment, None when plain causal."""
+        if seg.kv_len == seg.q_len and (window is None or window >= seg.kv_len):
+            return None
+        key = ("seg", i, window)
+        mask = self._masks.get(key)
+        if mask is None:
+            dev = self.slot_mapping.device
+            q_pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=dev)[:, None]
+            k_pos = torch.arange(seg.kv_len, device=dev)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            mask = self._masks[key] = mask[None, None]
+        return mask
+
+
+def _attend(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    mask: torch.Tensor | None,  # [B, 1, Lq, Lk] bool, True = attend
+    scale: float,
+    softcap: float | None,
+    is_causal: bool,
+) -> torch.Tensor:  # [B, H, Lq, D]
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+    # NOTE: SDPA has no logit softcap (Gemma 2): explicit path in fp32.
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None and is_causal:
+        lq, lk = scores.shape[-2:]
+        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    rollout_meta: AttentionMetadata | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], no weights)
+    meta = rollout_meta
+    if meta is None:
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' was called without rollout metadata: it only runs inside the rollout engine"
+        )
+    _, num_heads, _, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    layer = getattr(module, "layer_idx", None)
+    if layer is None:
+        layer = meta.cache.layer_index(module)
+    k_cache, v_cache = meta.cache.layer(layer, num_kv_heads, head_dim)  # [S, Hkv, D]
+    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
+    v_new = value[0].transpose(0, 1)
+    k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
+
+    scale = scaling if scaling is not None else head_dim**-0.5
+    window = sliding_window if sliding_window else None
+    q_rows = query[0].transpose(0, 1)  # [T, H, D]
+    out = torch.empty_like(q_rows)  # [T, H, D]
+
+    if meta.dec_rows is not None:
+        q = q_rows.index_select(0, meta.dec_rows)[:, :, None, :]  # [Bd, H, 1, D]
+        bd, lmax = meta.dec_slots.shape
+        flat = meta.dec_slots.reshape(-1)
+        k = k_cache.index_select(0, flat).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
+        v = v_cache.index_select(0, flat).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
+        o = _attend(q, k, v, meta.decode_mask(window), scale, softcap, is_causal=False)  # [Bd, H, 1, D]
+        out.index_copy_(0, meta.dec_rows, o[:, :, 0, :])
+
+    for i, seg in enumerate(meta.segments):
+        rows = slice(seg.q_start, seg.q_start + seg.q_len)
+        q = q_rows[rows].transpose(0, 1)[None]  # [1, H, q, D]
+        if seg.kv_slots is None:
+            k, v = key[:, :, rows], value[:, :, rows]  # [1, Hkv, q, D]
+        else:
+            k = k_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv, D]
+            v = v_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
+        mask = meta.segment_mask(i, seg, window)
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
+        out[rows] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def null_mask(*args, **kwargs) -> None:
+    """The model builds no mask of its own: the metadata carries everything attention needs."""
+    return None
+
+
+def register() -> str:
+    """Register the paged attention and its null mask with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME, null_mask)
+    return ATTN_NAME

@@ -1,0 +1,141 @@
+"""Paged KV block pool with ref counts, an LRU free queue and prefix caching. Pure Python: no torch.
+
+A page holds `page_size` consecutive tokens of one sequence. A *full* page is identified by a chained
+hash of (hash of the previous page, its tokens), so two requests with the same prefix produce the
+same hashes and can share the pages. Freed pages keep their hash and stay reusable until the pool
+needs them again; they are then evicted in LRU order (least recently freed first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+ROOT_HASH = 0x5EED
+
+
+def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int, start: int = 0,
+                parent: int = ROOT_HASH) -> list[int]:
+    """Chained hashes of pages `start .. start+num_pages-1` (all full), continuing from `parent`."""
+    hashes: list[int] = []
+    for p in range(start, start + num_pages):
+        parent = hash((parent, tuple(token_ids[p * page_size : (p + 1) * page_size])))
+        hashes.append(parent)
+    return hashes
+
+
+class BlockManager:
+    """Owns the pool of `num_blocks` pages.
+
+    Invariants (checked by `check_invariants`, used in tests):
+      - a block is in the free queue iff its ref count is 0;
+      - `cached[h] == b` iff `block_hash[b] == h`.
+    """
+
+    def __init__(self, num_blocks: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or page_size < 1:
+            raise ValueError("num_blocks and page_size must be positive")
+        self.num_blocks = num_blocks
+        self.page_size = page_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.ref_counts = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # page hash -> block id
+        # NOTE: front = next to reuse; freed blocks go to the back (LRU eviction of cached pages).
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+
+    # ---------------------------------------------------------------- queries
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks not held by any request (cached-but-unreferenced pages count as free)."""
+        return len(self.free_queue)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    # ------------------------------------------------------------ allocation
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks from the front of the free queue (evicting their cached hashes)."""
+        if n > len(self.free_queue):
+            raise MemoryError(f"need {n} blocks, only {len(self.free_queue)} free")
+        out = []
+        for _ in range(n):
+            block, _ = self.free_queue.popitem(last=False)
+            self._evict_hash(block)
+            self.ref_counts[block] = 1
+            out.append(block)
+        return out
+
+    def free(self, block_ids: Sequence[int]) -> None:
+        """Drop one reference to each block. Tail pages are queued first so they are evicted first."""
+        for block in reversed(block_ids):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] < 0:
+                raise RuntimeError(f"block {block} freed more often than allocated")
+            if self.ref_counts[block] == 0:
+                self.free_queue[block] = None
+
+    def fork(self, block_ids: Sequence[int]) -> None:
+        """Add a reference to blocks already held (sharing without a hash lookup)."""
+        for block in block_ids:
+            if self.ref_counts[block] == 0:
+                del self.free_queue[block]
+            self.ref_counts[block] += 1
+
+    # --------------------------------------------------------- prefix cache
+    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+        """Longest run of cached pages for `hashes`; takes a reference to each hit block."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        for h in hashes:
+            block = self.cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        self.fork(hits)
+        return hits
+
+    def peek_prefix(self, hashes: Sequence[int]) -> int:
+        """How many leading pages of `hashes` are cached (no references taken)."""
+        if not self.enable_prefix_caching:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in self.cached:
+                break
+            n += 1
+        return n
+
+    def cache_page(self, block: int, page_hash: int) -> None:
+        """Register a full, computed page under its hash (first writer wins)."""
+        if not self.enable_prefix_caching or self.block_hash[block] is not None:
+            return
+        if page_hash in self.cached:
+            return
+        self.block_hash[block] = page_hash
+        self.cached[page_hash] = block
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached page (e.g. after a weight update). Returns how many were dropped."""
+        dropped = len(self.cached)
+        self.cached.clear()
+        self.block_hash = [None] * self.num_blocks
+        return dropped
+
+    def _evict_hash(self, block: int) -> None:
+        h = self.block_hash[block]
+        if h is not None:
+            self.block_hash[block] = None
+            if self.cached.get(h) == block:
+                del self.cached[h]
+
+    def check_invariants(self) -> None:
+        for b in range(self.num_blocks):
+            assert (self.ref_counts[b] == 0) == (b in self.free_queue), f"block {b} free-queue mismatch"
+            assert self.ref_counts[b] >= 0
+            h = self.block_hash[b]
+            if h is not None:
+                assert self.cached.get(h) == b, f"block {b} hash not in cache map"
+        for h, b in self.cached.items():
+            assert self.block_hash[b] == h

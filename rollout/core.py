@@ -1,0 +1,285 @@
+"""`EngineCore`: schedule -> run -> sample -> update, one step at a time, single-threaded.
+
+The manager drives it from its background thread; `generate_batch` drives it inline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from .block_manager import BlockManager
+from .config import ContinuousBatchingConfig
+from .kv_cache import PagedKVCache, kv_shape_from_config, plan_cache
+from .requests import Request, RequestStatus, SamplingParams
+from .runner import ModelRunner, make_engine_view
+from .sampler import Sampler
+from .scheduler import Scheduler, SchedulerOutput
+
+logger = logging.getLogger("rollout")
+
+STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens")
+
+
+def text_config(model: torch.nn.Module):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def has_sliding_layers(model: torch.nn.Module) -> bool:
+    cfg = text_config(model)
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types:
+        return any("sliding" in t for t in layer_types)
+    return getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+
+
+def default_eos_ids(model: torch.nn.Module, gc: GenerationConfig | None) -> frozenset[int]:
+    for source in (gc, getattr(model, "generation_config", None), text_config(model)):
+        eos = getattr(source, "eos_token_id", None) if source is not None else None
+        if eos is not None:
+            return frozenset([eos] if isinstance(eos, int) else eos)
+    return frozenset()
+
+
+class EngineCore:
+    """Owns the cache, the scheduler, the runner and the sampler of one model.
+
+    Args:
+        model: any HF causal LM (its parameters are shared, never copied).
+        generation_config: defaults for max_new_tokens, eos, do_sample / temperature / top_k / top_p.
+        config: the engine configuration.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config: GenerationConfig | None = None,
+        config: ContinuousBatchingConfig | None = None,
+    ) -> None:
+        self.config = config = config or ContinuousBatchingConfig()
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        config.log_unavailable_features(torch.cuda.is_available())
+        self.view = make_engine_view(model)
+        self.sliding = has_sliding_layers(model)
+        sharing = config.allow_block_sharing and not self.sliding
+        if config.allow_block_sharing and self.sliding:
+            logger.info("prefix caching is disabled: %s has sliding-window layers", type(model).__name__)
+        shape = kv_shape_from_config(model.config, self.dtype)
+        num_blocks, self.max_batch_tokens = plan_cache(
+            shape, config.page_size, config.num_blocks, config.max_batch_tokens,
+            config.max_memory_percent, self.device,
+        )
+        self.page_size = config.page_size
+        self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype)
+        self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
+        self.scheduler = Scheduler(
+            self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
+            config.scheduler_type, config.safety_margin,
+        )
+        self.runner = ModelRunner(self.view, self.cache)
+        self.sampler = Sampler(self.device)
+        self.set_generation_config(generation_config)
+        tc = text_config(model)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_context = getattr(tc, "max_position_embeddings", None)
+        self.policy_version = 0
+        self.requests: dict[str, Request] = {}  # live (not final) requests by id
+        self.stats = dict.fromkeys(STAT_COUNTERS, 0)
+        self._arrival = itertools.count()
+        logger.info(
+            "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s",
+            num_blocks, config.page_size, num_blocks * config.page_size * shape.bytes_per_token / 2**20,
+            self.max_batch_tokens, "on" if sharing else "off",
+        )
+
+    # ------------------------------------------------------------ requests
+    def set_generation_config(self, gc: GenerationConfig | None) -> None:
+        """Defaults for new requests (a later call's config is honoured, never frozen at the first)."""
+        gc = gc or getattr(self.model, "generation_config", None) or GenerationConfig()
+        self.generation_config = gc
+        self.eos_ids = default_eos_ids(self.model, gc)
+        if gc.do_sample:
+            self.default_sampling = SamplingParams(
+                temperature=1.0 if gc.temperature is None else float(gc.temperature),
+                top_k=gc.top_k or 0,
+                top_p=1.0 if gc.top_p is None else float(gc.top_p),
+            )
+        else:
+            self.default_sampling = SamplingParams(temperature=0.0)
+        self.default_max_new_tokens = gc.max_new_tokens or 20
+
+    def make_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> Request:
+        """Validate a submission (ValueError naming the field) and build its `Request`."""
+        if request_id is None:
+            request_id = f"req_{next(self._arrival)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.reshape(-1).tolist()
+        ids = list(input_ids)
+        if not ids:
+            raise ValueError(f"input_ids of request {request_id!r} is empty")
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"input_ids of request {request_id!r} holds token {t!r} outside the vocabulary [0, {self.vocab_size})")
+        if max_new_tokens is None:
+            max_new_tokens = self.default_max_new_tokens
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        total = len(ids) + max_new_tokens
+        if self.max_context is not None and total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_context} tokens"
+            )
+        need = self.block_manager.blocks_needed(total)
+        if need > self.block_manager.num_blocks:
+            raise ValueError(
+                f"request {request_id!r} needs {need} KV pages ({total} tokens) but the whole cache has "
+                f"{self.block_manager.num_blocks} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
+            )
+        sampling = self._sampling(temperature, top_k, top_p, seed)
+        eos = self.eos_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        return Request(
+            request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,
+            arrival=next(self._arrival),
+        )
+
+    def _sampling(self, temperature, top_k, top_p, seed) -> SamplingParams:
+        d = self.default_sampling
+        if not self.config.per_request_processors:
+            temperature = top_k = top_p = None
+        if temperature is not None:
+            if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
+                raise ValueError(f"temperature must be a non-negative number, got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
+        if top_p is not None and (not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0 < top_p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ValueError(f"seed must be an int, got {seed!r}")
+        return SamplingParams(
+            temperature=d.temperature if temperature is None else float(temperature),
+            top_k=d.top_k if top_k is None else top_k,
+            top_p=d.top_p if top_p is None else float(top_p),
+            seed=seed,
+        )
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def cancel(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finalize(req, RequestStatus.CANCELLED, "cancelled")
+        return req
+
+    def fail(self, request: Request, error: str) -> None:
+        self._finalize(request, RequestStatus.FAILED, "error", error)
+
+    def fail_all(self, error: str) -> list[Request]:
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self.fail(req, error)
+        return reqs
+
+    def _finalize(self, req: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        req.status, req.finish_reason, req.error = status, reason, error
+        req.policy_version = self.policy_version
+        self.requests.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """One engine step. Returns the requests with news (final, or a new token when streaming)."""
+        out = self.scheduler.schedule()
+        if not out:
+            return self._unstick()
+        self._count_prompt_tokens(out)
+        try:
+            logits, sampled = self.runner.execute(out)
+            reqs = [out.scheduled[i].request for i in sampled]
+            mode = self.config.logprobs_mode if self.config.return_logprobs else None
+            result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode)
+        except Exception as e:  # NOTE: a failing step fails its own requests; the engine keeps serving
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            failed = [s.request for s in out.scheduled]
+            for req in failed:
+                self.fail(req, f"engine step failed: {type(e).__name__}: {e}")
+            return failed
+        self.scheduler.after_step(out)
+        news: list[Request] = []
+        for j, req in enumerate(reqs):
+            req.append_token(result.tokens[j], None if result.logprobs is None else result.logprobs[j])
+            self.stats["generated_tokens"] += 1
+            reason = req.stop_reason()
+            if reason is not None:
+                self._finalize(req, RequestStatus.FINISHED, reason)
+                news.append(req)
+            elif req.streaming:
+                news.append(req)
+        return news
+
+    def _count_prompt_tokens(self, out: SchedulerOutput) -> None:
+        for s in out.scheduled:
+            req = s.request
+            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
+            self.stats["recomputed_tokens"] += max(0, min(end, req.high_water) - start)
+            req.high_water = max(req.high_water, end)
+            self.stats["computed_prompt_tokens"] += max(0, min(end, req.num_prompt_tokens) - start)
+
+    def _unstick(self) -> list[Request]:
+        """Nothing could be scheduled although work is queued: fail the head request if it cannot fit."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        req = self.scheduler.waiting[0]
+        self.fail(req, f"request needs more KV pages than are free in a cache of {self.block_manager.num_blocks} pages")
+        return [req]
+
+    # ------------------------------------------------------------- control
+    def reset_prefix_cache(self) -> int:
+        return self.block_manager.reset_prefix_cache()
+
+    def cache_stats(self) -> dict:
+        bm = self.block_manager
+        return {
+            "num_blocks": bm.num_blocks,
+            "free_blocks": bm.num_free_blocks,
+            "page_size": bm.page_size,
+            "cached_blocks": len(bm.cached),
+            "preemptions": self.scheduler.num_preemptions,
+            "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
+            "kv_bytes": self.cache.nbytes,
+            "max_batch_tokens": self.max_batch_tokens,
+            **self.stats,
+        }

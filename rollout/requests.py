@@ -1,0 +1,130 @@
+"""Request state, `RequestStatus` and `GenerationOutput`. Pure Python: no torch."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    PENDING = "pending"  # submitted, not yet scheduled
+    PREFILLING = "prefilling"  # computing its prompt (possibly in chunks)
+    DECODING = "decoding"  # generating one token per step
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def is_final(self) -> bool:
+        return self in (RequestStatus.FINISHED, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
+@dataclass
+class GenerationOutput:
+    """What a request delivers: its final result, or a partial chunk when streaming.
+
+    `logprobs` holds one fp32 value per generated token when logprobs are on, else None.
+    `finish_reason` is "stop", "length", "cancelled" or "error" once final, None for a partial chunk.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    generated_tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] | None = None
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    policy_version: int = 0
+
+    def is_finished(self) -> bool:
+        return self.status.is_final
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling: temperature 0 means greedy; top_k 0 and top_p 1.0 mean off."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """Engine-side state of one request. Only the scheduler and the engine core mutate it.
+
+    `token_ids` is prompt + generated; `num_computed_tokens` of them have KV in the cache.
+    A request needs the model for `num_tokens - num_computed_tokens` more tokens before it samples.
+    """
+
+    request_id: str
+    prompt_ids: list[int]
+    max_new_tokens: int
+    sampling: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    streaming: bool = False
+    return_logprobs: bool = False
+    arrival: int = 0  # submission order, used by fifo and preemption
+    token_ids: list[int] = field(init=False)
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
+    block_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.PENDING
+    finish_reason: str | None = None
+    error: str | None = None
+    policy_version: int = 0
+    num_preemptions: int = 0
+    high_water: int = 0  # most tokens ever computed (what lies below is recomputation)
+    page_hashes: list[int] = field(default_factory=list)  # chained hashes of its full pages so far
+    num_registered_pages: int = 0  # leading pages already offered to the prefix cache
+    # NOTE: pages held in the CPU offload buffer while preempted (empty unless offloading).
+    offloaded: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def remaining(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed_tokens
+
+    def append_token(self, token: int, logprob: float | None) -> None:
+        self.token_ids.append(token)
+        self.generated.append(token)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def stop_reason(self) -> str | None:
+        """'stop' after an EOS / stop token, 'length' once the budget is used, else None."""
+        if self.generated and self.generated[-1] in self.eos_token_ids:
+            return "stop"
+        if len(self.generated) >= self.max_new_tokens:
+            return "length"
+        return None
+
+    def to_output(self) -> GenerationOutput:
+        return GenerationOutput(
+            request_id=self.request_id,
+            prompt_ids=list(self.prompt_ids),
+            generated_tokens=list(self.generated),
+            logprobs=list(self.logprobs) if self.return_logprobs else None,
+            status=self.status,
+            finish_reason=self.finish_reason if self.status.is_final else None,
+            error=self.error,
+            policy_version=self.policy_version,
+        )

@@ -1,0 +1,118 @@
+"""Vectorised per-request sampling with fp32 logprobs.
+
+Each row has its own temperature, top-k, top-p and (optionally) seed. Sampling uses the exponential
+race (argmax of log p - log E, E ~ Exp(1)), which draws exactly from p. A seeded row draws its
+noise from its own `torch.Generator`, so its samples do not depend on what else is in the batch.
+
+Logprobs: "processed" is log p(token) under the distribution actually sampled from (temperature,
+then top-k, then top-p, renormalised); "raw" is `log_softmax` of the unmodified logits. Greedy rows
+(temperature 0) report the raw logprob in both modes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .requests import SamplingParams
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    tokens: list[int]
+    logprobs: list[float] | None
+
+
+class Sampler:
+    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device)
+        self.generator.manual_seed(seed if seed is not None else torch.seed() % (1 << 62))
+        self._row_generators: dict[str, torch.Generator] = {}
+
+    def generator_for(self, request_id: str, seed: int) -> torch.Generator:
+        g = self._row_generators.get(request_id)
+        if g is None:
+            g = self._row_generators[request_id] = torch.Generator(device=self.device)
+            g.manual_seed(seed)
+        return g
+
+    def forget(self, request_id: str) -> None:
+        self._row_generators.pop(request_id, None)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        logits: torch.Tensor,  # [R, V] fp32
+        params: list[SamplingParams],
+        request_ids: list[str],
+        logprobs_mode: str | None,  # None: no logprobs; "processed" or "raw"
+    ) -> SamplerOutput:
+        logits = logits.float()
+        num_rows = logits.shape[0]
+        greedy = [p.greedy for p in params]
+        tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # [R]
+        chosen_lp = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)  # [R]
+        raw_lp = None
+        if any(greedy) or logprobs_mode == "raw":
+            raw_lp = torch.log_softmax(logits, dim=-1)  # [R, V]
+
+        g_rows = [i for i, g in enumerate(greedy) if g]
+        if g_rows:
+            idx = torch.tensor(g_rows, device=logits.device)
+            tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
+
+        s_rows = [i for i, g in enumerate(greedy) if not g]
+        if s_rows:
+            idx = torch.tensor(s_rows, device=logits.device)
+            sub = [params[i] for i in s_rows]
+            proc_lp = processed_logprobs(logits.index_select(0, idx), sub)  # [S, V]
+            noise = self._noise(proc_lp.shape, [request_ids[i] for i in s_rows], sub)  # [S, V]
+            picked = (proc_lp - noise.log()).argmax(dim=-1)  # [S]
+            tokens[idx] = picked
+            if logprobs_mode == "processed":
+                chosen_lp[idx] = proc_lp.gather(1, picked[:, None])[:, 0]
+
+        if logprobs_mode is None:
+            return SamplerOutput(tokens.tolist(), None)
+        raw_rows = g_rows if logprobs_mode == "processed" else list(range(num_rows))
+        if raw_rows:
+            idx = torch.tensor(raw_rows, device=logits.device)
+            chosen_lp[idx] = raw_lp.index_select(0, idx).gather(1, tokens[idx][:, None])[:, 0]
+        return SamplerOutput(tokens.tolist(), chosen_lp.tolist())
+
+    def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+        """Exp(1) noise [S, V]: one shared draw for unseeded rows, a per-request stream for seeded ones."""
+        noise = torch.empty(shape, dtype=torch.float32, device=self.device)
+        seeded = [i for i, p in enumerate(params) if p.seed is not None]
+        if len(seeded) < len(params):
+            noise.exponential_(generator=self.generator)
+        for i in seeded:
+            noise[i].exponential_(generator=self.generator_for(request_ids[i], params[i].seed))
+        return noise
+
+
+def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """log p of the distribution each row samples from: [S, V] fp32, -inf outside top-k / top-p."""
+    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
+    scaled = logits.float() / temps[:, None]  # [S, V]
+    top_k = [p.top_k for p in params]
+    if any(k > 0 for k in top_k):
+        vocab = scaled.shape[-1]
+        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
+        kmax = int(ks.max())
+        top_vals = scaled.topk(kmax, dim=-1).values  # [S, kmax]
+        kth = top_vals.gather(1, (ks - 1)[:, None])  # [S, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    top_p = [p.top_p for p in params]
+    if any(p < 1.0 for p in top_p):
+        ps = torch.tensor(top_p, dtype=torch.float32, device=logits.device)
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V]
+        probs = sorted_logits.softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # [S, V]
+        drop_sorted = mass_before >= ps[:, None]
+        drop_sorted[:, 0] = False  # NOTE: always keep the most likely token
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(scaled, dim=-1)

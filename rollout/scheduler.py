@@ -1,0 +1,251 @@
+"""One-path token-budget scheduler. Pure Python: no torch.
+
+There is no prefill phase and no decode phase: each request has `num_computed_tokens` catching up
+with `num_tokens`. Every step hands out at most `max_batch_tokens` query tokens: a decode needs one,
+a prompt takes what is left of the budget (chunked prefill), and a prefix-cache hit simply starts a
+request with some tokens already computed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .block_manager import ROOT_HASH, BlockManager, page_hashes
+from .requests import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int  # query tokens this step, starting at request.num_computed_tokens
+
+    @property
+    def samples(self) -> bool:
+        """The chunk reaches the end of the request's tokens, so its last logits are sampled."""
+        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    def __bool__(self) -> bool:
+        return bool(self.scheduled)
+
+
+class Scheduler:
+    """Decides, each step, which requests run and how many of their tokens.
+
+    Args:
+        block_manager: the page pool.
+        max_batch_tokens: query-token budget per step.
+        max_requests_per_batch: cap on scheduled requests per step (None: no cap).
+        policy: "fifo" (running requests first, then new ones) or "prefill_first" (requests still
+            computing their prompt first, then decodes).
+        safety_margin: share of the pool kept free for running requests; new requests wait while
+            admitting them would leave less free (ignored when nothing runs, so nothing starves).
+        on_preempt: called with a request whose pages are about to be released (CPU offload hook);
+            returns True if it saved the request's KV elsewhere, so the request keeps its progress.
+    """
+
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_tokens: int,
+        max_requests_per_batch: int | None = None,
+        policy: str = "fifo",
+        safety_margin: float = 0.0,
+        on_preempt: Callable[[Request], bool] | None = None,
+    ) -> None:
+        if policy not in _POLICIES:
+            raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
+        self.bm = block_manager
+        self.page_size = block_manager.page_size
+        self.max_batch_tokens = max_batch_tokens
+        self.max_requests = max_requests_per_batch or 1 << 30
+        self.policy = policy
+        self.safety_blocks = safety_margin * block_manager.num_blocks
+        self.on_preempt = on_preempt
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # NOTE: hashes of prompt pages a running request is computing right now; a new request that
+        # needs one of them waits a step and then reads it from the cache (a GRPO group's prompt is
+        # prefilled once, not once per sample).
+        self.inflight: dict[int, Request] = {}
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens = 0
+
+    # ----------------------------------------------------------------- queue
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.PENDING
+        self.waiting.append(request)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of the queues and release its pages (finish, cancel or failure)."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def _release(self, request: Request) -> None:
+        self._drop_inflight(request)
+        if request.block_ids:
+            self.bm.free(request.block_ids)
+            request.block_ids = []
+        request.num_registered_pages = 0
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_batch_tokens
+        scheduled: set[int] = set()
+        for phase in _POLICIES[self.policy]:
+            budget = phase(self, out, budget, scheduled)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_requests:
+            req = self.running[i]
+            if id(req) in done or (prefill is not None and (req.status == RequestStatus.PREFILLING) != prefill):
+                i += 1
+                continue
+            n = min(req.remaining, budget)
+            if not self._grow(req, req.num_computed_tokens + n, out, done):
+                # `req` itself was preempted: the running list shrank at or before i
+                continue
+            out.scheduled.append(ScheduledRequest(req, n))
+            done.add(id(req))
+            budget -= n
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, done: set[int]) -> int:
+        deferred: list[Request] = []
+        while self.waiting and budget > 0 and len(out.scheduled) < self.max_requests:
+            req = self.waiting[0]
+            hashes = self._prefix_hashes(req)
+            hit = self.bm.peek_prefix(hashes)
+            if hit < len(hashes) and hashes[hit] in self.inflight and req.num_computed_tokens == 0:
+                deferred.append(self.waiting.popleft())  # its next page is being computed: wait
+                continue
+            computed = req.num_computed_tokens if req.block_ids else hit * self.page_size
+            n = min(req.num_tokens - computed, budget)
+            new_blocks = self.bm.blocks_needed(computed + n) - max(len(req.block_ids), hit)
+            free_after = self.bm.num_free_blocks - new_blocks
+            if free_after < 0 or (self.running and free_after < self.safety_blocks):
+                break  # head-of-line: keep fifo order, wait for pages
+            self.waiting.popleft()
+            if not req.block_ids:
+                req.block_ids = self.bm.match_prefix(hashes)
+                req.num_computed_tokens = len(req.block_ids) * self.page_size
+                req.num_cached_tokens = req.num_computed_tokens
+                self.num_cached_prompt_tokens += min(req.num_computed_tokens, req.num_prompt_tokens)
+            req.block_ids += self.bm.allocate(new_blocks)
+            req.status = RequestStatus.PREFILLING
+            self.running.append(req)
+            self._mark_inflight(req, hashes)
+            out.scheduled.append(ScheduledRequest(req, n))
+            done.add(id(req))
+            budget -= n
+        self.waiting.extendleft(reversed(deferred))
+        return budget
+
+    def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput, done: set[int]) -> bool:
+        """Make `req` hold pages for `num_tokens`, preempting the newest running requests if needed.
+
+        Returns False if `req` itself had to be preempted."""
+        need = self.bm.blocks_needed(num_tokens) - len(req.block_ids)
+        while need > self.bm.num_free_blocks:
+            # NOTE: the newest running request not yet scheduled this step, else `req` itself.
+            victim = next((r for r in reversed(self.running) if id(r) not in done), req)
+            self.preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        if need > 0:
+            req.block_ids += self.bm.allocate(need)
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Release `req`'s pages and put it at the front of the queue (recompute unless offloaded)."""
+        self.running.remove(req)
+        self.num_preemptions += 1
+        req.num_preemptions += 1
+        saved = self.on_preempt(req) if self.on_preempt is not None else False
+        self._release(req)
+        if not saved:
+            req.num_computed_tokens = 0
+        req.status = RequestStatus.PENDING
+        self.waiting.appendleft(req)
+
+    # --------------------------------------------------------------- update
+    def after_step(self, out: SchedulerOutput) -> None:
+        """Advance `num_computed_tokens` of everything that ran and cache newly full pages."""
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            if req.num_computed_tokens == req.num_tokens:
+                req.status = RequestStatus.DECODING
+            self._cache_full_pages(req)
+
+    def _cache_full_pages(self, req: Request) -> None:
+        if not self.bm.enable_prefix_caching:
+            return
+        full = req.num_computed_tokens // self.page_size
+        hashes = self._hashes(req, full)
+        for p in range(req.num_registered_pages, full):
+            self.bm.cache_page(req.block_ids[p], hashes[p])
+            if self.inflight.get(hashes[p]) is req:
+                del self.inflight[hashes[p]]
+        req.num_registered_pages = full
+
+    def _prefix_hashes(self, req: Request) -> list[int]:
+        """Hashes of the full pages a new request could read from the cache (never its last token)."""
+        if not self.bm.enable_prefix_caching:
+            return []
+        return self._hashes(req, (req.num_tokens - 1) // self.page_size)
+
+    def _hashes(self, req: Request, num_pages: int) -> list[int]:
+        """The request's first `num_pages` page hashes, extending its memo as tokens become known."""
+        known = len(req.page_hashes)
+        if num_pages > known:
+            parent = req.page_hashes[-1] if known else ROOT_HASH
+            req.page_hashes += page_hashes(req.token_ids, self.page_size, num_pages - known, known, parent)
+        return req.page_hashes[:num_pages]
+
+    def _mark_inflight(self, req: Request, hashes: list[int]) -> None:
+        for h in hashes[req.num_computed_tokens // self.page_size :]:
+            self.inflight.setdefault(h, req)
+
+    def _drop_inflight(self, req: Request) -> None:
+        for h in [h for h, r in self.inflight.items() if r is req]:
+            del self.inflight[h]
+
+
+def _fifo(s: Scheduler, out: SchedulerOutput, budget: int, done: set[int]) -> int:
+    budget = s._schedule_running(out, budget, done, prefill=None)
+    return s._schedule_waiting(out, budget, done)
+
+
+def _prefill_first(s: Scheduler, out: SchedulerOutput, budget: int, done: set[int]) -> int:
+    budget = s._schedule_running(out, budget, done, prefill=True)
+    budget = s._schedule_waiting(out, budget, done)
+    return s._schedule_running(out, budget, done, prefill=False)
+
+
+_POLICIES: dict[str, list[Callable[[Scheduler, SchedulerOutput, int, set[int]], int]]] = {
+    "fifo": [_fifo],
+    "prefill_first": [_prefill_first],
+}
