@@ -39,7 +39,7 @@ class AttentionMetadata:
     cache: object  # PagedKVCache
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     dec_rows: torch.Tensor | None = None  # [Bd] packed rows of single-token queries
-    dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding points at slot 0)
+    dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding repeats the request's first slot)
     dec_kv_len: torch.Tensor | None = None  # [Bd]
     dec_positions: torch.Tensor | None = None  # [Bd] position of each query token
     segments: list[Segment] = field(default_factory=list)

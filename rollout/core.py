@@ -39,12 +39,11 @@ def has_sliding_layers(model: torch.nn.Module) -> bool:
     return getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
 
 
-def default_eos_ids(model: torch.nn.Module, gc: GenerationConfig | None) -> frozenset[int]:
-    for source in (gc, getattr(model, "generation_config", None), text_config(model)):
-        eos = getattr(source, "eos_token_id", None) if source is not None else None
-        if eos is not None:
-            return frozenset([eos] if isinstance(eos, int) else eos)
-    return frozenset()
+def eos_ids_of(gc: GenerationConfig) -> frozenset[int]:
+    eos = gc.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 class EngineCore:
@@ -103,9 +102,11 @@ class EngineCore:
     # ------------------------------------------------------------ requests
     def set_generation_config(self, gc: GenerationConfig | None) -> None:
         """Defaults for new requests (a later call's config is honoured, never frozen at the first)."""
+        # NOTE: an explicit config is taken as is (eos_token_id=None means no EOS); without one, the
+        # model's own generation config supplies the defaults.
         gc = gc or getattr(self.model, "generation_config", None) or GenerationConfig()
         self.generation_config = gc
-        self.eos_ids = default_eos_ids(self.model, gc)
+        self.eos_ids = eos_ids_of(gc)
         if gc.do_sample:
             self.default_sampling = SamplingParams(
                 temperature=1.0 if gc.temperature is None else float(gc.temperature),

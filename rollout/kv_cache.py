@@ -94,10 +94,11 @@ class PagedKVCache:
     def layer(self, layer_idx: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.keys.get(layer_idx)
         if k is None:
-            # NOTE: zeros, not empty: padded gathers read unused slots, and 0 * NaN garbage would be NaN.
+            # NOTE: empty, not zeros: attention only ever reads slots it has written (padding of a
+            # gather repeats a slot of the same request), so memory is touched only as pages are used.
             shape = (self.num_slots, num_kv_heads, head_dim)
-            k = self.keys[layer_idx] = torch.zeros(shape, device=self.device, dtype=self.dtype)
-            self.values[layer_idx] = torch.zeros(shape, device=self.device, dtype=self.dtype)
+            k = self.keys[layer_idx] = torch.empty(shape, device=self.device, dtype=self.dtype)
+            self.values[layer_idx] = torch.empty(shape, device=self.device, dtype=self.dtype)
         return k, self.values[layer_idx]
 
     @property
@@ -105,7 +106,7 @@ class PagedKVCache:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
     def release(self) -> None:
-        """Free the tensors (they come back, zeroed, at the next forward)."""
+        """Free the tensors (they are allocated again at the next forward)."""
         self.keys.clear()
         self.values.clear()
 

@@ -94,7 +94,7 @@ class ModelRunner:
         if dec_rows:
             lmax = max(len(s) for s in dec_slots)
             meta.dec_rows = torch.tensor(dec_rows, device=dev)
-            meta.dec_slots = torch.tensor([s + [0] * (lmax - len(s)) for s in dec_slots], device=dev)
+            meta.dec_slots = torch.tensor([s + s[:1] * (lmax - len(s)) for s in dec_slots], device=dev)
             meta.dec_kv_len = torch.tensor([len(s) for s in dec_slots], device=dev)
             meta.dec_positions = torch.tensor(dec_pos, device=dev)
         kwargs = dict(
