@@ -2,6 +2,15 @@
 
 from .config import ContinuousBatchingConfig
 from .generate import generate_batch
+from .manager import ContinuousBatchingManager, continuous_batching_context_manager, init_continuous_batching
 from .requests import GenerationOutput, RequestStatus
 
-__all__ = ["ContinuousBatchingConfig", "GenerationOutput", "RequestStatus", "generate_batch"]
+__all__ = [
+    "ContinuousBatchingConfig",
+    "ContinuousBatchingManager",
+    "GenerationOutput",
+    "RequestStatus",
+    "continuous_batching_context_manager",
+    "generate_batch",
+    "init_continuous_batching",
+]

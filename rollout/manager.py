@@ -1,0 +1,329 @@
+"""`ContinuousBatchingManager`: the engine loop on a background thread, and its queues.
+
+Differences from transformers' manager, on purpose:
+  - `for result in manager` ends once every request submitted so far has delivered its final result;
+  - a cancelled request delivers one final CANCELLED result;
+  - one bad or oversized request fails alone, and an exception inside a step fails only that step;
+  - the thread is a daemon and an idle manager sleeps on a condition variable (no polling);
+  - `persistent_manager=True` honours a later call's generation config.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from .config import ContinuousBatchingConfig
+from .core import EngineCore
+from .requests import GenerationOutput, Request, RequestStatus
+
+logger = logging.getLogger("rollout")
+
+HARD_STOP_ERROR = "manager stopped with hard_stop=True before the request finished"
+
+
+class ContinuousBatchingManager:
+    """Runs an `EngineCore` on a background thread; safe to call from any thread.
+
+    Args:
+        model: a Hugging Face causal LM (shared, never copied; its own attention is left untouched).
+        generation_config: defaults for requests (max_new_tokens, eos, sampling).
+        continuous_batching_config: engine configuration.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config: GenerationConfig | None = None,
+        continuous_batching_config: ContinuousBatchingConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.config = continuous_batching_config or ContinuousBatchingConfig()
+        self.core: EngineCore | None = EngineCore(model, generation_config, self.config)
+        self._cv = threading.Condition()
+        self.step_lock = threading.RLock()  # held by the loop during a step; others may pause it
+        self._inbox: deque[tuple[str, object]] = deque()
+        self._results: deque[GenerationOutput] = deque()
+        self._streams: dict[str, deque[GenerationOutput]] = {}
+        self._live: set[str] = set()  # submitted, final result not yet delivered to a consumer
+        self._thread: threading.Thread | None = None
+        self._accepting = False
+        self._stop_mode: str | None = None  # None, "drain" or "hard"
+        self._destroyed = False
+        _LIVE_MANAGERS.add(self)
+
+    # -------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        """Start (or restart) the background loop."""
+        if self._destroyed:
+            raise RuntimeError("this manager was destroyed; create a new one")
+        if self.is_running():
+            return
+        self._stop_mode = None
+        self._accepting = True
+        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        self._thread.start()
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self, hard_stop: bool = False, block: bool = True, timeout: float | None = None) -> None:
+        """Refuse new work, then drain queued and active requests (or fail them at once if `hard_stop`)."""
+        with self._cv:
+            self._accepting = False
+            if self._stop_mode != "hard":
+                self._stop_mode = "hard" if hard_stop else "drain"
+            self._cv.notify_all()
+        if block and self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def destroy(self) -> None:
+        """Stop at once and free the KV cache for good."""
+        self.stop(hard_stop=True)
+        with self.step_lock:
+            if self.core is not None:
+                self.core.cache.release()
+                self.core = None
+        self._destroyed = True
+        _LIVE_MANAGERS.discard(self)
+
+    def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
+        with self.step_lock:
+            self._core().set_generation_config(generation_config)
+
+    # ------------------------------------------------------------- submission
+    def add_request(
+        self,
+        input_ids: Sequence[int],
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+    ) -> str | None:
+        """Queue one request; returns its id, or None (with a warning) if the manager is not running.
+
+        Raises ValueError naming the field for bad input; nothing is queued then."""
+        with self._cv:
+            if not self._accepting or self._destroyed:
+                logger.warning("add_request refused: the manager is stopped (call start() first)")
+                return None
+            if request_id is not None and request_id in self._live:
+                raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+            req = self._core().make_request(
+                input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids
+            )
+            self._live.add(req.request_id)
+            if streaming:
+                self._streams[req.request_id] = deque()
+            self._inbox.append(("add", req))
+            self._cv.notify_all()
+            return req.request_id
+
+    def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
+        """Queue several requests (same kwargs); returns their ids in input order.
+
+        With prefix sharing on, the batch is submitted sorted by its tokens, so prompts with a common
+        prefix run back to back and the later ones read the shared pages from the cache."""
+        ids = [f"req_{time.monotonic_ns()}_{i}" for i in range(len(inputs))]
+        order = range(len(inputs))
+        if self.config.allow_block_sharing:
+            order = sorted(order, key=lambda i: list(inputs[i]))
+        for i in order:
+            if self.add_request(inputs[i], request_id=ids[i], **kwargs) is None:
+                return [rid for rid in ids if rid in self._live]
+        return ids
+
+    def cancel_request(self, request_id: str) -> bool:
+        """Cancel a live request; it delivers one final CANCELLED result. False if it is not live."""
+        with self._cv:
+            if request_id not in self._live or not self.is_running():
+                return False
+            self._inbox.append(("cancel", request_id))
+            self._cv.notify_all()
+            return True
+
+    # ---------------------------------------------------------------- results
+    def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
+        """The next final result (or the next for `request_id`); None on timeout or if none can come."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cv:
+            while True:
+                for i, out in enumerate(self._results):
+                    if request_id is None or out.request_id == request_id:
+                        del self._results[i]
+                        self._delivered(out.request_id)
+                        return out
+                if (request_id is None and not self._live) or (request_id is not None and request_id not in self._live):
+                    return None
+                if not self.is_running() and not self._inbox:
+                    return None
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    return None
+                self._cv.wait(remaining)
+
+    def __iter__(self) -> Iterator[GenerationOutput]:
+        """Each final result as it finishes; ends once every request submitted so far has delivered."""
+        while True:
+            out = self.get_result()
+            if out is None:
+                return
+            yield out
+
+    def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
+        """Partial outputs of a streaming request as they grow; the last one has a final status."""
+        with self._cv:
+            stream = self._streams.get(request_id)
+        if stream is None:
+            out = self.get_result(request_id)
+            if out is not None:
+                yield out
+            return
+        while True:
+            with self._cv:
+                while not stream and self.is_running():
+                    self._cv.wait()
+                if not stream:
+                    self._streams.pop(request_id, None)
+                    return
+                chunk = stream.popleft()
+                if chunk.status.is_final:
+                    self._streams.pop(request_id, None)
+                    self._results = deque(o for o in self._results if o.request_id != request_id)
+                    self._delivered(request_id)
+            yield chunk
+            if chunk.status.is_final:
+                return
+
+    def _delivered(self, request_id: str) -> None:
+        self._live.discard(request_id)
+        self._cv.notify_all()
+
+    def cache_stats(self) -> dict:
+        return self._core().cache_stats()
+
+    def _core(self) -> EngineCore:
+        if self.core is None:
+            raise RuntimeError("this manager was destroyed")
+        return self.core
+
+    # ------------------------------------------------------------------- loop
+    def _loop(self) -> None:
+        core = self._core()
+        while True:
+            with self._cv:
+                while not self._inbox and not core.has_work() and self._stop_mode is None:
+                    self._cv.wait()
+                commands = list(self._inbox)
+                self._inbox.clear()
+                stop_mode = self._stop_mode
+            with self.step_lock:
+                news = self._apply(core, commands)
+                if stop_mode == "hard":
+                    news += core.fail_all(HARD_STOP_ERROR)
+                elif core.has_work():
+                    try:
+                        news += core.step()
+                    except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
+                        logger.exception("engine loop error; failing all live requests")
+                        news += core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
+            self._publish(news)
+            if stop_mode is not None and not core.has_work():
+                with self._cv:
+                    if not self._inbox:
+                        self._cv.notify_all()
+                        return
+
+    def _apply(self, core: EngineCore, commands: list[tuple[str, object]]) -> list[Request]:
+        news: list[Request] = []
+        for kind, arg in commands:
+            if kind == "add":
+                try:
+                    core.add(arg)
+                except ValueError as e:  # NOTE: raced with a live id; fail this request alone
+                    arg.status, arg.finish_reason, arg.error = RequestStatus.FAILED, "error", str(e)
+                    news.append(arg)
+            elif kind == "cancel":
+                req = core.cancel(arg)
+                if req is not None:
+                    news.append(req)
+        return news
+
+    def _publish(self, news: list[Request]) -> None:
+        if not news:
+            return
+        with self._cv:
+            for req in news:
+                out = req.to_output()
+                stream = self._streams.get(req.request_id)
+                if stream is not None:
+                    stream.append(out)
+                if out.status.is_final:
+                    self._results.append(out)
+            self._cv.notify_all()
+
+
+# NOTE: daemon threads never block interpreter exit; this only lets them finish their step cleanly.
+_LIVE_MANAGERS: weakref.WeakSet[ContinuousBatchingManager] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all_at_exit() -> None:
+    for manager in list(_LIVE_MANAGERS):
+        with contextlib.suppress(Exception):
+            manager.stop(hard_stop=True, block=True, timeout=2.0)
+
+
+_PERSISTENT: weakref.WeakKeyDictionary[torch.nn.Module, ContinuousBatchingManager] = weakref.WeakKeyDictionary()
+
+
+def init_continuous_batching(
+    model: torch.nn.Module,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+) -> ContinuousBatchingManager:
+    """A new manager for `model` (not started: call `start()`)."""
+    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+
+
+@contextlib.contextmanager
+def continuous_batching_context_manager(
+    model: torch.nn.Module,
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config: ContinuousBatchingConfig | None = None,
+    persistent_manager: bool = False,
+) -> Iterator[ContinuousBatchingManager]:
+    """Start a manager, yield it, then drain and stop it on exit (and destroy it unless persistent).
+
+    With `persistent_manager=True` the manager and its cache are kept for the next `with` on the same
+    model; that call's `generation_config` replaces the previous one."""
+    manager = _PERSISTENT.get(model) if persistent_manager else None
+    if manager is not None and (manager._destroyed or (continuous_batching_config is not None
+                                                       and continuous_batching_config != manager.config)):
+        manager = None
+    if manager is None:
+        manager = init_continuous_batching(model, generation_config, continuous_batching_config)
+        if persistent_manager:
+            _PERSISTENT[model] = manager
+    elif generation_config is not None:
+        manager.set_generation_config(generation_config)
+    manager.start()
+    try:
+        yield manager
+    finally:
+        manager.stop(hard_stop=False, block=True)
+        if not persistent_manager:
+            manager.destroy()
