@@ -81,7 +81,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
-            config.scheduler_type, config.safety_margin,
+            config.scheduler_type, config.safety_margin, fork_prompts=not self.sliding,
         )
         self.runner = ModelRunner(self.view, self.cache)
         self.sampler = Sampler(self.device)

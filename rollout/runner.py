@@ -109,6 +109,10 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
         """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`)."""
+        for src, dst, n in out.copies:
+            ps = self.page_size
+            idx = torch.arange(n, device=self.device)
+            self.cache.copy_slots(src * ps + idx, dst * ps + idx)
         kwargs, sampled = self.prepare(out)
         if not sampled:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])

@@ -31,6 +31,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # NOTE: (src_block, dst_block, num_tokens) page copies the runner applies before the forward
+    # (copy-on-write of the partial last prompt page when a request forks a group leader).
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -53,6 +56,7 @@ class Scheduler:
             admitting them would leave less free (ignored when nothing runs, so nothing starves).
         on_preempt: called with a request whose pages are about to be released (CPU offload hook);
             returns True if it saved the request's KV elsewhere, so the request keeps its progress.
+        fork_prompts: a request whose prompt equals a running request's forks that request's KV.
     """
 
     def __init__(
@@ -63,6 +67,7 @@ class Scheduler:
         policy: str = "fifo",
         safety_margin: float = 0.0,
         on_preempt: Callable[[Request], bool] | None = None,
+        fork_prompts: bool = True,
     ) -> None:
         if policy not in _POLICIES:
             raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
@@ -73,12 +78,16 @@ class Scheduler:
         self.policy = policy
         self.safety_blocks = safety_margin * block_manager.num_blocks
         self.on_preempt = on_preempt
+        self.fork_enabled = fork_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # NOTE: hashes of prompt pages a running request is computing right now; a new request that
         # needs one of them waits a step and then reads it from the cache (a GRPO group's prompt is
         # prefilled once, not once per sample).
         self.inflight: dict[int, Request] = {}
+        # NOTE: requests with an identical prompt fork the first one's KV ("leader") instead of
+        # recomputing it: a GRPO group's prompt is prefilled once, whatever the page size.
+        self.leaders: dict[tuple[int, ...], Request] = {}
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
 
@@ -100,6 +109,8 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         self._drop_inflight(request)
+        if self.leaders.get(key := tuple(request.prompt_ids)) is request:
+            del self.leaders[key]
         if request.block_ids:
             self.bm.free(request.block_ids)
             request.block_ids = []
@@ -135,6 +146,16 @@ class Scheduler:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(out.scheduled) < self.max_requests:
             req = self.waiting[0]
+            fork = self._fork_source(req)
+            if fork == "wait":
+                deferred.append(self.waiting.popleft())  # its leader is still computing the prompt
+                continue
+            if fork is not None:
+                if not self._admit_fork(req, fork, out, budget):
+                    break
+                done.add(id(req))
+                budget -= out.scheduled[-1].num_new_tokens
+                continue
             hashes = self._prefix_hashes(req)
             hit = self.bm.peek_prefix(hashes)
             if hit < len(hashes) and hashes[hit] in self.inflight and req.num_computed_tokens == 0:
@@ -156,11 +177,45 @@ class Scheduler:
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
             self._mark_inflight(req, hashes)
+            if self.fork_enabled and req.num_preemptions == 0 and req.num_prompt_tokens > 1:
+                self.leaders.setdefault(tuple(req.prompt_ids), req)
             out.scheduled.append(ScheduledRequest(req, n))
             done.add(id(req))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _fork_source(self, req: Request) -> Request | str | None:
+        """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
+        if not self.fork_enabled or req.num_computed_tokens or req.block_ids or req.num_prompt_tokens < 2:
+            return None
+        leader = self.leaders.get(tuple(req.prompt_ids))
+        if leader is None or leader is req or leader not in self.running:
+            return None
+        if leader.num_computed_tokens < req.num_prompt_tokens - 1:
+            return "wait"
+        return leader
+
+    def _admit_fork(self, req: Request, leader: Request, out: SchedulerOutput, budget: int) -> bool:
+        """Share the leader's full prompt pages, copy its partial one, compute only the last token."""
+        shared = req.num_prompt_tokens - 1
+        full, rest = divmod(shared, self.page_size)
+        n = min(req.num_tokens - shared, budget)
+        new_blocks = self.bm.blocks_needed(shared + n) - full
+        free_after = self.bm.num_free_blocks - new_blocks
+        if free_after < 0 or free_after < self.safety_blocks:
+            return False
+        self.waiting.popleft()
+        self.bm.fork(leader.block_ids[:full])
+        req.block_ids = leader.block_ids[:full] + self.bm.allocate(new_blocks)
+        if rest:
+            out.copies.append((leader.block_ids[full], req.block_ids[full], rest))
+        req.num_computed_tokens = req.num_cached_tokens = shared
+        self.num_cached_prompt_tokens += shared
+        req.status = RequestStatus.PREFILLING
+        self.running.append(req)
+        out.scheduled.append(ScheduledRequest(req, n))
+        return True
 
     def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput, done: set[int]) -> bool:
         """Make `req` hold pages for `num_tokens`, preempting the newest running requests if needed.
