@@ -1,6 +1,7 @@
 """rollout: a continuous-batching RL rollout engine for Hugging Face causal LMs."""
 
 from .config import ContinuousBatchingConfig
+from .engine import RolloutBatch, RolloutEngine
 from .generate import generate_batch
 from .manager import ContinuousBatchingManager, continuous_batching_context_manager, init_continuous_batching
 from .requests import GenerationOutput, RequestStatus
@@ -10,6 +11,8 @@ __all__ = [
     "ContinuousBatchingManager",
     "GenerationOutput",
     "RequestStatus",
+    "RolloutBatch",
+    "RolloutEngine",
     "continuous_batching_context_manager",
     "generate_batch",
     "init_continuous_batching",

@@ -271,6 +271,16 @@ class EngineCore:
     def reset_prefix_cache(self) -> int:
         return self.block_manager.reset_prefix_cache()
 
+    def release_memory(self) -> int:
+        """Free the KV tensors while idle (their contents, and so the prefix cache, are lost)."""
+        if self.has_work():
+            raise RuntimeError("release_memory needs an idle engine")
+        self.reset_prefix_cache()
+        return self.cache.release()
+
+    def restore_memory(self) -> int:
+        return self.cache.reallocate()
+
     def cache_stats(self) -> dict:
         bm = self.block_manager
         return {

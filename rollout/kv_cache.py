@@ -87,6 +87,7 @@ class PagedKVCache:
         self.keys: dict[int, torch.Tensor] = {}  # layer -> [num_slots, Hkv, D]
         self.values: dict[int, torch.Tensor] = {}
         self._layer_ids: dict[int, int] = {}  # id(module) -> layer, for modules without `layer_idx`
+        self._specs: dict[int, tuple[int, int]] = {}  # layer -> (num_kv_heads, head_dim), kept across release
 
     def layer_index(self, module: torch.nn.Module) -> int:
         return self._layer_ids.setdefault(id(module), len(self._layer_ids))
@@ -94,6 +95,7 @@ class PagedKVCache:
     def layer(self, layer_idx: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         k = self.keys.get(layer_idx)
         if k is None:
+            self._specs[layer_idx] = (num_kv_heads, head_dim)
             # NOTE: empty, not zeros: attention only ever reads slots it has written (padding of a
             # gather repeats a slot of the same request), so memory is touched only as pages are used.
             shape = (self.num_slots, num_kv_heads, head_dim)
@@ -105,10 +107,18 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
-    def release(self) -> None:
-        """Free the tensors (they are allocated again at the next forward)."""
+    def release(self) -> int:
+        """Free the tensors (they are allocated again at the next forward); returns the bytes freed."""
+        freed = self.nbytes
         self.keys.clear()
         self.values.clear()
+        return freed
+
+    def reallocate(self) -> int:
+        """Allocate every layer seen before (after `release`); returns the cache's bytes."""
+        for layer, (heads, dim) in self._specs.items():
+            self.layer(layer, heads, dim)
+        return self.nbytes
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy KV of slots `src` [n] into slots `dst` [n] in every layer (copy-on-write of a page)."""
