@@ -107,6 +107,10 @@ class BlockManager:
             n += 1
         return n
 
+    def num_unreferenced(self, hashes: Sequence[int]) -> int:
+        """How many cached pages of `hashes` nobody holds: a hit on them takes them off the free queue."""
+        return sum(1 for h in hashes if self.ref_counts[self.cached[h]] == 0)
+
     def cache_page(self, block: int, page_hash: int) -> None:
         """Register a full, computed page under its hash (first writer wins)."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
@@ -139,3 +143,88 @@ class BlockManager:
                 assert self.cached.get(h) == b, f"block {b} hash not in cache map"
         for h, b in self.cached.items():
             assert self.block_hash[b] == h
+
+
+# ------------------------------------------------------------------ layer groups
+# NOTE: a model's layers fall into groups by attention window (full attention, or one sliding
+# window). Each group keeps its own block table per request over the one shared pool; all tables of
+# a request have the same logical length (one entry per `page_size` tokens), and an entry of a
+# sliding table whose page the window can no longer see is recycled and set to FREED.
+FREED = -1
+
+
+class FullAttentionAllocator:
+    """Block tables of full-attention layers: every page of the sequence is kept.
+
+    Args:
+        pool: the shared page pool.
+    """
+
+    window: int | None = None
+
+    def __init__(self, pool: BlockManager) -> None:
+        self.pool = pool
+        self.page_size = pool.page_size
+
+    def first_live_page(self, num_computed: int) -> int:
+        """First logical page that a query at position >= `num_computed` can still read."""
+        return 0
+
+    def max_pages(self, num_tokens: int) -> int:
+        """Most pages a table of a `num_tokens`-token request holds at once (with 1-token steps)."""
+        return self.pool.blocks_needed(num_tokens)
+
+    def grow(self, table: list[int], num_tokens: int) -> None:
+        """Extend `table` in place with fresh pages until it covers `num_tokens` tokens."""
+        need = self.pool.blocks_needed(num_tokens) - len(table)
+        if need > 0:
+            table += self.pool.allocate(need)
+
+    def recycle(self, table: list[int], num_computed: int) -> list[int]:
+        """Release the pages no future query can see; returns their ids (none for full attention)."""
+        return []
+
+
+class SlidingWindowAllocator(FullAttentionAllocator):
+    """Block tables of sliding-window layers: only the pages the window can still see are held.
+
+    A query at position i reads keys j with i - window < j <= i (Hugging Face's convention), so once
+    `num_computed` tokens exist, page p is dead when its last token (p+1)*page_size - 1 is
+    <= num_computed - window.
+
+    Args:
+        pool: the shared page pool.
+        window: the layers' `sliding_window`.
+    """
+
+    def __init__(self, pool: BlockManager, window: int) -> None:
+        super().__init__(pool)
+        if window < 1:
+            raise ValueError(f"sliding window must be >= 1, got {window}")
+        self.window = window
+
+    def first_live_page(self, num_computed: int) -> int:
+        return max(0, num_computed - self.window + 1) // self.page_size
+
+    def max_pages(self, num_tokens: int) -> int:
+        # NOTE: one query plus its window - 1 past keys span at most ceil((window-1)/ps) + 1 pages.
+        return min(self.pool.blocks_needed(num_tokens), -(-(self.window - 1) // self.page_size) + 1)
+
+    def recycle(self, table: list[int], num_computed: int) -> list[int]:
+        # NOTE: dead pages are a prefix of the table and already-recycled ones a prefix of that, so
+        # walking back from the first live page stops at the first FREED entry: O(pages recycled).
+        dead: list[int] = []
+        p = min(self.first_live_page(num_computed), len(table)) - 1
+        while p >= 0 and table[p] != FREED:
+            dead.append(table[p])
+            table[p] = FREED
+            p -= 1
+        dead.reverse()
+        if dead:
+            self.pool.free(dead)
+        return dead
+
+
+def make_allocators(pool: BlockManager, windows: Sequence[int | None]) -> list[FullAttentionAllocator]:
+    """One allocator per layer group, in the order of `windows` (None = full attention)."""
+    return [FullAttentionAllocator(pool) if w is None else SlidingWindowAllocator(pool, w) for w in windows]

@@ -4,15 +4,23 @@ There is no prefill phase and no decode phase: each request has `num_computed_to
 with `num_tokens`. Every step hands out at most `max_batch_tokens` query tokens: a decode needs one,
 a prompt takes what is left of the budget (chunked prefill), and a prefix-cache hit simply starts a
 request with some tokens already computed.
+
+Memory pressure: layers are grouped by attention window (full attention, or one sliding window), and
+each group keeps its own block table per request over the one shared pool
+(`block_manager.FullAttentionAllocator` / `SlidingWindowAllocator`); sliding tables recycle the pages
+their window no longer sees after every step. When the pool runs dry the newest running request is
+preempted: its live pages are parked in the CPU offload buffer if there is one and it has room (the
+request later resumes where it was), else dropped and recomputed from its tokens.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from .block_manager import ROOT_HASH, BlockManager, page_hashes
+from .block_manager import FREED, ROOT_HASH, BlockManager, make_allocators, page_hashes
 from .requests import Request, RequestStatus
 
 
@@ -20,6 +28,13 @@ from .requests import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # query tokens this step, starting at request.num_computed_tokens
+    # NOTE: one block table per layer group (FREED where a sliding window recycled the page);
+    # None means the request's own `block_ids` is the only table.
+    block_tables: list[list[int]] | None = None
+
+    @property
+    def tables(self) -> list[list[int]]:
+        return self.block_tables if self.block_tables is not None else [self.request.block_ids]
 
     @property
     def samples(self) -> bool:
@@ -43,6 +58,22 @@ class SchedulerOutput:
         return bool(self.scheduled)
 
 
+class Offloader(Protocol):
+    """Somewhere to park the KV pages of a preempted request (`rollout.offload.CpuOffloadBuffer`)."""
+
+    def save(self, pages: list[int]) -> list[int] | None:
+        """Copy `pages` out; returns the slots holding them, or None (nothing kept) when full."""
+        ...
+
+    def restore(self, slots: list[int], pages: list[int]) -> None:
+        """Copy `slots` back into `pages` (same order) and free the slots."""
+        ...
+
+    def discard(self, slots: list[int]) -> None:
+        """Free `slots` without copying them back."""
+        ...
+
+
 class Scheduler:
     """Decides, each step, which requests run and how many of their tokens.
 
@@ -54,9 +85,11 @@ class Scheduler:
             computing their prompt first, then decodes).
         safety_margin: share of the pool kept free for running requests; new requests wait while
             admitting them would leave less free (ignored when nothing runs, so nothing starves).
-        on_preempt: called with a request whose pages are about to be released (CPU offload hook);
-            returns True if it saved the request's KV elsewhere, so the request keeps its progress.
-        fork_prompts: a request whose prompt equals a running request's forks that request's KV.
+        fork_prompts: a request whose prompt equals a running request's forks that request's KV
+            (single full-attention group only).
+        windows: attention window of each layer group (None = full attention); group 0's table is
+            `request.block_ids`, the others are kept here.
+        offloader: where preempted requests park their pages (None: preemption recomputes).
     """
 
     def __init__(
@@ -66,8 +99,9 @@ class Scheduler:
         max_requests_per_batch: int | None = None,
         policy: str = "fifo",
         safety_margin: float = 0.0,
-        on_preempt: Callable[[Request], bool] | None = None,
         fork_prompts: bool = True,
+        windows: Sequence[int | None] = (None,),
+        offloader: Offloader | None = None,
     ) -> None:
         if policy not in _POLICIES:
             raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
@@ -77,7 +111,11 @@ class Scheduler:
         self.max_requests = max_requests_per_batch or 1 << 30
         self.policy = policy
         self.safety_blocks = safety_margin * block_manager.num_blocks
-        self.on_preempt = on_preempt
+        self.allocators = make_allocators(block_manager, windows)
+        self.sliding = any(a.window is not None for a in self.allocators)
+        self.offloader = offloader
+        # NOTE: block tables of groups 1.. per live request (group 0's is `request.block_ids`).
+        self._more_tables: dict[Request, list[list[int]]] = {}
         self.fork_enabled = fork_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -90,6 +128,24 @@ class Scheduler:
         self.leaders: dict[tuple[int, ...], Request] = {}
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
+        self.num_offloaded_blocks = 0  # pages copied out to the offload buffer
+        self.num_restored_blocks = 0  # pages copied back
+        self.num_offload_fallbacks = 0  # preemptions that recomputed because the buffer was full
+        self.num_recycled_blocks = 0  # pages released by sliding windows
+        self.peak_used_blocks = 0  # most pages held by requests at once
+
+    def tables(self, req: Request) -> list[list[int]]:
+        """The request's block table of every layer group (lists owned by the scheduler: read only)."""
+        if len(self.allocators) == 1:
+            return [req.block_ids]
+        more = self._more_tables.get(req)
+        if more is None:
+            more = self._more_tables[req] = [[] for _ in self.allocators[1:]]
+        return [req.block_ids, *more]
+
+    def max_pages(self, num_tokens: int) -> int:
+        """Most pages one request of `num_tokens` tokens ever needs at once (1-token steps)."""
+        return sum(a.max_pages(num_tokens) for a in self.allocators)
 
     # ----------------------------------------------------------------- queue
     def add(self, request: Request) -> None:
@@ -111,10 +167,16 @@ class Scheduler:
         self._drop_inflight(request)
         if self.leaders.get(key := tuple(request.prompt_ids)) is request:
             del self.leaders[key]
-        if request.block_ids:
-            self.bm.free(request.block_ids)
-            request.block_ids = []
+        for table in self.tables(request):
+            live = [b for b in table if b != FREED]
+            if live:
+                self.bm.free(live)
+        request.block_ids = []
+        self._more_tables.pop(request, None)
         request.num_registered_pages = 0
+        if request.offloaded:
+            self.offloader.discard(request.offloaded)
+            request.offloaded = []
 
     # -------------------------------------------------------------- schedule
     def schedule(self) -> SchedulerOutput:
@@ -123,6 +185,7 @@ class Scheduler:
         scheduled: set[int] = set()
         for phase in _POLICIES[self.policy]:
             budget = phase(self, out, budget, scheduled)
+        self.peak_used_blocks = max(self.peak_used_blocks, self.bm.num_blocks - self.bm.num_free_blocks)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
@@ -132,20 +195,24 @@ class Scheduler:
             if id(req) in done or (prefill is not None and (req.status == RequestStatus.PREFILLING) != prefill):
                 i += 1
                 continue
-            n = min(req.remaining, budget)
+            n = self._fit(req.num_computed_tokens, min(req.remaining, budget))
             if not self._grow(req, req.num_computed_tokens + n, out, done):
                 # `req` itself was preempted: the running list shrank at or before i
                 continue
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req)))
             done.add(id(req))
             budget -= n
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, done: set[int]) -> int:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, budget: int, done: set[int], readmit_preempted: bool = True
+    ) -> int:
         deferred: list[Request] = []
         while self.waiting and budget > 0 and len(out.scheduled) < self.max_requests:
             req = self.waiting[0]
+            if not readmit_preempted and req in out.preempted:
+                break  # NOTE: let the decodes it made room for run first, or it can starve them forever
             fork = self._fork_source(req)
             if fork == "wait":
                 deferred.append(self.waiting.popleft())  # its leader is still computing the prompt
@@ -156,30 +223,37 @@ class Scheduler:
                 done.add(id(req))
                 budget -= out.scheduled[-1].num_new_tokens
                 continue
-            hashes = self._prefix_hashes(req)
+            restoring = bool(req.offloaded)  # preempted with its KV parked in the offload buffer
+            hashes = [] if restoring else self._prefix_hashes(req)
             hit = self.bm.peek_prefix(hashes)
-            if hit < len(hashes) and hashes[hit] in self.inflight and req.num_computed_tokens == 0:
+            if hit < len(hashes) and hashes[hit] in self.inflight:
                 deferred.append(self.waiting.popleft())  # its next page is being computed: wait
                 continue
-            computed = req.num_computed_tokens if req.block_ids else hit * self.page_size
-            n = min(req.num_tokens - computed, budget)
-            new_blocks = self.bm.blocks_needed(computed + n) - max(len(req.block_ids), hit)
-            free_after = self.bm.num_free_blocks - new_blocks
+            computed = req.num_computed_tokens if restoring else hit * self.page_size
+            n = self._fit(computed, min(req.num_tokens - computed, budget))
+            pages = self.bm.blocks_needed(computed + n)
+            # NOTE: every group's live pages (restored ones included), less the prefix hits already
+            # held by others; a hit on an unreferenced cached page takes it off the free queue too.
+            take = sum(pages - a.first_live_page(computed) for a in self.allocators) - hit
+            free_after = self.bm.num_free_blocks - take - self.bm.num_unreferenced(hashes[:hit])
             if free_after < 0 or (self.running and free_after < self.safety_blocks):
                 break  # head-of-line: keep fifo order, wait for pages
             self.waiting.popleft()
-            if not req.block_ids:
+            if restoring:
+                self._restore(req, pages)
+            else:
                 req.block_ids = self.bm.match_prefix(hashes)
                 req.num_computed_tokens = len(req.block_ids) * self.page_size
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_cached_prompt_tokens += min(req.num_computed_tokens, req.num_prompt_tokens)
-            req.block_ids += self.bm.allocate(new_blocks)
+                for alloc, table in zip(self.allocators, self.tables(req), strict=True):
+                    alloc.grow(table, computed + n)
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
             self._mark_inflight(req, hashes)
             if self.fork_enabled and req.num_preemptions == 0 and req.num_prompt_tokens > 1:
                 self.leaders.setdefault(tuple(req.prompt_ids), req)
-            out.scheduled.append(ScheduledRequest(req, n))
+            out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req)))
             done.add(id(req))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
@@ -221,7 +295,8 @@ class Scheduler:
         """Make `req` hold pages for `num_tokens`, preempting the newest running requests if needed.
 
         Returns False if `req` itself had to be preempted."""
-        need = self.bm.blocks_needed(num_tokens) - len(req.block_ids)
+        # NOTE: every group's table has the same logical length, so each grows by the same count.
+        need = len(self.allocators) * max(0, self.bm.blocks_needed(num_tokens) - len(req.block_ids))
         while need > self.bm.num_free_blocks:
             # NOTE: the newest running request not yet scheduled this step, else `req` itself.
             victim = next((r for r in reversed(self.running) if id(r) not in done), req)
@@ -229,21 +304,67 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is req:
                 return False
-        if need > 0:
-            req.block_ids += self.bm.allocate(need)
+        for alloc, table in zip(self.allocators, self.tables(req), strict=True):
+            alloc.grow(table, num_tokens)
         return True
+
+    def _fit(self, start: int, n: int) -> int:
+        """Largest chunk <= n after which the request's own pages still fit in the whole pool.
+
+        Only binds for sliding windows (a full-attention request that fits was checked at submission):
+        a long prompt chunk needs pages for all its tokens until the step has run."""
+        groups = len(self.allocators)
+        max_pages = (self.bm.num_blocks + sum(a.first_live_page(start) for a in self.allocators)) // groups
+        return max(1, min(n, max_pages * self.page_size - start))
+
+    def _out_tables(self, req: Request) -> list[list[int]] | None:
+        return self.tables(req) if len(self.allocators) > 1 else None
 
     def preempt(self, req: Request) -> None:
         """Release `req`'s pages and put it at the front of the queue (recompute unless offloaded)."""
         self.running.remove(req)
         self.num_preemptions += 1
         req.num_preemptions += 1
-        saved = self.on_preempt(req) if self.on_preempt is not None else False
+        slots = self._save(req)
         self._release(req)
-        if not saved:
+        if slots is None:
             req.num_computed_tokens = 0
+        else:
+            req.offloaded = slots
         req.status = RequestStatus.PENDING
         self.waiting.appendleft(req)
+
+    def _live_pages(self, req: Request, tables: list[list[int]]) -> list[int]:
+        """The pages holding computed KV that some future query reads, group after group."""
+        computed = req.num_computed_tokens
+        end = self.bm.blocks_needed(computed)
+        pages = [b for a, t in zip(self.allocators, tables, strict=True) for b in t[a.first_live_page(computed) : end]]
+        assert FREED not in pages, "a live page was recycled"
+        return pages
+
+    def _save(self, req: Request) -> list[int] | None:
+        """Park `req`'s live pages in the offload buffer; None when there is none, or it is full."""
+        if self.offloader is None or req.num_computed_tokens == 0:
+            return None
+        pages = self._live_pages(req, self.tables(req))
+        slots = self.offloader.save(pages)
+        if slots is None:
+            self.num_offload_fallbacks += 1
+        else:
+            self.num_offloaded_blocks += len(pages)
+        return slots
+
+    def _restore(self, req: Request, num_pages: int) -> None:
+        """Readmit an offloaded request: fresh pages for every group, its saved KV copied back."""
+        tables = self.tables(req)
+        for alloc, table in zip(self.allocators, tables, strict=True):
+            first = alloc.first_live_page(req.num_computed_tokens)
+            table += [FREED] * first
+            table += self.bm.allocate(num_pages - first)
+        pages = self._live_pages(req, tables)
+        self.offloader.restore(req.offloaded, pages)
+        self.num_restored_blocks += len(pages)
+        req.offloaded = []
 
     # --------------------------------------------------------------- update
     def after_step(self, out: SchedulerOutput) -> None:
@@ -254,6 +375,9 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens:
                 req.status = RequestStatus.DECODING
             self._cache_full_pages(req)
+            if self.sliding:
+                for alloc, table in zip(self.allocators, self.tables(req), strict=True):
+                    self.num_recycled_blocks += len(alloc.recycle(table, req.num_computed_tokens))
 
     def _cache_full_pages(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching:
@@ -296,7 +420,7 @@ def _fifo(s: Scheduler, out: SchedulerOutput, budget: int, done: set[int]) -> in
 
 def _prefill_first(s: Scheduler, out: SchedulerOutput, budget: int, done: set[int]) -> int:
     budget = s._schedule_running(out, budget, done, prefill=True)
-    budget = s._schedule_waiting(out, budget, done)
+    budget = s._schedule_waiting(out, budget, done, readmit_preempted=False)
     return s._schedule_running(out, budget, done, prefill=False)
 
 
