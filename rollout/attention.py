@@ -9,6 +9,10 @@ Cost grows with the sum over requests of (query tokens x that request's KV lengt
 - prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step
   when nothing is cached yet, else a gather of the request's slots).
 
+Layers are grouped by attention window (`GroupMetadata`): each group writes and reads through its
+own block tables, and a sliding-window group gathers only the keys still inside the window, so its
+cost per query is bounded by the window.
+
 No mask is ever built over the whole packed batch.
 """
 
@@ -28,8 +32,55 @@ class Segment:
 
     q_start: int  # first row in the packed batch
     q_len: int
-    kv_len: int  # tokens of KV after this step (past + new)
+    kv_start: int  # position of the first key read (> 0 once a sliding window has moved on)
+    kv_len: int  # keys read: positions kv_start .. kv_start + kv_len - 1 (the last q_len are this step's)
     kv_slots: torch.Tensor | None  # [kv_len] slots to read, None when all KV is fresh (kv_len == q_len)
+
+
+@dataclass(slots=True)
+class GroupMetadata:
+    """Where the layers of one group (full attention, or one sliding window) write and read KV.
+
+    Every request has one block table per group, so slots differ between groups; the rows of the
+    packed batch (decode rows, segments) are the same for all groups.
+    """
+
+    window: int | None  # the layers' sliding window, None for full attention
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding repeats the request's first slot)
+    dec_kv_len: torch.Tensor | None = None  # [Bd] keys each decode row reads (its window at most)
+    segments: list[Segment] = field(default_factory=list)
+    _masks: dict = field(default_factory=dict)
+
+    def decode_mask(self) -> torch.Tensor | None:
+        """[Bd, 1, 1, Lmax] True where a decode query may attend; None when nothing is padding.
+
+        The gather already starts at the first key inside each row's window."""
+        if "dec" not in self._masks:
+            lmax = self.dec_slots.shape[1]
+            mask = None
+            if bool((self.dec_kv_len < lmax).any()):
+                j = torch.arange(lmax, device=self.dec_slots.device)
+                mask = (j[None, :] < self.dec_kv_len[:, None])[:, None, None, :]
+            self._masks["dec"] = mask
+        return self._masks["dec"]
+
+    def segment_mask(self, i: int, seg: Segment) -> torch.Tensor | None:
+        """[1, 1, q_len, kv_len] causal (and windowed) mask of a segment, None when plain causal."""
+        window = self.window
+        if seg.kv_len == seg.q_len and (window is None or window >= seg.kv_len):
+            return None
+        mask = self._masks.get(i)
+        if mask is None:
+            dev = self.slot_mapping.device
+            # NOTE: positions relative to kv_start; the queries are the last q_len keys.
+            q_pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=dev)[:, None]
+            k_pos = torch.arange(seg.kv_len, device=dev)[None, :]
+            mask = k_pos <= q_pos
+            if window is not None:
+                mask &= k_pos > q_pos - window
+            mask = self._masks[i] = mask[None, None]
+        return mask
 
 
 @dataclass(slots=True)
@@ -37,42 +88,8 @@ class AttentionMetadata:
     """Per-step inputs of the paged attention (built by the runner, shared by every layer)."""
 
     cache: object  # PagedKVCache
-    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    groups: list[GroupMetadata]  # indexed by `cache.group_of(layer)`
     dec_rows: torch.Tensor | None = None  # [Bd] packed rows of single-token queries
-    dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding repeats the request's first slot)
-    dec_kv_len: torch.Tensor | None = None  # [Bd]
-    dec_positions: torch.Tensor | None = None  # [Bd] position of each query token
-    segments: list[Segment] = field(default_factory=list)
-    _masks: dict = field(default_factory=dict)
-
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        """[Bd, 1, 1, Lmax] True where a decode query may attend."""
-        key = ("dec", window)
-        mask = self._masks.get(key)
-        if mask is None:
-            lmax = self.dec_slots.shape[1]
-            j = torch.arange(lmax, device=self.dec_slots.device)
-            mask = j[None, :] < self.dec_kv_len[:, None]
-            if window is not None:
-                mask &= j[None, :] > (self.dec_positions[:, None] - window)
-            mask = self._masks[key] = mask[:, None, None, :]
-        return mask
-
-    def segment_mask(self, i: int, seg: Segment, window: int | None) -> torch.Tensor | None:
-        """[1, 1, q_len, kv_len] causal (and windowed) mask of a segment, None when plain causal."""
-        if seg.kv_len == seg.q_len and (window is None or window >= seg.kv_len):
-            return None
-        key = ("seg", i, window)
-        mask = self._masks.get(key)
-        if mask is None:
-            dev = self.slot_mapping.device
-            q_pos = torch.arange(seg.kv_len - seg.q_len, seg.kv_len, device=dev)[:, None]
-            k_pos = torch.arange(seg.kv_len, device=dev)[None, :]
-            mask = k_pos <= q_pos
-            if window is not None:
-                mask &= k_pos > q_pos - window
-            mask = self._masks[key] = mask[None, None]
-        return mask
 
 
 def _attend(
@@ -127,27 +144,33 @@ def paged_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         layer = meta.cache.layer_index(module)
+    group = meta.groups[meta.cache.group_of(layer)]
+    window = sliding_window if sliding_window else None
+    if window != group.window:
+        raise RuntimeError(
+            f"layer {layer} attends with sliding_window={window} but its config announced {group.window}; "
+            "rollout reads the windows from config.layer_types / config.sliding_window"
+        )
     k_cache, v_cache = meta.cache.layer(layer, num_kv_heads, head_dim)  # [S, Hkv, D]
     k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
     v_new = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, meta.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(0, meta.slot_mapping, v_new.to(v_cache.dtype))
+    k_cache.index_copy_(0, group.slot_mapping, k_new.to(k_cache.dtype))
+    v_cache.index_copy_(0, group.slot_mapping, v_new.to(v_cache.dtype))
 
     scale = scaling if scaling is not None else head_dim**-0.5
-    window = sliding_window if sliding_window else None
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q_rows)  # [T, H, D]
 
     if meta.dec_rows is not None:
         q = q_rows.index_select(0, meta.dec_rows)[:, :, None, :]  # [Bd, H, 1, D]
-        bd, lmax = meta.dec_slots.shape
-        flat = meta.dec_slots.reshape(-1)
+        bd, lmax = group.dec_slots.shape
+        flat = group.dec_slots.reshape(-1)
         k = k_cache.index_select(0, flat).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
         v = v_cache.index_select(0, flat).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(q, k, v, meta.decode_mask(window), scale, softcap, is_causal=False)  # [Bd, H, 1, D]
+        o = _attend(q, k, v, group.decode_mask(), scale, softcap, is_causal=False)  # [Bd, H, 1, D]
         out.index_copy_(0, meta.dec_rows, o[:, :, 0, :])
 
-    for i, seg in enumerate(meta.segments):
+    for i, seg in enumerate(group.segments):
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
         q = q_rows[rows].transpose(0, 1)[None]  # [1, H, q, D]
         if seg.kv_slots is None:
@@ -155,7 +178,7 @@ def paged_attention_forward(
         else:
             k = k_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv, D]
             v = v_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
-        mask = meta.segment_mask(i, seg, window)
+        mask = group.segment_mask(i, seg)
         o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     return out[None], None
@@ -163,7 +186,7 @@ def paged_attention_forward(
 
 def null_mask(*args, **kwargs) -> None:
     """The model builds no mask of its own: the metadata carries everything attention needs."""
-    return None
+    return
 
 
 def register() -> str:

@@ -15,7 +15,8 @@ from transformers import GenerationConfig
 
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
-from .kv_cache import PagedKVCache, kv_shape_from_config, plan_cache
+from .kv_cache import KVShape, PagedKVCache, kv_shape_from_config, plan_cache, step_bytes_per_token
+from .offload import CpuOffloadBuffer, plan_offload
 from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, make_engine_view
 from .sampler import Sampler
@@ -31,12 +32,31 @@ def text_config(model: torch.nn.Module):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
-def has_sliding_layers(model: torch.nn.Module) -> bool:
+def layer_windows(model: torch.nn.Module) -> list[int | None]:
+    """The attention window of each layer (None = full attention), as the HF attention modules use it.
+
+    `config.layer_types` decides where it exists (Gemma 2, Qwen2/3, ...: "sliding_attention" layers
+    slide, every other type is treated as full); otherwise a set `sliding_window` makes every layer
+    slide (Mistral) unless `use_sliding_window` is False. The attention function checks each layer's
+    actual `sliding_window` against this plan at run time.
+    """
     cfg = text_config(model)
+    window = getattr(cfg, "sliding_window", None) or None
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types:
-        return any("sliding" in t for t in layer_types)
-    return getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+        return [window if "sliding" in t else None for t in layer_types]
+    slides = window is not None and getattr(cfg, "use_sliding_window", True)
+    return [window if slides else None] * cfg.num_hidden_layers
+
+
+def has_sliding_layers(model: torch.nn.Module) -> bool:
+    return any(w is not None for w in layer_windows(model))
+
+
+def layer_groups(windows: Sequence[int | None]) -> tuple[list[int | None], list[int]]:
+    """`(group windows, group of each layer)`: full attention first, then sliding windows by size."""
+    groups = sorted(set(windows), key=lambda w: (w is not None, w or 0))
+    return groups, [groups.index(w) for w in windows]
 
 
 def eos_ids_of(gc: GenerationConfig) -> frozenset[int]:
@@ -67,23 +87,34 @@ class EngineCore:
         self.dtype = next(model.parameters()).dtype
         config.log_unavailable_features(torch.cuda.is_available())
         self.view = make_engine_view(model)
-        self.sliding = has_sliding_layers(model)
+        self.windows, groups = layer_groups(layer_windows(model))
+        self.sliding = any(w is not None for w in self.windows)
         sharing = config.allow_block_sharing and not self.sliding
         if config.allow_block_sharing and self.sliding:
             logger.info("prefix caching is disabled: %s has sliding-window layers", type(model).__name__)
-        shape = kv_shape_from_config(model.config, self.dtype)
+        # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
+        per_layer = kv_shape_from_config(model.config, self.dtype)
+        shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
         num_blocks, self.max_batch_tokens = plan_cache(
             shape, config.page_size, config.num_blocks, config.max_batch_tokens,
             config.max_memory_percent, self.device,
+            step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
         )
         self.page_size = config.page_size
-        self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype)
+        self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype, groups)
+        offload_pages = plan_offload(
+            config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
+            config.page_size * shape.bytes_per_token,
+        )
+        if offload_pages:
+            self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
             config.scheduler_type, config.safety_margin, fork_prompts=not self.sliding,
+            windows=self.windows, offloader=self.cache.offload,
         )
-        self.runner = ModelRunner(self.view, self.cache)
+        self.runner = ModelRunner(self.view, self.cache, self.windows)
         self.sampler = Sampler(self.device)
         self.set_generation_config(generation_config)
         tc = text_config(model)
@@ -94,9 +125,10 @@ class EngineCore:
         self.stats = dict.fromkeys(STAT_COUNTERS, 0)
         self._arrival = itertools.count()
         logger.info(
-            "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s",
+            "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
+            "attention windows %s, CPU offload %d pages",
             num_blocks, config.page_size, num_blocks * config.page_size * shape.bytes_per_token / 2**20,
-            self.max_batch_tokens, "on" if sharing else "off",
+            self.max_batch_tokens, "on" if sharing else "off", self.windows, offload_pages,
         )
 
     # ------------------------------------------------------------ requests
@@ -154,7 +186,8 @@ class EngineCore:
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
                 f"model's context of {self.max_context} tokens"
             )
-        need = self.block_manager.blocks_needed(total)
+        # NOTE: a sliding-window group holds at most its window's pages, whatever the length.
+        need = self.scheduler.max_pages(total)
         if need > self.block_manager.num_blocks:
             raise ValueError(
                 f"request {request_id!r} needs {need} KV pages ({total} tokens) but the whole cache has "
@@ -289,6 +322,12 @@ class EngineCore:
             "page_size": bm.page_size,
             "cached_blocks": len(bm.cached),
             "preemptions": self.scheduler.num_preemptions,
+            "offloaded_blocks": self.scheduler.num_offloaded_blocks,
+            "restored_blocks": self.scheduler.num_restored_blocks,
+            "offload_fallbacks": self.scheduler.num_offload_fallbacks,
+            "offload_free_blocks": self.cache.offload.num_free if self.cache.offload else 0,
+            "recycled_blocks": self.scheduler.num_recycled_blocks,
+            "peak_used_blocks": self.scheduler.peak_used_blocks,
             "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "kv_bytes": self.cache.nbytes,
             "max_batch_tokens": self.max_batch_tokens,

@@ -1,13 +1,19 @@
 """The paged KV tensors and how many pages to make.
 
-Layout per layer: `key[num_blocks * page_size, num_kv_heads, head_dim]` (and the same for value);
-slot `b * page_size + i` holds token `i` of page `b`. Tensors are created on the first forward that
+Layout: `key[num_blocks * page_size, num_kv_heads, head_dim]` (and the same for value); slot
+`b * page_size + i` holds token `i` of page `b`. Tensors are created on the first forward that
 reaches a layer, from the shapes the model actually produces, so any head layout works.
+
+Layers are grouped by attention window (see `rollout.block_manager`), and a page belongs to one
+group at a time. So the k-th layer of every group shares one tensor ("storage" k): page `b` holds
+the k-th layer of whichever group owns it. A model with 2 full and 2 sliding layers therefore needs
+2 storages, not 4, and a page costs the same whichever group holds it.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import psutil
@@ -45,6 +51,21 @@ def kv_shape_from_config(config, dtype: torch.dtype) -> KVShape:
     return KVShape(config.num_hidden_layers, kv_heads, head_dim, dtype)
 
 
+def step_bytes_per_token(config, dtype: torch.dtype, max_requests: int | None = None) -> tuple[int, int]:
+    """Rough transient memory of one forward: `(bytes per query token, bytes per sampled row)`.
+
+    Per token: the residual stream and its norms, q/k/v/o projections and the MLP's hidden (a
+    few copies each, as the autograd-free forward keeps at most two layers' worth alive). Per sampled
+    row: its logits in the model's dtype plus the fp32 copy the sampler works on.
+    """
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    elt = torch.empty((), dtype=dtype).element_size()
+    hidden = config.hidden_size
+    inter = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * hidden
+    vocab = config.vocab_size
+    return (8 * hidden + 3 * inter) * elt, vocab * (elt + 4)
+
+
 def plan_cache(
     shape: KVShape,
     page_size: int,
@@ -52,13 +73,23 @@ def plan_cache(
     max_batch_tokens: int | None,
     max_memory_percent: float,
     device: torch.device,
+    step_bytes: tuple[int, int] = (0, 0),
+    max_requests: int | None = None,
 ) -> tuple[int, int]:
     """Returns `(num_blocks, max_batch_tokens)`.
 
-    On CUDA the cache takes `max_memory_percent` of the free memory, less room for one step's
-    activations. On a CPU it takes min(5% of available RAM, 1 GiB): the machine's RAM is shared with
-    the trainer, the data and the OS, so we do not reserve most of it up front. `max_batch_tokens`
-    defaults to 8192, lowered if the per-step buffers would not fit, never under 256.
+    The memory budget is `max_memory_percent` of the free accelerator memory on CUDA. On a CPU it is
+    min(5% of the available RAM, 1 GiB): that RAM is shared with the trainer, the data and the OS, so
+    we do not reserve most of it up front (the tensors are `torch.empty`, so pages of it are only
+    touched as the cache fills; a 4-layer, 256-wide fp32 model's KV is 8 KiB per token, so 1 GiB
+    holds ~130k tokens).
+
+    `max_batch_tokens` defaults to 8192, lowered until one step's transient memory (`step_bytes`:
+    activations per query token and logits per sampled row, at most `max_requests` rows) plus the KV
+    it writes fit in a quarter of the budget, and never under 256; nothing in a step grows with its
+    square. On CUDA that step memory is then taken out of the budget and the rest is the cache; on a
+    CPU the step is transient and the cache keeps the whole budget. `num_blocks` is what the cache
+    budget holds, at least 1.
     """
     per_token = shape.bytes_per_token
     if device.type == "cuda":
@@ -66,42 +97,88 @@ def plan_cache(
         budget = int(free * max_memory_percent)
     else:
         budget = min(int(psutil.virtual_memory().available * CPU_CACHE_FRACTION), CPU_CACHE_CAP_BYTES)
+    act_per_token, logits_per_row = step_bytes
+
+    def step_memory(tokens: int) -> int:
+        rows = min(tokens, max_requests or tokens)
+        return tokens * (act_per_token + per_token) + rows * logits_per_row
+
     if max_batch_tokens is None:
-        # NOTE: leave the cache at least 4x the KV of a full step.
-        fit = budget // (5 * per_token)
-        max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, min(DEFAULT_MAX_BATCH_TOKENS, fit))
+        max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
+        while max_batch_tokens > MIN_MAX_BATCH_TOKENS and step_memory(max_batch_tokens) > budget // 4:
+            max_batch_tokens //= 2
+        max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, max_batch_tokens)
     if num_blocks is None:
-        num_blocks = max(1, budget // (per_token * page_size))
+        cache_budget = budget - step_memory(max_batch_tokens) if device.type == "cuda" else budget
+        num_blocks = max(1, cache_budget // (per_token * page_size))
     return num_blocks, max_batch_tokens
 
 
-class PagedKVCache:
-    """Per-layer paged K/V storage, allocated lazily at the first forward."""
+def storage_layout(layer_groups: Sequence[int]) -> list[int]:
+    """Storage index of each layer: its rank among the layers of its group."""
+    seen: dict[int, int] = {}
+    out = []
+    for g in layer_groups:
+        out.append(seen.get(g, 0))
+        seen[g] = out[-1] + 1
+    return out
 
-    def __init__(self, num_blocks: int, page_size: int, device: torch.device, dtype: torch.dtype) -> None:
+
+class PagedKVCache:
+    """Paged K/V storage shared by the layer groups, allocated lazily at the first forward.
+
+    Args:
+        num_blocks, page_size: the pool's pages.
+        device, dtype: where and how the KV lives.
+        layer_groups: the group (index into the scheduler's windows) of each layer; None = one group.
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        page_size: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        layer_groups: Sequence[int] | None = None,
+    ) -> None:
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.num_slots = num_blocks * page_size
         self.device = device
         self.dtype = dtype
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> [num_slots, Hkv, D]
-        self.values: dict[int, torch.Tensor] = {}
+        self.layer_groups = list(layer_groups or [])
+        self._storage_of = storage_layout(self.layer_groups)
+        # NOTE: keyed by (storage, num_kv_heads, head_dim): layers of different shapes never share.
+        self.keys: dict[tuple[int, int, int], torch.Tensor] = {}  # -> [num_slots, Hkv, D]
+        self.values: dict[tuple[int, int, int], torch.Tensor] = {}
         self._layer_ids: dict[int, int] = {}  # id(module) -> layer, for modules without `layer_idx`
-        self._specs: dict[int, tuple[int, int]] = {}  # layer -> (num_kv_heads, head_dim), kept across release
+        self._specs: set[tuple[int, int, int]] = set()  # storages seen, kept across release
+        self.offload = None  # CpuOffloadBuffer, when CPU offload is on (see rollout.offload)
 
     def layer_index(self, module: torch.nn.Module) -> int:
         return self._layer_ids.setdefault(id(module), len(self._layer_ids))
 
+    def group_of(self, layer_idx: int) -> int:
+        return self.layer_groups[layer_idx] if layer_idx < len(self.layer_groups) else 0
+
     def layer(self, layer_idx: int, num_kv_heads: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.keys.get(layer_idx)
+        if layer_idx < len(self._storage_of):
+            storage = self._storage_of[layer_idx]
+        else:  # a layer the config did not announce: a storage of its own
+            storage = len(self._storage_of) + layer_idx
+        return self.storage((storage, num_kv_heads, head_dim))
+
+    def storage(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V tensors `[num_slots, Hkv, D]` of storage `key = (index, Hkv, D)`."""
+        k = self.keys.get(key)
         if k is None:
-            self._specs[layer_idx] = (num_kv_heads, head_dim)
+            self._specs.add(key)
             # NOTE: empty, not zeros: attention only ever reads slots it has written (padding of a
             # gather repeats a slot of the same request), so memory is touched only as pages are used.
-            shape = (self.num_slots, num_kv_heads, head_dim)
-            k = self.keys[layer_idx] = torch.empty(shape, device=self.device, dtype=self.dtype)
-            self.values[layer_idx] = torch.empty(shape, device=self.device, dtype=self.dtype)
-        return k, self.values[layer_idx]
+            shape = (self.num_slots, key[1], key[2])
+            k = self.keys[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
+            self.values[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
+        return k, self.values[key]
 
     @property
     def nbytes(self) -> int:
@@ -112,12 +189,14 @@ class PagedKVCache:
         freed = self.nbytes
         self.keys.clear()
         self.values.clear()
+        if self.offload is not None:
+            self.offload.release()
         return freed
 
     def reallocate(self) -> int:
-        """Allocate every layer seen before (after `release`); returns the cache's bytes."""
-        for layer, (heads, dim) in self._specs.items():
-            self.layer(layer, heads, dim)
+        """Allocate every storage seen before (after `release`); returns the cache's bytes."""
+        for key in sorted(self._specs):
+            self.storage(key)
         return self.nbytes
 
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:

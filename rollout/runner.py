@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .attention import ATTN_NAME, AttentionMetadata, Segment, register
+from .attention import ATTN_NAME, AttentionMetadata, GroupMetadata, Segment, register
 from .kv_cache import PagedKVCache
 from .scheduler import SchedulerOutput
 
@@ -48,26 +48,27 @@ class ModelRunner:
     Args:
         model: the engine view (see `make_engine_view`).
         cache: the paged KV cache.
+        windows: attention window of each layer group (None = full attention), in the order of the
+            scheduler's block tables; default one full-attention group.
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PagedKVCache) -> None:
+    def __init__(
+        self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None
+    ) -> None:
         self.model = model
         self.cache = cache
+        self.windows = windows or [None]  # attention window of each layer group
         self.device = cache.device
         self.page_size = cache.page_size
 
     def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
         """Forward kwargs for the step, and the scheduled indices whose last logits are sampled."""
-        ps = self.page_size
         ids: list[int] = []
         positions: list[int] = []
-        slots: list[int] = []
         keep: list[int] = []  # packed rows whose logits we sample
         sampled: list[int] = []
         dec_rows: list[int] = []
-        dec_slots: list[list[int]] = []
-        dec_pos: list[int] = []
-        segments: list[Segment] = []
+        groups = [_GroupBuilder(w, self.page_size, self.device) for w in self.windows]
         for i, s in enumerate(out.scheduled):
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
@@ -75,28 +76,17 @@ class ModelRunner:
             row = len(ids)
             ids += req.token_ids[start:end]
             positions += range(start, end)
-            blocks = req.block_ids
-            slots += [blocks[p // ps] * ps + p % ps for p in range(start, end)]
             if end == req.num_tokens:
                 keep.append(row + n - 1)
                 sampled.append(i)
             if n == 1:
                 dec_rows.append(row)
-                dec_slots.append([blocks[p // ps] * ps + p % ps for p in range(end)])
-                dec_pos.append(start)
-            else:
-                kv = None
-                if start > 0:
-                    kv = torch.tensor([blocks[p // ps] * ps + p % ps for p in range(end)], device=self.device)
-                segments.append(Segment(row, n, end, kv))
+            for g, table in zip(groups, s.tables, strict=True):
+                g.add(table, row, start, end)
         dev = self.device
-        meta = AttentionMetadata(cache=self.cache, slot_mapping=torch.tensor(slots, device=dev), segments=segments)
+        meta = AttentionMetadata(cache=self.cache, groups=[g.build() for g in groups])
         if dec_rows:
-            lmax = max(len(s) for s in dec_slots)
             meta.dec_rows = torch.tensor(dec_rows, device=dev)
-            meta.dec_slots = torch.tensor([s + s[:1] * (lmax - len(s)) for s in dec_slots], device=dev)
-            meta.dec_kv_len = torch.tensor([len(s) for s in dec_slots], device=dev)
-            meta.dec_positions = torch.tensor(dec_pos, device=dev)
         kwargs = dict(
             input_ids=torch.tensor(ids, device=dev)[None],  # [1, T]
             position_ids=torch.tensor(positions, device=dev)[None],  # [1, T]
@@ -120,3 +110,38 @@ class ModelRunner:
         if not sampled:
             logits = logits[:0]
         return logits.float(), sampled
+
+
+class _GroupBuilder:
+    """Collects one layer group's slots for a step (see `attention.GroupMetadata`)."""
+
+    def __init__(self, window: int | None, page_size: int, device: torch.device) -> None:
+        self.window = window
+        self.ps = page_size
+        self.device = device
+        self.slots: list[int] = []
+        self.dec_slots: list[list[int]] = []
+        self.segments: list[Segment] = []
+
+    def add(self, table: list[int], row: int, start: int, end: int) -> None:
+        """A request computing positions [start, end) whose pages are `table`."""
+        ps = self.ps
+        self.slots += [table[p // ps] * ps + p % ps for p in range(start, end)]
+        # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
+        lo = 0 if self.window is None else max(0, start - self.window + 1)
+        if end - start == 1:
+            self.dec_slots.append([table[p // ps] * ps + p % ps for p in range(lo, end)])
+            return
+        kv = None  # NOTE: from position 0 every key is this step's own (lo is 0 too)
+        if start > 0:
+            kv = torch.tensor([table[p // ps] * ps + p % ps for p in range(lo, end)], device=self.device)
+        self.segments.append(Segment(row, end - start, lo, end - lo, kv))
+
+    def build(self) -> GroupMetadata:
+        dev = self.device
+        g = GroupMetadata(self.window, torch.tensor(self.slots, device=dev), segments=self.segments)
+        if self.dec_slots:
+            lmax = max(len(s) for s in self.dec_slots)
+            g.dec_slots = torch.tensor([s + s[:1] * (lmax - len(s)) for s in self.dec_slots], device=dev)
+            g.dec_kv_len = torch.tensor([len(s) for s in self.dec_slots], device=dev)
+        return g
