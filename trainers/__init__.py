@@ -22,6 +22,14 @@ _EXPORTS: dict[str, str] = {
     "Algorithm": "trainers.algorithms",
     "get_algorithm": "trainers.algorithms",
     "nonconstant_group_mask": "trainers.algorithms",
+    "RLConfig": "trainers.common",
+    "GRPOConfig": "trainers.grpo",
+    "GRPOTrainer": "trainers.grpo",
+    "PPOConfig": "trainers.ppo",
+    "PPOTrainer": "trainers.ppo",
+    "PolicyWithValue": "trainers.ppo",
+    "score_completions": "trainers.rewards",
+    "MetricsLogger": "trainers.metrics",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,0 +1,309 @@
+"""`RLTrainer`: the plumbing GRPO and PPO share (accelerate setup, one rollout engine per process,
+rollouts, the minibatch update loop, weight sync, metrics, checkpoints).
+
+A subclass supplies three things: `collect()` (rollout -> rewards -> advantages -> old logprobs,
+top to bottom), `loss(micro)` (a pure loss from `trainers.losses` on one micro-batch) and, for PPO,
+the trainable module. One RL step is `collect`, `optimize`, `sync_weights`, `log`.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+from accelerate import Accelerator
+from torch import Tensor
+
+from rollout import RolloutBatch, RolloutEngine
+from trainers.algorithms import get_algorithm
+from trainers.common import (
+    AGG_DENOMINATORS,
+    PromptSource,
+    RLConfig,
+    completion_forward,
+    lr_factor,
+    minibatch_plan,
+    reduce_metrics,
+    rollout_seed,
+    scored_logprobs,
+)
+from trainers.metrics import MetricsLogger
+from trainers.rewards import RewardFn, score_completions
+
+STATE_FILE = "trainer_state.json"
+
+
+class RLTrainer:
+    """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
+
+    config: RLConfig
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        reward_funcs: RewardFn | Sequence[RewardFn],
+        train_dataset,
+        config: RLConfig,
+        *,
+        ref_model: torch.nn.Module | None = None,
+        accelerator: Accelerator | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+    ) -> None:
+        self.config, self.tokenizer = config, tokenizer
+        self.accelerator = acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
+        # NOTE: our micro-batch count per optimizer step is fixed, so accelerate's counter lines up.
+        acc.gradient_accumulation_steps = config.gradient_accumulation_steps
+        self.algorithm = get_algorithm(config.algorithm)
+        self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
+        module = self.trainable_module(model)
+        optimizer = optimizer or torch.optim.AdamW(
+            [p for p in module.parameters() if p.requires_grad],
+            lr=config.learning_rate,
+            betas=tuple(config.adam_betas),
+            weight_decay=config.weight_decay,
+        )
+        # NOTE: a plain scheduler, not prepared: accelerate would step it once per process.
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            functools.partial(
+                lr_factor,
+                schedule=config.lr_schedule,
+                warmup_steps=config.warmup_steps,
+                total_steps=config.max_steps,
+            ),
+        )
+        self.model, self.optimizer = acc.prepare(module, optimizer)  # model: DDP-wrapped when distributed
+        acc.register_for_checkpointing(self.scheduler)
+        self.policy = self.policy_module(acc.unwrap_model(self.model))  # the HF causal LM, unwrapped
+        self.engine = self.build_engine()
+        self.ref_model = self.build_reference(ref_model)
+        self.prompts = PromptSource(
+            train_dataset,
+            config.prompts_per_step,
+            acc.process_index,
+            acc.num_processes,
+            config.seed,
+            config.shuffle,
+        )
+        self.metrics_logger = MetricsLogger(
+            acc,
+            config.output_dir,
+            config.max_steps,
+            config.log_stdout,
+            config.progress,
+            desc=config.algorithm,
+        )
+        self.step_count = 0  # RL steps done
+        self._version_base = 0  # step count minus engine version (non-zero after a resume)
+
+    # ----------------------------------------------------------------------------- hooks
+    def trainable_module(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module the optimizer trains (PPO wraps the policy with a value head)."""
+        return model
+
+    def policy_module(self, unwrapped: torch.nn.Module) -> torch.nn.Module:
+        """The causal LM inside the (unwrapped) trainable module: the one the engine runs."""
+        return unwrapped
+
+    @property
+    def uses_reference(self) -> bool:
+        return False
+
+    def collect(self) -> tuple[dict[str, Tensor], dict[str, float]]:
+        raise NotImplementedError
+
+    def loss(self, micro: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def forward(self, model: torch.nn.Module, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
+        """Teacher-forced `(logits [n, T+1, V], values [n, T] or None)` of a micro-batch."""
+        return completion_forward(model, micro).logits, None
+
+    # ------------------------------------------------------------------------- building
+    def build_engine(self) -> RolloutEngine:
+        """One engine per process for the whole run, on the trainer's own weights (zero-copy) or
+        on a cast copy when `engine_dtype` is set (then each sync copies and casts)."""
+        model = self.policy
+        if self.config.engine_dtype is not None:
+            model = copy.deepcopy(self.policy).to(getattr(torch, self.config.engine_dtype)).eval()
+            model.requires_grad_(False)
+        return RolloutEngine(model, tokenizer=self.tokenizer, config=self.config.engine_config)
+
+    def build_reference(self, ref_model: torch.nn.Module | None) -> torch.nn.Module | None:
+        """The frozen reference for KL: the one given, else a copy of the initial policy."""
+        if not self.uses_reference:
+            return None
+        ref = ref_model if ref_model is not None else copy.deepcopy(self.policy)
+        ref = ref.to(self.accelerator.device).eval()
+        ref.requires_grad_(False)
+        return ref
+
+    # --------------------------------------------------------------------------- the loop
+    def train(self) -> list[dict[str, float]]:
+        """Run steps until `config.max_steps`; returns every step's metrics."""
+        history = []
+        self.metrics_logger.start(self.step_count)
+        while self.step_count < self.config.max_steps:
+            history.append(self.step())
+            if self.config.save_steps and self.step_count % self.config.save_steps == 0:
+                self.save_checkpoint()
+        self.metrics_logger.close()
+        return history
+
+    def step(self) -> dict[str, float]:
+        """One RL step: collect rollouts, update the policy, sync the engine, log."""
+        self.model.train()
+        data, metrics = self.collect()
+        start = time.perf_counter()
+        metrics.update(self.optimize(data))
+        metrics["time_train"] += time.perf_counter() - start
+        metrics["lr"] = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        metrics["time_sync"] = self.sync_weights()
+        self.step_count += 1
+        metrics = {"step": self.step_count, **reduce_metrics(self.accelerator, metrics)}
+        self.metrics_logger.log(metrics)
+        return metrics
+
+    def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
+        """This rank's rollouts for its prompt shard: `group_size` seeded samples per prompt."""
+        cfg, acc = self.config, self.accelerator
+        start = time.perf_counter()
+        batch = self.engine.generate(
+            [row["prompt"] for row in rows],
+            temps=cfg.temperatures(rows),
+            group_size=cfg.group_size,
+            max_new_tokens=cfg.max_new_tokens,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            seed=rollout_seed(
+                cfg.seed, self.step_count, acc.process_index, acc.num_processes, len(rows) * cfg.group_size
+            ),
+        ).to(acc.device)
+        elapsed = time.perf_counter() - start
+        tokens = batch.completion_mask.sum().item()
+        return batch, {
+            "time_generate": elapsed,
+            "rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
+            "response_length": batch.completion_lengths.float().mean().item(),
+            # NOTE: the weights that sampled this step, counted in RL steps across resumes
+            "policy_version": float(batch.policy_version + self._version_base),
+        }
+
+    def score(self, rows: list[dict], batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
+        """Rewards `[N]` of this rank's completions, plus global `reward_mean` / `reward_std`."""
+        if batch.completions_text is None:
+            raise ValueError("reward functions need decoded completions: pass a tokenizer")
+        rewards, metrics = score_completions(
+            self.reward_funcs,
+            rows,
+            batch.completions_text,
+            self.config.group_size,
+            self.config.reward_weights,
+        )
+        everyone = self.accelerator.gather(rewards.to(self.accelerator.device)).float()  # [N x W]
+        # NOTE: every rank gets the same global values, so the cross-rank mean leaves them as they are.
+        metrics["reward_mean"] = everyone.mean().item()
+        metrics["reward_std"] = everyone.std().item() if everyone.numel() > 1 else 0.0
+        return rewards.to(self.accelerator.device), metrics
+
+    @torch.no_grad()
+    def recompute(self, data: dict[str, Tensor]) -> dict[str, Tensor]:
+        """The trainer's own view of the rollouts before the update, micro-batch by micro-batch:
+        `logprobs [N, T]` (the ratio's denominator and the parity probe), `entropy [N, T]` and,
+        with a value head, `values [N, T]`."""
+        model = self.accelerator.unwrap_model(self.model)  # NOTE: no DDP hooks for no-grad passes
+        chunks = self.config.num_minibatches * self.config.gradient_accumulation_steps
+        parts: dict[str, list[Tensor]] = defaultdict(list)
+        for idx in torch.arange(data["completion_ids"].shape[0]).tensor_split(chunks):
+            micro = {k: v[idx] for k, v in data.items()}
+            logits, values = self.forward(model, micro)
+            logprobs, entropy = scored_logprobs(logits, micro, with_entropy=True)
+            parts["logprobs"].append(logprobs)
+            parts["entropy"].append(entropy)
+            if values is not None:
+                parts["values"].append(values.float())
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def optimize(self, data: dict[str, Tensor]) -> dict[str, float]:
+        """`num_iterations` epochs of `num_minibatches` optimizer steps, each accumulating
+        `gradient_accumulation_steps` micro-batches; returns metrics averaged over optimizer steps."""
+        cfg, acc = self.config, self.accelerator
+        denominator = AGG_DENOMINATORS[self.algorithm.agg]
+        generator = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_count)
+        totals: dict[str, float] = defaultdict(float)
+        updates = 0
+        for _ in range(cfg.num_iterations):
+            for micro_indices in minibatch_plan(
+                data["loss_mask"].shape[0], cfg.num_minibatches, cfg.gradient_accumulation_steps, generator
+            ):
+                whole = float(denominator(data["loss_mask"][torch.cat(micro_indices)]))
+                acc.step = 0  # NOTE: accelerate syncs gradients on the last of our micro-batches
+                for idx in micro_indices:
+                    micro = {k: v[idx] for k, v in data.items()}
+                    # NOTE: the micro-batch's share of its minibatch makes the accumulated gradient
+                    # exactly that of the minibatch's loss; accelerate divides by the count again.
+                    share = float(denominator(micro["loss_mask"])) / max(whole, 1.0)
+                    with acc.accumulate(self.model):
+                        loss, metrics = self.loss(micro)
+                        acc.backward(loss * share * cfg.gradient_accumulation_steps)
+                    totals["loss"] += loss.item() * share
+                    for key, value in metrics.items():
+                        totals[key] += float(value) * share
+                totals["grad_norm"] += self.clip_and_step()
+                updates += 1
+        return {k: v / updates for k, v in totals.items()}
+
+    def clip_and_step(self) -> float:
+        """Clip the all-reduced gradients, step, zero; returns the pre-clip grad norm."""
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.config.max_grad_norm
+        norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float("nan") if norm is None else float(norm)  # NOTE: some backends report no norm
+
+    def sync_weights(self) -> float:
+        """Hand the updated policy to the engine (a version bump and a prefix-cache flush when it
+        shares the trainer's tensors); returns the seconds it took."""
+        start = time.perf_counter()
+        self.engine.update_weights(self.policy)
+        return time.perf_counter() - start
+
+    # ---------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, path: str | None = None) -> str:
+        """`accelerator.save_state` (model, optimizer, scheduler, RNG) plus the step counter."""
+        path = path or os.path.join(self.config.output_dir, f"checkpoint-{self.step_count}")
+        self.accelerator.save_state(path)
+        if self.accelerator.is_main_process:
+            with open(os.path.join(path, STATE_FILE), "w") as f:
+                json.dump({"step": self.step_count}, f)
+        self.accelerator.wait_for_everyone()
+        return path
+
+    def load_checkpoint(self, path: str) -> None:
+        """Restore a `save_checkpoint` directory and resync the engine; the next step is the saved
+        step + 1 (prompt order and sampling seeds depend only on the step)."""
+        self.accelerator.load_state(path)
+        with open(os.path.join(path, STATE_FILE)) as f:
+            self.step_count = int(json.load(f)["step"])
+        self.sync_weights()
+        self._version_base = self.step_count - self.engine.policy_version
+
+    def close(self) -> None:
+        """Stop the engine and close the progress bar."""
+        self.metrics_logger.close()
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

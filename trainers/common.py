@@ -1,0 +1,318 @@
+"""Shared pieces of the RL trainers: the base config, prompt sharding, the teacher-forced logprob pass,
+the parity probe, minibatch plans, learning-rate schedules and cross-rank metric reduction.
+
+Everything here is a plain function or a small value object; the trainers compose them.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollout.config import ContinuousBatchingConfig
+from trainers.losses import entropy_from_logits, masked_mean, token_logprobs
+
+# ------------------------------------------------------------------------------------------ config
+
+
+@dataclass
+class RLConfig:
+    """Fields shared by `GRPOConfig` and `PPOConfig` (all per process unless said otherwise).
+
+    Args:
+        output_dir: where `metrics.jsonl` and checkpoints go.
+        max_steps: RL steps `train()` runs (rollout -> update -> weight sync).
+        prompts_per_step: prompts each process rolls out per step (global = this x world size).
+        group_size: completions per prompt (a group never crosses processes).
+        max_new_tokens: completion budget.
+        temperature: one sampling temperature, or one per prompt slot of a step (length
+            `prompts_per_step`); a dataset column "temperature" overrides both per row.
+        top_k, top_p: engine sampling filters (the parity probe assumes they are off).
+        num_iterations: epochs over each rollout batch (PPO-style reuse; 1 = on-policy).
+        num_minibatches: optimizer steps per epoch.
+        gradient_accumulation_steps: micro-batches (forward/backward passes) per optimizer step.
+        learning_rate, weight_decay, adam_betas: AdamW (used when no optimizer is passed).
+        max_grad_norm: clip the global grad norm (None disables).
+        lr_schedule: key of `LR_SCHEDULES` ("constant", "linear", "cosine"); `warmup_steps` of
+            linear warmup first; counted in RL steps over `max_steps`.
+        clip_low, clip_high: override the algorithm's ratio clip.
+        tis_cap: truncated-importance-sampling cap for rollout/trainer mismatch (None disables).
+        reward_weights: one weight per reward function (default all 1).
+        engine_config: a `rollout.ContinuousBatchingConfig` (default: the engine's own defaults).
+        engine_dtype: run the engine on a cast copy of the policy ("bfloat16", ...); None shares
+            the trainer's own model (zero-copy weight sync).
+        seed: seeds prompt order, rollout sampling and minibatch shuffling.
+        shuffle: shuffle the dataset each epoch.
+        save_steps: checkpoint every this many steps into `output_dir/checkpoint-{step}` (0 = never).
+        log_stdout, progress: a compact line per step / a tqdm bar (main process only).
+    """
+
+    output_dir: str = "outputs"
+    max_steps: int = 100
+    prompts_per_step: int = 8
+    group_size: int = 8
+    max_new_tokens: int = 64
+    temperature: float | Sequence[float] = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    num_iterations: int = 1
+    num_minibatches: int = 1
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-5
+    weight_decay: float = 0.0
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    max_grad_norm: float | None = 1.0
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    clip_low: float | None = None
+    clip_high: float | None = None
+    tis_cap: float | None = None
+    reward_weights: Sequence[float] | None = None
+    engine_config: ContinuousBatchingConfig | None = None
+    engine_dtype: str | None = None
+    seed: int = 0
+    shuffle: bool = True
+    save_steps: int = 0
+    log_stdout: bool = True
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in (
+            "max_steps",
+            "prompts_per_step",
+            "group_size",
+            "max_new_tokens",
+            "num_iterations",
+            "num_minibatches",
+            "gradient_accumulation_steps",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("warmup_steps", "save_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        rows = self.prompts_per_step * self.group_size
+        micro = self.num_minibatches * self.gradient_accumulation_steps
+        if rows % micro:
+            raise ValueError(
+                f"prompts_per_step x group_size = {rows} rows do not split into num_minibatches x "
+                f"gradient_accumulation_steps = {micro} equal micro-batches"
+            )
+        if self.lr_schedule not in LR_SCHEDULES:
+            raise ValueError(f"lr_schedule must be one of {sorted(LR_SCHEDULES)}, got {self.lr_schedule!r}")
+        if not isinstance(self.temperature, (int, float)):
+            self.temperature = tuple(float(t) for t in self.temperature)
+            if len(self.temperature) != self.prompts_per_step:
+                raise ValueError(
+                    f"temperature has {len(self.temperature)} values for "
+                    f"prompts_per_step={self.prompts_per_step}"
+                )
+        temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
+        if any(math.isnan(t) or t < 0 for t in temps):
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
+        if self.engine_dtype is not None and not isinstance(
+            getattr(torch, self.engine_dtype, None), torch.dtype
+        ):
+            raise ValueError(f"engine_dtype must name a torch dtype, got {self.engine_dtype!r}")
+
+    def temperatures(self, rows: Sequence[Mapping[str, Any]]) -> list[float]:
+        """Per-prompt temperatures for one step's rows (a "temperature" column wins)."""
+        base = self.temperature
+        out = []
+        for i, row in enumerate(rows):
+            default = base if isinstance(base, (int, float)) else base[i % len(base)]
+            out.append(float(row.get("temperature", default)))
+        return out
+
+
+# ----------------------------------------------------------------------------------------- prompts
+
+
+class PromptSource:
+    """Deterministic per-rank prompt shards: step `s` on rank `r` always gets the same rows.
+
+    The dataset (a `datasets.Dataset` or a list of dicts with a "prompt" column) is read as an
+    endless stream of epochs, each a seeded permutation; step `s` takes the next
+    `per_rank x world` positions, rank `r` the `r`-th contiguous slice. Because the rows depend
+    only on the step, resuming from a checkpoint needs no data-loader state.
+    """
+
+    def __init__(
+        self, dataset, per_rank: int, rank: int = 0, world: int = 1, seed: int = 0, shuffle: bool = True
+    ) -> None:
+        if len(dataset) == 0:
+            raise ValueError("the training dataset is empty")
+        first = dataset[0]
+        if not isinstance(first, Mapping) or "prompt" not in first:
+            raise ValueError("dataset rows must be dicts with a 'prompt' column")
+        self.dataset, self.per_rank, self.rank, self.world = dataset, per_rank, rank, world
+        self.seed, self.shuffle = seed, shuffle
+        self._epoch, self._order = -1, list(range(len(dataset)))
+
+    def rows(self, step: int) -> list[dict[str, Any]]:
+        start = (step * self.world + self.rank) * self.per_rank
+        return [self._row(pos) for pos in range(start, start + self.per_rank)]
+
+    def _row(self, position: int) -> dict[str, Any]:
+        epoch, index = divmod(position, len(self.dataset))
+        if epoch != self._epoch:
+            self._epoch, self._order = epoch, list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed * 1_000_003 + epoch).shuffle(self._order)
+        return dict(self.dataset[self._order[index]])
+
+
+def rollout_seed(seed: int, step: int, rank: int, world: int, rows: int) -> int:
+    """Base sampling seed of one rank's step; the engine adds `i * group_size + j` per sample,
+    so the `rows` seeds of every (step, rank) are disjoint."""
+    return seed * 1_000_000_007 + (step * world + rank) * rows
+
+
+# ----------------------------------------------------------------------------- teacher forcing
+
+
+def safe_temperatures(temps: Tensor) -> Tensor:
+    """[N] sampling temperatures with 0 (greedy) replaced by 1: the engine reports the raw
+    logprob for greedy rows, so the trainer scores them at temperature 1."""
+    return torch.where(temps > 0, temps, torch.ones_like(temps)).float()
+
+
+def completion_forward(model: torch.nn.Module, data: Mapping[str, Tensor], **kwargs) -> Any:
+    """Teacher-forced forward on `input_ids [N, P+T]` asking only for the logits of the T
+    positions that predict completion tokens (`logits_to_keep=T+1`, last one dropped by callers).
+
+    Positions follow the attention mask (left padding), as in the engine."""
+    mask = data["attention_mask"]  # [N, P+T]
+    position_ids = (mask.long().cumsum(-1) - 1).clamp_min(0)  # [N, P+T]
+    t = data["completion_ids"].shape[1]
+    return model(
+        input_ids=data["input_ids"],
+        attention_mask=mask,
+        position_ids=position_ids,
+        logits_to_keep=t + 1,
+        use_cache=False,
+        **kwargs,
+    )
+
+
+def scored_logprobs(
+    logits: Tensor, data: Mapping[str, Tensor], with_entropy: bool = False
+) -> tuple[Tensor, Tensor | None]:
+    """`log_softmax(logits / T)` at the completion tokens, and optionally the per-token entropy.
+
+    Args:
+        logits: `[N, T+1, V]` from `completion_forward` (the last position predicts nothing).
+        data: holds `completion_ids [N, T]` and `temperatures [N]`.
+    Returns:
+        `(logprobs [N, T] fp32, entropy [N, T] fp32 or None)`.
+    """
+    # NOTE: the engine's processed logprobs are under the sampling temperature, so the trainer's
+    # policy is pi_T as well: the ratio and the parity probe compare like with like.
+    temps = safe_temperatures(data["temperatures"])  # [N]
+    scaled = logits[:, :-1].float() / temps[:, None, None]  # [N, T, V]
+    logprobs = token_logprobs(scaled, data["completion_ids"])  # [N, T]
+    entropy = entropy_from_logits(scaled.detach()) if with_entropy else None  # [N, T]
+    return logprobs, entropy
+
+
+@torch.no_grad()
+def reference_logprobs(model: torch.nn.Module, data: Mapping[str, Tensor], chunks: int) -> Tensor:
+    """No-grad `[N, T]` logprobs of the completions under `model` (e.g. a frozen reference)."""
+    parts = []
+    for idx in torch.arange(data["completion_ids"].shape[0]).tensor_split(chunks):
+        micro = {k: v[idx] for k, v in data.items()}
+        logprobs, _ = scored_logprobs(completion_forward(model, micro).logits, micro)
+        parts.append(logprobs)
+    return torch.cat(parts)
+
+
+def logprob_mismatch(rollout: Tensor, trainer: Tensor, mask: Tensor) -> dict[str, float]:
+    """Parity probe: `|rollout - trainer|` logprobs over the generated tokens ([N, T] each)."""
+    diff = (rollout.float() - trainer.float()).abs()  # [N, T]
+    valid = mask.bool()
+    worst = diff[valid].max().item() if valid.any() else 0.0
+    return {"logprob_mismatch_max": worst, "logprob_mismatch_mean": masked_mean(diff, valid).item()}
+
+
+def batch_tensors(batch) -> dict[str, Tensor]:
+    """The loss-side view of a `RolloutBatch`: every tensor has the row dimension N first."""
+    return {
+        "input_ids": batch.input_ids,  # [N, P+T]
+        "attention_mask": batch.attention_mask,  # [N, P+T]
+        "completion_ids": batch.completion_ids,  # [N, T]
+        "completion_mask": batch.completion_mask.bool(),  # [N, T]
+        "rollout_logprobs": batch.logprobs,  # [N, T]
+        "temperatures": batch.temperatures,  # [N]
+    }
+
+
+# ---------------------------------------------------------------------------------- minibatches
+
+
+# NOTE: the denominator each aggregation divides by, so micro-batch losses can be re-weighted
+# into exactly the loss of their whole minibatch.
+AGG_DENOMINATORS: dict[str, Callable[[Tensor], Tensor]] = {
+    "token_mean": lambda mask: mask.sum(),
+    "seq_mean_token_mean": lambda mask: mask.any(dim=-1).sum(),
+    "seq_mean_token_sum_norm": lambda mask: torch.tensor(mask.shape[0]),
+}
+
+
+def minibatch_plan(
+    n: int, num_minibatches: int, accumulation: int, generator: torch.Generator
+) -> list[list[Tensor]]:
+    """A shuffled split of `n` rows into `num_minibatches` lists of `accumulation` index tensors.
+
+    The counts never depend on the data, so every rank runs the same number of backward passes."""
+    order = torch.randperm(n, generator=generator)
+    return [list(mb.tensor_split(accumulation)) for mb in order.tensor_split(num_minibatches)]
+
+
+# ------------------------------------------------------------------------------------ schedules
+
+
+LR_SCHEDULES: dict[str, Callable[[float], float]] = {
+    "constant": lambda progress: 1.0,
+    "linear": lambda progress: max(0.0, 1.0 - progress),
+    "cosine": lambda progress: 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))),
+}
+
+
+def lr_factor(step: int, schedule: str, warmup_steps: int, total_steps: int) -> float:
+    """Multiplier of the base learning rate at RL step `step` (0-based): linear warmup, then decay."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return LR_SCHEDULES[schedule](progress)
+
+
+# -------------------------------------------------------------------------------------- metrics
+
+
+def reduction_of(name: str) -> str:
+    """How a metric combines across ranks: worst case for maxima and wall times, total throughput."""
+    if name.endswith("_max") or name.startswith("time_"):
+        return "max"
+    if name.endswith("_per_s"):
+        return "sum"
+    return "mean"
+
+
+def reduce_metrics(accelerator, metrics: dict[str, float]) -> dict[str, float]:
+    """Combine per-rank scalar metrics (same keys on every rank) through one `gather`."""
+    if accelerator.num_processes == 1:
+        return dict(metrics)
+    keys = sorted(metrics)
+    local = torch.tensor([[float(metrics[k]) for k in keys]], dtype=torch.float64, device=accelerator.device)
+    gathered = accelerator.gather(local).cpu()  # [W, K]
+    ops = {"max": lambda c: c.max(), "sum": lambda c: c.sum(), "mean": lambda c: c.mean()}
+    return {k: ops[reduction_of(k)](gathered[:, i]).item() for i, k in enumerate(keys)}
