@@ -58,8 +58,6 @@ class RLTrainer:
     ) -> None:
         self.config, self.tokenizer = config, tokenizer
         self.accelerator = acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
-        # NOTE: our micro-batch count per optimizer step is fixed, so accelerate's counter lines up.
-        acc.gradient_accumulation_steps = config.gradient_accumulation_steps
         self.algorithm = get_algorithm(config.algorithm)
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
         module = self.trainable_module(model)
@@ -236,6 +234,8 @@ class RLTrainer:
         """`num_iterations` epochs of `num_minibatches` optimizer steps, each accumulating
         `gradient_accumulation_steps` micro-batches; returns metrics averaged over optimizer steps."""
         cfg, acc = self.config, self.accelerator
+        # NOTE: accelerate's gradient state is process-global; set our count each time.
+        acc.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         denominator = AGG_DENOMINATORS[self.algorithm.agg]
         generator = torch.Generator().manual_seed(cfg.seed * 7919 + self.step_count)
         totals: dict[str, float] = defaultdict(float)
