@@ -63,6 +63,7 @@ class CpuOffloadBuffer:
     def num_free(self) -> int:
         return len(self.free_slots)
 
+    @torch.inference_mode()  # NOTE: the cache tensors are inference tensors (made in the forward)
     def save(self, pages: list[int]) -> list[int] | None:
         """Copy device `pages` into host slots; None (nothing taken) if there is not room for all."""
         if len(pages) > len(self.free_slots):
@@ -76,6 +77,7 @@ class CpuOffloadBuffer:
                     host[dst] = dev.index_select(0, src).to("cpu")
         return slots
 
+    @torch.inference_mode()
     def restore(self, slots: list[int], pages: list[int]) -> None:
         """Copy host `slots` back into device `pages` (same order) and free the slots."""
         if len(slots) != len(pages):
