@@ -67,7 +67,11 @@ class ContinuousBatchingManager:
         if self._destroyed:
             raise RuntimeError("this manager was destroyed; create a new one")
         if self.is_running():
-            return
+            if self._stop_mode is None:
+                return
+            # NOTE: a stop(block=False) is still draining; let that session end, then start anew
+            # (else the old loop exits and this start() would silently leave the manager stopped).
+            self._thread.join()
         self._stop_mode = None
         self._accepting = True
         self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
@@ -126,6 +130,7 @@ class ContinuousBatchingManager:
                 input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids
             )
             self._live.add(req.request_id)
+            self._streams.pop(req.request_id, None)  # NOTE: never a stale stream of an earlier same-id request
             if streaming:
                 self._streams[req.request_id] = deque()
             self._inbox.append(("add", req))
@@ -135,9 +140,16 @@ class ContinuousBatchingManager:
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
         """Queue several requests (same kwargs); returns their ids in input order.
 
+        Raises ValueError naming the field if any input is bad; nothing of the batch is queued then.
+
         With prefix sharing on, the batch is submitted sorted by its tokens, so prompts with a common
         prefix run back to back and the later ones read the shared pages from the cache."""
         ids = [f"req_{time.monotonic_ns()}_{i}" for i in range(len(inputs))]
+        if self._accepting and not self._destroyed:
+            # NOTE: validate the whole batch first: one bad input refuses all of it, so no request
+            # runs under an id the caller never got back.
+            for i, ids_i in enumerate(inputs):
+                self._core().make_request(ids_i, request_id=ids[i], **kwargs)
         order = range(len(inputs))
         if self.config.allow_block_sharing:
             order = sorted(order, key=lambda i: list(inputs[i]))
@@ -164,6 +176,8 @@ class ContinuousBatchingManager:
                 for i, out in enumerate(self._results):
                     if request_id is None or out.request_id == request_id:
                         del self._results[i]
+                        # NOTE: the final chunk is already in the stream deque a request_id_iter holds.
+                        self._streams.pop(out.request_id, None)
                         self._delivered(out.request_id)
                         return out
                 if (request_id is None and not self._live) or (request_id is not None and request_id not in self._live):
