@@ -141,7 +141,8 @@ class RolloutEngine:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
         `temps` is one temperature for all prompts or one per prompt (0 = greedy). With `seed`, sample
-        j of prompt i uses seed + i * group_size + j, so a call is reproducible."""
+        j of prompt i draws from its own stream seeded by a hash of (seed, i * group_size + j), so a call
+        is reproducible and two different seeds share no stream."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -189,7 +190,7 @@ class RolloutEngine:
                     rid = self.manager.add_request(
                         prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
                         temperature=temps[i], top_k=top_k, top_p=top_p,
-                        seed=None if seed is None else seed + i * group_size + j,
+                        seed=None if seed is None else _row_seed(seed, i * group_size + j),
                     )
                     if rid is None:
                         raise RuntimeError("the rollout engine's manager is not running")
@@ -273,17 +274,20 @@ class RolloutEngine:
         with self._lock:  # NOTE: a generate() running in another thread finishes first
             self._wait_idle()
             with self.manager.step_lock:
-                copied = self._copy_weights(source)
                 core = self.manager._core()
-                core.reset_prefix_cache()
+                try:
+                    copied = self._copy_weights(source)
+                finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
+                    core.reset_prefix_cache()
                 core.policy_version += 1
             logger.info("policy weights updated (version %d, %d tensors copied)", core.policy_version, copied)
             return core.policy_version
 
     def _abort_live(self) -> None:
-        core = self.manager._core()
-        with self.manager.step_lock:
-            live = list(core.requests)
+        # NOTE: every request not yet delivered, not only `core.requests`: a request the loop has taken
+        # from the inbox but not yet added to the core (or one still queued) would otherwise run on.
+        with self.manager._cv:
+            live = list(self.manager._live)
         for rid in live:
             self.manager.cancel_request(rid)
 
@@ -297,31 +301,38 @@ class RolloutEngine:
 
     def _copy_weights(self, source) -> int:
         module = _unwrap(source) if isinstance(source, torch.nn.Module) else None
-        if module is self.model:
-            return 0  # NOTE: the engine already shares these tensors
-        targets = dict(self.model.named_parameters(remove_duplicate=False))
-        targets.update(dict(self.model.named_buffers(remove_duplicate=False)))
+        # NOTE: copy into the tensors the engine runs, its view's. Built on the trainer's model they are the
+        # trainer's own tensors (same data_ptr: nothing is copied), unless the trainer has since replaced
+        # its parameters (e.g. `load_state_dict(..., assign=True)`): then they are copied like any source.
+        view = self.manager._core().view
+        targets = dict(view.named_parameters(remove_duplicate=False))
+        targets.update(dict(view.named_buffers(remove_duplicate=False)))
         if module is not None:
-            items: Iterable = module.state_dict().items()
-        elif isinstance(source, Mapping):
-            items = source.items()
+            source = module.state_dict()
+        if isinstance(source, Mapping):
+            # NOTE: check a whole dict before copying anything, so that a rejected update changes nothing
+            # (a stream is copied as it comes, never held in memory at once).
+            unknown = [name for name, value in source.items() if _target_of(targets, name, value) is None]
+            if unknown:
+                raise ValueError(_unknown_names(unknown))
+            items: Iterable = source.items()
         else:
             items = source
         copied, unknown = 0, []
+        done: set[tuple[int, int]] = set()  # (target, value) storages: a tied weight is copied once
         with torch.no_grad():
             for name, value in items:
-                name = _strip_prefixes(name)
-                target = targets.get(name)
+                target = _target_of(targets, name, value)
                 if target is None:
                     unknown.append(name)
                     continue
-                if target.shape != value.shape:
-                    raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
-                if target.data_ptr() != value.data_ptr():
+                pair = (target.data_ptr(), value.data_ptr())
+                if pair[0] != pair[1] and pair not in done:
                     target.copy_(value)
+                    done.add(pair)
                     copied += 1
         if unknown:
-            raise ValueError(f"update_weights: unknown parameter names {unknown[:5]}{'...' if len(unknown) > 5 else ''}")
+            raise ValueError(_unknown_names(unknown))
         return copied
 
     # ---------------------------------------------------------------- memory
@@ -357,6 +368,36 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: a bijection of 64-bit ints that scatters nearby inputs."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _row_seed(seed: int, row: int) -> int:
+    """The seed of one sample's stream. NOTE: not `seed + row`, which makes seed s+1 replay the
+    streams of seed s shifted by one row (same prompt -> the same samples again)."""
+    return _mix64((_mix64(seed & _MASK64) + row) & _MASK64) >> 1  # >> 1: fits a signed int64
+
+
+def _target_of(targets: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> torch.Tensor | None:
+    """The engine tensor `name` (wrapper prefixes stripped) updates, None if unknown; ValueError on a
+    shape mismatch."""
+    target = targets.get(_strip_prefixes(name))
+    if target is not None and target.shape != value.shape:
+        raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
+    return target
+
+
+def _unknown_names(names: list[str]) -> str:
+    return f"update_weights: unknown parameter names {names[:5]}{'...' if len(names) > 5 else ''}"
 
 
 def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
