@@ -199,7 +199,7 @@ class ManagerMachine(RuleBasedStateMachine):
 
 
 ManagerMachine.TestCase.settings = settings(
-    max_examples=60, stateful_step_count=50, deadline=None,
+    max_examples=50, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
 )
 TestManagerStateMachine = ManagerMachine.TestCase
