@@ -1,0 +1,114 @@
+"""Prefix caching end to end: hits, identical outputs, counters that add up, blocks returned, reset."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from tiny_models import VOCAB, make_model
+from transformers import GenerationConfig
+
+from rollout import ContinuousBatchingConfig
+from rollout.core import EngineCore
+
+PS = 16
+PREFIX = 64  # 4 full pages
+MAX_NEW = 6
+GC = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=MAX_NEW)
+
+
+@functools.cache
+def setup():
+    model = make_model("llama", seed=1)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(1, VOCAB, (PREFIX,), generator=g).tolist()
+    prompts = [
+        prefix + torch.randint(1, VOCAB, (n,), generator=g).tolist() for n in (1, 5, 9, 16, 17, 23, 30, 40)
+    ]
+    return model, prompts
+
+
+def make_core(sharing: bool = True) -> EngineCore:
+    model, _ = setup()
+    cbc = ContinuousBatchingConfig(
+        page_size=PS, num_blocks=128, max_batch_tokens=48, allow_block_sharing=sharing
+    )
+    return EngineCore(model, GC, cbc)
+
+
+def run(core: EngineCore, prompts: list[list[int]], tag: str = "r") -> list[list[int]]:
+    reqs = [core.make_request(p, request_id=f"{tag}{i}") for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        core.step()
+    assert all(len(r.generated) == MAX_NEW for r in reqs)
+    return [r.generated for r in reqs]
+
+
+def test_shared_prefix_hits_the_cache_and_changes_nothing():
+    _, prompts = setup()
+    total = sum(map(len, prompts))
+    on, off = make_core(True), make_core(False)
+    out_on, out_off = run(on, prompts), run(off, prompts)
+    assert out_on == out_off
+
+    s = on.cache_stats()
+    assert s["preemptions"] == 0
+    assert s["cached_prompt_tokens"] > 0
+    # NOTE: each later request waits for the shared pages in flight, then reads all four of them
+    assert s["cached_prompt_tokens"] == (len(prompts) - 1) * PREFIX
+    assert s["computed_prompt_tokens"] + s["cached_prompt_tokens"] == total
+    assert s["generated_tokens"] == MAX_NEW * len(prompts)
+
+    s = off.cache_stats()
+    assert s["cached_prompt_tokens"] == 0 and s["computed_prompt_tokens"] == total
+
+
+def test_every_block_is_free_after_the_run_and_cached_pages_stay_reusable():
+    _, prompts = setup()
+    core = make_core()
+    run(core, prompts)
+    s = core.cache_stats()
+    assert s["free_blocks"] == s["num_blocks"]
+    assert s["cached_blocks"] > 0  # freed, but their hashes are kept for later hits
+    core.block_manager.check_invariants()
+
+
+def test_repeat_hits_every_full_page_and_reset_makes_it_miss():
+    _, prompts = setup()
+    core = make_core()
+    prompt = prompts[6]  # 94 tokens: 5 full pages before the last token
+    (first,) = run(core, [prompt], "a")
+    before = core.cache_stats()
+    assert before["cached_prompt_tokens"] == 0 and before["computed_prompt_tokens"] == len(prompt)
+
+    (again,) = run(core, [prompt], "b")
+    after = core.cache_stats()
+    assert again == first
+    hit = (len(prompt) - 1) // PS * PS  # the last prompt token is always recomputed
+    assert after["cached_prompt_tokens"] - before["cached_prompt_tokens"] == hit
+    assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == len(prompt) - hit
+
+    assert core.reset_prefix_cache() > 0
+    assert core.cache_stats()["cached_blocks"] == 0
+    (third,) = run(core, [prompt], "c")
+    last = core.cache_stats()
+    assert third == first
+    assert last["cached_prompt_tokens"] == after["cached_prompt_tokens"]  # a miss
+    assert last["computed_prompt_tokens"] - after["computed_prompt_tokens"] == len(prompt)
+    assert last["free_blocks"] == last["num_blocks"]
+
+
+def test_a_group_of_identical_prompts_computes_the_prompt_once():
+    _, prompts = setup()
+    prompt = prompts[3]  # 80 tokens: 5 pages, the last one full
+    core = make_core()
+    out = run(core, [prompt] * 4)
+    (alone,) = run(make_core(False), [prompt])
+    assert out == [alone] * 4
+    s = core.cache_stats()
+    # the three followers reuse all but the last prompt token of the leader's KV
+    assert s["cached_prompt_tokens"] == 3 * (len(prompt) - 1)
+    assert s["computed_prompt_tokens"] == len(prompt) + 3
+    assert s["free_blocks"] == s["num_blocks"]
