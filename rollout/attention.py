@@ -49,6 +49,7 @@ class GroupMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding repeats the request's first slot)
     dec_kv_len: torch.Tensor | None = None  # [Bd] keys each decode row reads (its window at most)
+    dec_padded: bool = True  # some decode row reads fewer than Lmax keys
     segments: list[Segment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -56,14 +57,13 @@ class GroupMetadata:
         """[Bd, 1, 1, Lmax] True where a decode query may attend; None when nothing is padding.
 
         The gather already starts at the first key inside each row's window."""
-        if "dec" not in self._masks:
-            lmax = self.dec_slots.shape[1]
-            mask = None
-            if bool((self.dec_kv_len < lmax).any()):
-                j = torch.arange(lmax, device=self.dec_slots.device)
-                mask = (j[None, :] < self.dec_kv_len[:, None])[:, None, None, :]
-            self._masks["dec"] = mask
-        return self._masks["dec"]
+        if not self.dec_padded:
+            return None
+        mask = self._masks.get("dec")
+        if mask is None:
+            j = torch.arange(self.dec_slots.shape[1], device=self.dec_slots.device)
+            mask = self._masks["dec"] = (j[None, :] < self.dec_kv_len[:, None])[:, None, None, :]
+        return mask
 
     def segment_mask(self, i: int, seg: Segment) -> torch.Tensor | None:
         """[1, 1, q_len, kv_len] causal (and windowed) mask of a segment, None when plain causal."""

@@ -144,4 +144,5 @@ class _GroupBuilder:
             lmax = max(len(s) for s in self.dec_slots)
             g.dec_slots = torch.tensor([s + s[:1] * (lmax - len(s)) for s in self.dec_slots], device=dev)
             g.dec_kv_len = torch.tensor([len(s) for s in self.dec_slots], device=dev)
+            g.dec_padded = any(len(s) < lmax for s in self.dec_slots)
         return g
