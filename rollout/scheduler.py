@@ -116,7 +116,8 @@ class Scheduler:
         self.offloader = offloader
         # NOTE: block tables of groups 1.. per live request (group 0's is `request.block_ids`).
         self._more_tables: dict[Request, list[list[int]]] = {}
-        self.fork_enabled = fork_prompts
+        # NOTE: forking shares group 0's pages only, and a sliding table may have recycled them.
+        self.fork_enabled = fork_prompts and not self.sliding and len(self.allocators) == 1
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # NOTE: hashes of prompt pages a running request is computing right now; a new request that
