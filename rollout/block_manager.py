@@ -228,3 +228,93 @@ class SlidingWindowAllocator(FullAttentionAllocator):
 def make_allocators(pool: BlockManager, windows: Sequence[int | None]) -> list[FullAttentionAllocator]:
     """One allocator per layer group, in the order of `windows` (None = full attention)."""
     return [FullAttentionAllocator(pool) if w is None else SlidingWindowAllocator(pool, w) for w in windows]
+
+
+class BlockTables:
+    """Every layer group's block table of every live request, over one shared pool.
+
+    Group 0's table is the request's own `block_ids` (so a model with one full-attention group is
+    exactly the single-table case); the other groups' tables are kept here, keyed by request. All
+    tables of a request have the same logical length, so growing to `n` tokens costs
+    `num_groups * (pages(n) - length)` pages.
+
+    Args:
+        pool: the shared page pool.
+        windows: the attention window of each group (None = full attention).
+    """
+
+    def __init__(self, pool: BlockManager, windows: Sequence[int | None] = (None,)) -> None:
+        self.pool = pool
+        self.allocators = make_allocators(pool, windows)
+        self.num_groups = len(self.allocators)
+        self.sliding = any(a.window is not None for a in self.allocators)
+        self._more: dict[object, list[list[int]]] = {}  # request -> tables of groups 1..
+
+    def of(self, req) -> list[list[int]]:
+        """The request's table of every group (the lists themselves: mutate only through this class)."""
+        if self.num_groups == 1:
+            return [req.block_ids]
+        more = self._more.get(req)
+        if more is None:
+            more = self._more[req] = [[] for _ in self.allocators[1:]]
+        return [req.block_ids, *more]
+
+    def max_pages(self, num_tokens: int) -> int:
+        """Most pages one request of `num_tokens` tokens ever holds at once (1-token steps)."""
+        return sum(a.max_pages(num_tokens) for a in self.allocators)
+
+    def growth(self, req, num_tokens: int) -> int:
+        """Pages `grow(req, num_tokens)` takes from the pool."""
+        return self.num_groups * max(0, self.pool.blocks_needed(num_tokens) - len(req.block_ids))
+
+    def footprint(self, computed: int, num_tokens: int) -> int:
+        """Pages held by a request with `computed` tokens (recycled) once it covers `num_tokens`."""
+        pages = self.pool.blocks_needed(num_tokens)
+        return sum(pages - a.first_live_page(computed) for a in self.allocators)
+
+    def fit(self, start: int, n: int) -> int:
+        """Largest chunk <= n (and >= 1) whose footprint still fits in the whole pool.
+
+        Only binds for sliding windows (a full-attention request that fits was checked at
+        submission): a long prompt chunk needs pages for all its tokens until the step has run."""
+        recycled = sum(a.first_live_page(start) for a in self.allocators)
+        max_pages = (self.pool.num_blocks + recycled) // self.num_groups
+        return max(1, min(n, max_pages * self.pool.page_size - start))
+
+    def grow(self, req, num_tokens: int) -> None:
+        for alloc, table in zip(self.allocators, self.of(req), strict=True):
+            alloc.grow(table, num_tokens)
+
+    def recycle(self, req) -> int:
+        """Release the pages no future query of `req` can see; returns how many."""
+        if not self.sliding:
+            return 0
+        tables = self.of(req)
+        return sum(len(a.recycle(t, req.num_computed_tokens)) for a, t in zip(self.allocators, tables, strict=True))
+
+    def free(self, req) -> None:
+        """Give back every page `req` holds and forget its tables."""
+        for table in self.of(req):
+            live = [b for b in table if b != FREED]
+            if live:
+                self.pool.free(live)
+        req.block_ids = []
+        self._more.pop(req, None)
+
+    def live_pages(self, req) -> list[int]:
+        """The pages holding computed KV some future query of `req` reads, group after group."""
+        computed = req.num_computed_tokens
+        end = self.pool.blocks_needed(computed)
+        tables = self.of(req)
+        pages = [b for a, t in zip(self.allocators, tables, strict=True) for b in t[a.first_live_page(computed) : end]]
+        assert FREED not in pages, "a live page was recycled"
+        return pages
+
+    def rebuild(self, req, num_tokens: int) -> list[int]:
+        """Fresh tables for a request readmitted with `num_computed_tokens` kept (its KV restored
+        from elsewhere), covering `num_tokens`; returns its live pages in `live_pages` order."""
+        for alloc, table in zip(self.allocators, self.of(req), strict=True):
+            first = alloc.first_live_page(req.num_computed_tokens)
+            table += [FREED] * first
+            table += self.pool.allocate(self.pool.blocks_needed(num_tokens) - first)
+        return self.live_pages(req)

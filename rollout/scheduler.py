@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .block_manager import FREED, ROOT_HASH, BlockManager, make_allocators, page_hashes
+from .block_manager import ROOT_HASH, BlockManager, BlockTables, page_hashes
 from .requests import Request, RequestStatus
 
 
@@ -111,13 +111,10 @@ class Scheduler:
         self.max_requests = max_requests_per_batch or 1 << 30
         self.policy = policy
         self.safety_blocks = safety_margin * block_manager.num_blocks
-        self.allocators = make_allocators(block_manager, windows)
-        self.sliding = any(a.window is not None for a in self.allocators)
+        self.tables = BlockTables(block_manager, windows)
         self.offloader = offloader
-        # NOTE: block tables of groups 1.. per live request (group 0's is `request.block_ids`).
-        self._more_tables: dict[Request, list[list[int]]] = {}
         # NOTE: forking shares group 0's pages only, and a sliding table may have recycled them.
-        self.fork_enabled = fork_prompts and not self.sliding and len(self.allocators) == 1
+        self.fork_enabled = fork_prompts and self.tables.num_groups == 1 and not self.tables.sliding
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # NOTE: hashes of prompt pages a running request is computing right now; a new request that
@@ -135,18 +132,9 @@ class Scheduler:
         self.num_recycled_blocks = 0  # pages released by sliding windows
         self.peak_used_blocks = 0  # most pages held by requests at once
 
-    def tables(self, req: Request) -> list[list[int]]:
-        """The request's block table of every layer group (lists owned by the scheduler: read only)."""
-        if len(self.allocators) == 1:
-            return [req.block_ids]
-        more = self._more_tables.get(req)
-        if more is None:
-            more = self._more_tables[req] = [[] for _ in self.allocators[1:]]
-        return [req.block_ids, *more]
-
     def max_pages(self, num_tokens: int) -> int:
         """Most pages one request of `num_tokens` tokens ever needs at once (1-token steps)."""
-        return sum(a.max_pages(num_tokens) for a in self.allocators)
+        return self.tables.max_pages(num_tokens)
 
     # ----------------------------------------------------------------- queue
     def add(self, request: Request) -> None:
@@ -168,12 +156,7 @@ class Scheduler:
         self._drop_inflight(request)
         if self.leaders.get(key := tuple(request.prompt_ids)) is request:
             del self.leaders[key]
-        for table in self.tables(request):
-            live = [b for b in table if b != FREED]
-            if live:
-                self.bm.free(live)
-        request.block_ids = []
-        self._more_tables.pop(request, None)
+        self.tables.free(request)
         request.num_registered_pages = 0
         if request.offloaded:
             self.offloader.discard(request.offloaded)
@@ -196,7 +179,7 @@ class Scheduler:
             if id(req) in done or (prefill is not None and (req.status == RequestStatus.PREFILLING) != prefill):
                 i += 1
                 continue
-            n = self._fit(req.num_computed_tokens, min(req.remaining, budget))
+            n = self.tables.fit(req.num_computed_tokens, min(req.remaining, budget))
             if not self._grow(req, req.num_computed_tokens + n, out, done):
                 # `req` itself was preempted: the running list shrank at or before i
                 continue
@@ -231,24 +214,22 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())  # its next page is being computed: wait
                 continue
             computed = req.num_computed_tokens if restoring else hit * self.page_size
-            n = self._fit(computed, min(req.num_tokens - computed, budget))
-            pages = self.bm.blocks_needed(computed + n)
+            n = self.tables.fit(computed, min(req.num_tokens - computed, budget))
             # NOTE: every group's live pages (restored ones included), less the prefix hits already
             # held by others; a hit on an unreferenced cached page takes it off the free queue too.
-            take = sum(pages - a.first_live_page(computed) for a in self.allocators) - hit
+            take = self.tables.footprint(computed, computed + n) - hit
             free_after = self.bm.num_free_blocks - take - self.bm.num_unreferenced(hashes[:hit])
             if free_after < 0 or (self.running and free_after < self.safety_blocks):
                 break  # head-of-line: keep fifo order, wait for pages
             self.waiting.popleft()
             if restoring:
-                self._restore(req, pages)
+                self._restore(req, computed + n)
             else:
                 req.block_ids = self.bm.match_prefix(hashes)
                 req.num_computed_tokens = len(req.block_ids) * self.page_size
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_cached_prompt_tokens += min(req.num_computed_tokens, req.num_prompt_tokens)
-                for alloc, table in zip(self.allocators, self.tables(req), strict=True):
-                    alloc.grow(table, computed + n)
+                self.tables.grow(req, computed + n)
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
             self._mark_inflight(req, hashes)
@@ -296,8 +277,7 @@ class Scheduler:
         """Make `req` hold pages for `num_tokens`, preempting the newest running requests if needed.
 
         Returns False if `req` itself had to be preempted."""
-        # NOTE: every group's table has the same logical length, so each grows by the same count.
-        need = len(self.allocators) * max(0, self.bm.blocks_needed(num_tokens) - len(req.block_ids))
+        need = self.tables.growth(req, num_tokens)
         while need > self.bm.num_free_blocks:
             # NOTE: the newest running request not yet scheduled this step, else `req` itself.
             victim = next((r for r in reversed(self.running) if id(r) not in done), req)
@@ -305,21 +285,11 @@ class Scheduler:
             out.preempted.append(victim)
             if victim is req:
                 return False
-        for alloc, table in zip(self.allocators, self.tables(req), strict=True):
-            alloc.grow(table, num_tokens)
+        self.tables.grow(req, num_tokens)
         return True
 
-    def _fit(self, start: int, n: int) -> int:
-        """Largest chunk <= n after which the request's own pages still fit in the whole pool.
-
-        Only binds for sliding windows (a full-attention request that fits was checked at submission):
-        a long prompt chunk needs pages for all its tokens until the step has run."""
-        groups = len(self.allocators)
-        max_pages = (self.bm.num_blocks + sum(a.first_live_page(start) for a in self.allocators)) // groups
-        return max(1, min(n, max_pages * self.page_size - start))
-
     def _out_tables(self, req: Request) -> list[list[int]] | None:
-        return self.tables(req) if len(self.allocators) > 1 else None
+        return self.tables.of(req) if self.tables.num_groups > 1 else None
 
     def preempt(self, req: Request) -> None:
         """Release `req`'s pages and put it at the front of the queue (recompute unless offloaded)."""
@@ -335,19 +305,11 @@ class Scheduler:
         req.status = RequestStatus.PENDING
         self.waiting.appendleft(req)
 
-    def _live_pages(self, req: Request, tables: list[list[int]]) -> list[int]:
-        """The pages holding computed KV that some future query reads, group after group."""
-        computed = req.num_computed_tokens
-        end = self.bm.blocks_needed(computed)
-        pages = [b for a, t in zip(self.allocators, tables, strict=True) for b in t[a.first_live_page(computed) : end]]
-        assert FREED not in pages, "a live page was recycled"
-        return pages
-
     def _save(self, req: Request) -> list[int] | None:
         """Park `req`'s live pages in the offload buffer; None when there is none, or it is full."""
         if self.offloader is None or req.num_computed_tokens == 0:
             return None
-        pages = self._live_pages(req, self.tables(req))
+        pages = self.tables.live_pages(req)
         slots = self.offloader.save(pages)
         if slots is None:
             self.num_offload_fallbacks += 1
@@ -355,14 +317,9 @@ class Scheduler:
             self.num_offloaded_blocks += len(pages)
         return slots
 
-    def _restore(self, req: Request, num_pages: int) -> None:
+    def _restore(self, req: Request, num_tokens: int) -> None:
         """Readmit an offloaded request: fresh pages for every group, its saved KV copied back."""
-        tables = self.tables(req)
-        for alloc, table in zip(self.allocators, tables, strict=True):
-            first = alloc.first_live_page(req.num_computed_tokens)
-            table += [FREED] * first
-            table += self.bm.allocate(num_pages - first)
-        pages = self._live_pages(req, tables)
+        pages = self.tables.rebuild(req, num_tokens)
         self.offloader.restore(req.offloaded, pages)
         self.num_restored_blocks += len(pages)
         req.offloaded = []
@@ -376,9 +333,7 @@ class Scheduler:
             if req.num_computed_tokens == req.num_tokens:
                 req.status = RequestStatus.DECODING
             self._cache_full_pages(req)
-            if self.sliding:
-                for alloc, table in zip(self.allocators, self.tables(req), strict=True):
-                    self.num_recycled_blocks += len(alloc.recycle(table, req.num_computed_tokens))
+            self.num_recycled_blocks += self.tables.recycle(req)
 
     def _cache_full_pages(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching:

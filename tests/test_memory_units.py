@@ -81,12 +81,12 @@ def test_scheduler_keeps_one_table_per_group_and_recycles_after_each_step():
     s.add(r)
     out = step(s)
     assert out.scheduled[0].tables == [[0, 1, 2], [3, 4, 5]]
-    assert s.tables(r) == [[0, 1, 2], [3, 4, 5]]  # first query at 10 sees 3..10: nothing dead yet
+    assert s.tables.of(r) == [[0, 1, 2], [3, 4, 5]]  # first query at 10 sees 3..10: nothing dead yet
     step(s)  # computes token 10; the next query at 11 sees 4..11: page 3 (0..3) is dead
-    assert s.tables(r) == [[0, 1, 2], [FREED, 4, 5]] and s.num_recycled_blocks == 1
+    assert s.tables.of(r) == [[0, 1, 2], [FREED, 4, 5]] and s.num_recycled_blocks == 1
     step(s)  # 11 -> the query at 12 needs a 4th page in both groups, from the front of the queue
     step(s)
-    assert s.tables(r) == [[0, 1, 2, 6], [FREED, 4, 5, 7]]
+    assert s.tables.of(r) == [[0, 1, 2, 6], [FREED, 4, 5, 7]]
     while s.has_work():
         step(s)
     assert s.bm.num_free_blocks == 16 and r.status == RequestStatus.FINISHED
@@ -191,8 +191,8 @@ def test_offload_with_two_groups_saves_only_live_pages():
     s.add(a)
     s.add(b)
     step(s)  # a: full [0, 1, 2], sliding [3, 4, 5]; b: full [6, 7, 8], sliding [9, 10, 11]
-    assert s.tables(a) == [[0, 1, 2], [FREED, 4, 5]]  # query at 9 sees 6..9: page 0 is dead
-    assert s.tables(b) == [[6, 7, 8], [FREED, 10, 11]]
+    assert s.tables.of(a) == [[0, 1, 2], [FREED, 4, 5]]  # query at 9 sees 6..9: page 0 is dead
+    assert s.tables.of(b) == [[6, 7, 8], [FREED, 10, 11]]
     step(s)  # position 9 (page 2)
     step(s)  # position 10
     step(s)  # position 11
@@ -200,7 +200,7 @@ def test_offload_with_two_groups_saves_only_live_pages():
     assert not out.preempted
     for _ in range(3):  # 13, 14, 15
         assert not step(s).preempted
-    full, sliding = (list(t) for t in s.tables(b))
+    full, sliding = (list(t) for t in s.tables.of(b))
     assert sliding[:3] == [FREED] * 3  # the query at 16 sees 13..16: only logical page 3 is live
     out = step(s)  # position 16: 2 pages free (2 more recycled), a takes them, b must go
     assert out.preempted == [b]
