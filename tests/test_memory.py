@@ -210,3 +210,29 @@ def test_sliding_only_bound_is_the_window_not_the_length():
     out, stats, _ = run(model, [prompt], 5, ContinuousBatchingConfig(page_size=PS, num_blocks=3))
     assert out == [hf_greedy(model, prompt, 5)]
     assert stats["peak_used_blocks"] <= 3
+
+
+@pytest.mark.slow
+def test_random_memory_pressure_workloads_are_exact():
+    """Random architectures, page sizes, budgets, policies, offload, prefix sharing and caches just
+    big enough for the largest request: outputs exact, every page back in the pool."""
+    import random
+
+    rng = random.Random(0)
+    models = {"qwen3": make_model("qwen3"), "mistral": make_model("mistral", sliding_window=20),
+              "gemma2": make_model("gemma2"), "gpt2": make_model("gpt2")}
+    for _ in range(24):
+        arch = rng.choice(list(models))
+        n = rng.randint(2, 7)
+        prompts = random_prompts(n, 3, 50, seed=rng.randint(0, 5), shared_prefix=20, n_shared=rng.randint(0, n))
+        news = [rng.randint(1, 60) for _ in prompts]
+        kw = dict(page_size=rng.choice([4, 8, 16]), max_batch_tokens=rng.choice([8, 16, 48, 256]),
+                  scheduler_type=rng.choice(["fifo", "prefill_first"]), cpu_offload_space=rng.choice([0.0, 0.01]),
+                  allow_block_sharing=rng.choice([True, False]))
+        probe = EngineCore(models[arch], GREEDY, ContinuousBatchingConfig(num_blocks=10_000, **kw))
+        need = max(probe.scheduler.max_pages(len(p) + k) for p, k in zip(prompts, news, strict=True))
+        cfg = ContinuousBatchingConfig(num_blocks=need + rng.randint(0, need), **kw)
+        out, stats, _ = run(models[arch], prompts, news, cfg)
+        assert out == [hf_greedy(models[arch], p, k) for p, k in zip(prompts, news, strict=True)], (arch, cfg)
+        assert stats["free_blocks"] == cfg.num_blocks
+        assert stats["restored_blocks"] == stats["offloaded_blocks"]
