@@ -266,11 +266,11 @@ def sft_warm_start(
 
     Measured here (2 CPU cores shared with other jobs; hidden 128, 3 layers, batch 64, lr 3e-3,
     3-digit zero-padded problems; greedy on 1,024 held-out problems): with every default, seed 0
-    stops at step 450, exact match 0.28, mean reward 0.68; loss plateaus near 1.2 (exact ~1%,
-    reward ~0.35) until a transition at step ~400 (seeds 0 and 2), >650 for seed 1 (a second
-    plateau at loss 0.96, exact 2%, reward 0.5). A step costs ~65 ms on 2 idle cores, so the
-    default run takes ~30 s idle (measured 90-190 s with load average 6-9 on one thread).
-    Unpadded operands ("7+45=") moved the transition later (~650 steps for seed 0).
+    stops at step 450, exact match 0.28, mean reward 0.68. Loss plateaus near 1.2 (exact ~1%,
+    reward ~0.35) until a transition at step ~400 for seeds 0 and 2; seed 1 sits on a second
+    plateau (loss ~0.9) and runs all 1000 steps: exact 0.04, reward 0.54. A step costs ~65 ms
+    on 2 idle cores, so the seed-0 default takes ~30 s idle (measured 90-190 s on one thread
+    with load average 6-9). Unpadded operands ("7+45=") moved seed 0's transition to ~650 steps.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError(f"steps and eval_every must be >= 1, got {steps} and {eval_every}")
