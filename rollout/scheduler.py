@@ -218,9 +218,12 @@ class Scheduler:
             # NOTE: every group's live pages (restored ones included), less the prefix hits already
             # held by others; a hit on an unreferenced cached page takes it off the free queue too.
             take = self.tables.footprint(computed, computed + n) - hit
-            free_after = self.bm.num_free_blocks - take - self.bm.num_unreferenced(hashes[:hit])
+            held = hit - self.bm.num_unreferenced(hashes[:hit])  # hit pages other requests hold
+            free_after = self.bm.num_free_blocks - take - (hit - held)
             if free_after < 0 or (self.running and free_after < self.safety_blocks):
                 break  # head-of-line: keep fifo order, wait for pages
+            if req.num_preemptions and self.running and self._cannot_catch_up(req, held):
+                break
             self.waiting.popleft()
             if restoring:
                 self._restore(req, computed + n)
@@ -240,6 +243,11 @@ class Scheduler:
             budget -= n
         self.waiting.extendleft(reversed(deferred))
         return budget
+
+    def _cannot_catch_up(self, req: Request, held: int) -> bool:
+        """A preempted request waits until it can get back to where it was and take one more step:
+        readmitted earlier, it would only recompute a part and be preempted again (thrashing)."""
+        return self.bm.num_free_blocks + held < self.tables.max_pages(req.num_tokens + 1)
 
     def _fork_source(self, req: Request) -> Request | str | None:
         """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
