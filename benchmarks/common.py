@@ -1,0 +1,325 @@
+"""Shared pieces of the benchmarks: models, RL-like workloads, the three systems, checks, FLOP counting.
+
+The three systems, each driven the way a user would, on the same model object and the same requests:
+
+- `run_ours`: rollout's `EngineCore` with the DEFAULT `ContinuousBatchingConfig()`, driven exactly as
+  `rollout.generate_batch` drives it, except that each request gets its own `max_new_tokens`
+  (`generate_batch` applies one value to every request).
+- `run_hf_cb`: transformers' own continuous batching manager (`model.continuous_batching_context_manager`,
+  `manager.add_request(..., max_new_tokens=n)` per request), tuned: small pages, `num_blocks` sized to
+  the workload, `max_batch_tokens` set.
+- `run_generate`: one padded `model.generate` call (left padding), which runs every row to the longest
+  `max_new_tokens`; only each request's own first `n` tokens count as useful.
+
+No EOS anywhere (`eos_token_id=None`): each request ends at its own `max_new_tokens`, standing in for the
+EOS that would end it in a real rollout.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen3Config
+
+# --------------------------------------------------------------------------------------------- models
+
+MODEL_SPECS = {
+    # ~5M params: hidden 256, 4 layers, vocab 4096 (untied head)
+    "5m": dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=False),
+    # ~100M params: hidden 768, 12 layers, vocab 32768 (tied head, like small Qwen3 checkpoints)
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, head_dim=64, vocab_size=32768, tie_word_embeddings=True),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def make_model(size: str = "5m", dtype: str = "fp32", seed: int = 0, initializer_range: float = 0.3):
+    """A random Qwen3-architecture model in eval mode with sdpa attention.
+
+    `initializer_range` is raised above the usual 0.02 so that the logits are peaked and greedy decoding
+    does not hinge on near-ties that two correct kernels may break differently.
+    """
+    torch.manual_seed(seed)
+    config = Qwen3Config(max_position_embeddings=2048, initializer_range=initializer_range, **MODEL_SPECS[size])
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=DTYPES[dtype])
+    return model.eval()
+
+
+def matmul_params(model) -> tuple[int, int]:
+    """(parameters of the Linear layers inside the decoder layers, parameters of the LM head).
+
+    Embedding lookups and norms are not matmuls; the head is counted separately because it only runs
+    on the rows whose logits are asked for.
+    """
+    body = sum(m.weight.numel() for name, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear))
+    head = model.lm_head.weight.numel()
+    return body, head
+
+
+def num_params(model) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ------------------------------------------------------------------------------------------- workload
+
+
+@dataclass
+class Workload:
+    prompts: list[list[int]]  # one per request (a group's G requests share the same prompt list)
+    max_new: list[int]  # per request
+    group_size: int = 1
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts)
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(self.max_new)
+
+    def describe(self) -> str:
+        pl = [len(p) for p in self.prompts[:: self.group_size]]
+        return (f"{len(pl)} prompts x G={self.group_size} = {self.num_requests} requests, prompt len "
+                f"{min(pl)}-{max(pl)} (mean {statistics.mean(pl):.0f}), completion len {min(self.max_new)}-"
+                f"{max(self.max_new)} (mean {statistics.mean(self.max_new):.0f}), {self.useful_tokens} useful tokens")
+
+    def subset(self, idx: list[int]) -> Workload:
+        return Workload([self.prompts[i] for i in idx], [self.max_new[i] for i in idx], 1)
+
+
+def rl_workload(num_prompts: int, group_size: int, vocab: int, prompt_len=(16, 512), completion_len=(8, 256),
+                seed: int = 0) -> Workload:
+    """P prompts x G samples; each sample draws its own completion length (as EOS would end it)."""
+    rng = random.Random(seed)
+    prompts, max_new = [], []
+    for _ in range(num_prompts):
+        prompt = [rng.randrange(1, vocab) for _ in range(rng.randint(*prompt_len))]
+        for _ in range(group_size):
+            prompts.append(prompt)
+            max_new.append(rng.randint(*completion_len))
+    return Workload(prompts, max_new, group_size)
+
+
+def decode_workload(concurrency: int, vocab: int, prompt_len: int = 32, new_tokens: int = 128,
+                    seed: int = 0) -> Workload:
+    """`concurrency` distinct short prompts that all decode `new_tokens`: the batch stays full throughout."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(1, vocab) for _ in range(prompt_len)] for _ in range(concurrency)]
+    return Workload(prompts, [new_tokens] * concurrency, 1)
+
+
+def greedy_config(new_tokens: int | None = None) -> GenerationConfig:
+    """Greedy, no EOS; with `new_tokens`, exactly that many (for `model.generate`)."""
+    extra = {} if new_tokens is None else dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
+    return GenerationConfig(do_sample=False, eos_token_id=None, pad_token_id=0, bos_token_id=None, **extra)
+
+
+# -------------------------------------------------------------------------------------------- systems
+
+
+@dataclass
+class RunResult:
+    system: str
+    seconds: float  # wall clock
+    outputs: list[list[int]]  # per request, the useful (first max_new) tokens
+    executed_body_tokens: int | None = None  # tokens actually run through the decoder layers, when known
+    executed_head_rows: int | None = None
+    extra: dict = field(default_factory=dict)
+    cpu_seconds: float = 0.0  # CPU time of this process during the run (all threads), set by `timed`
+
+
+def timed(fn, *args, **kwargs) -> RunResult:
+    """Run a system and record the process CPU time too.
+
+    On a shared, oversubscribed box the wall clock counts the time this process waited for a core;
+    with one intra-op thread the CPU time is close to what an idle core would take. Both are reported.
+    """
+    c0 = time.process_time()
+    r = fn(*args, **kwargs)
+    r.cpu_seconds = time.process_time() - c0
+    return r
+
+
+def run_ours(model, wl: Workload, cbc=None) -> RunResult:
+    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`."""
+    from rollout import ContinuousBatchingConfig
+    from rollout.core import EngineCore
+
+    t0 = time.perf_counter()
+    core = EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
+    reqs = [core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n)
+            for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new))]
+    for r in reqs:
+        core.add(r)
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+    dt = time.perf_counter() - t0
+    outs = [r.to_output() for r in reqs]
+    bad = [o for o in outs if o.finish_reason != "length"]
+    if bad:
+        raise RuntimeError(f"ours: {len(bad)} requests did not finish by length: {bad[0].finish_reason} {bad[0].error}")
+    st = core.cache_stats()
+    # NOTE: the last token of each request is sampled but never fed back; recomputation after preemption
+    # is not included (see extra["preemptions"]).
+    body = st["computed_prompt_tokens"] + st["generated_tokens"] - len(reqs)
+    return RunResult("ours", dt, [o.generated_tokens for o in outs], body, st["generated_tokens"],
+                     dict(steps=steps, cached_prompt_tokens=st["cached_prompt_tokens"], preemptions=st["preemptions"],
+                          num_blocks=st["num_blocks"], page_size=st["page_size"],
+                          max_batch_tokens=st["max_batch_tokens"]))
+
+
+def hf_cb_config(wl: Workload, page_size: int = 32, max_batch_tokens: int = 512):
+    """transformers' CB config tuned for this workload: small pages, just enough blocks, a set token budget."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig as HFConfig
+
+    blocks = sum(math.ceil((len(p) + n) / page_size) for p, n in zip(wl.prompts, wl.max_new))
+    return HFConfig(page_size=page_size, num_blocks=blocks + 16, max_batch_tokens=max_batch_tokens,
+                    max_requests_per_batch=None, scheduler_type="fifo")
+
+
+def run_hf_cb(model, wl: Workload, page_size: int = 32, max_batch_tokens: int = 512) -> RunResult:
+    """transformers' ContinuousBatchingManager, one `add_request` per request with its own max_new_tokens."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cbc = hf_cb_config(wl, page_size, max_batch_tokens)
+    gc = greedy_config()
+    t0 = time.perf_counter()
+    results = {}
+    with torch.no_grad(), model.continuous_batching_context_manager(
+        generation_config=copy.deepcopy(gc), continuous_batching_config=cbc, block=True, timeout=30,
+    ) as manager:
+        ids = [manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
+               for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new))]
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=1)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers CB: generation thread died")
+                continue
+            if r.is_finished():
+                results[r.request_id] = r
+    dt = time.perf_counter() - t0
+    errors = [r.error for r in results.values() if r.error]
+    if errors:
+        raise RuntimeError(f"transformers CB: {len(errors)} failed: {errors[0]}")
+    outs = [list(results[i].generated_tokens) for i in ids]
+    return RunResult("hf_cb", dt, outs, extra=dict(page_size=page_size, num_blocks=cbc.num_blocks,
+                                                  max_batch_tokens=max_batch_tokens))
+
+
+@torch.no_grad()
+def run_generate(model, wl: Workload) -> RunResult:
+    """One padded `model.generate` over every request (left padding), run to the longest max_new_tokens."""
+    longest = max(len(p) for p in wl.prompts)
+    steps = max(wl.max_new)
+    t0 = time.perf_counter()
+    ids = torch.zeros(wl.num_requests, longest, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(wl.prompts):
+        ids[i, longest - len(p):] = torch.tensor(p)
+        mask[i, longest - len(p):] = 1
+    out = model.generate(ids, attention_mask=mask, generation_config=greedy_config(steps))
+    dt = time.perf_counter() - t0
+    gen = out[:, longest:].tolist()
+    outs = [g[:n] for g, n in zip(gen, wl.max_new)]
+    rows = wl.num_requests
+    return RunResult("generate", dt, outs, rows * (longest + steps - 1), rows * steps)
+
+
+@torch.no_grad()
+def generate_one(model, prompt: list[int], n: int) -> list[int]:
+    """The oracle: unbatched greedy `model.generate` of one prompt."""
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy_config(n))
+    return out[0, len(prompt):].tolist()
+
+
+SYSTEMS = {"ours": run_ours, "hf_cb": run_hf_cb, "generate": run_generate}
+LABELS = {"ours": "ours (rollout, default config)", "hf_cb": "transformers CB (tuned)",
+          "generate": "HF generate (padded)"}
+
+
+# ---------------------------------------------------------------------------------------- measurement
+
+
+def compare(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(share of requests whose tokens are identical, mean share of each request's tokens before the first
+    difference)."""
+    exact = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
+    prefix = []
+    for x, y in zip(a, b, strict=True):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        prefix.append(k / max(len(x), 1))
+    return exact, statistics.mean(prefix)
+
+
+@torch.no_grad()
+def divergence_margins(model, wl: Workload, a: list[list[int]], b: list[list[int]], limit: int = 16) -> dict | None:
+    """Where two greedy outputs first differ, how close was the call? Re-scores the common prefix with an fp32
+    copy of the same weights and returns the logit gaps |l[a_tok] - l[b_tok]| (near 0 = a near-tie that two
+    correct kernels may break differently in low precision) next to the typical top-1 - top-2 gap."""
+    diverged = [i for i in range(len(a)) if a[i] != b[i]][:limit]
+    if not diverged:
+        return None
+    ref = copy.deepcopy(model).float() if next(model.parameters()).dtype != torch.float32 else model
+    gaps, top_gaps, prefers_a = [], [], 0
+    for i in diverged:
+        t = next(k for k, (u, v) in enumerate(zip(a[i], b[i])) if u != v)
+        ids = torch.tensor([wl.prompts[i] + a[i][:t]])
+        all_logits = ref(ids).logits[0].float()  # [len, V]
+        logits = all_logits[-1]
+        gaps.append(abs(float(logits[a[i][t]] - logits[b[i][t]])))
+        top2 = all_logits.topk(2, dim=-1).values
+        top_gaps.append(float((top2[:, 0] - top2[:, 1]).median()))  # typical margin along this sequence
+        prefers_a += int(logits[a[i][t]] >= logits[b[i][t]])
+    if ref is not model:
+        del ref
+    return dict(n=len(diverged), gap_median=statistics.median(gaps), gap_max=max(gaps),
+                top2_gap_median=statistics.median(top_gaps), fp32_prefers_first=prefers_a)
+
+
+def useful_matmul_flops(wl: Workload, body_params: int, head_params: int) -> int:
+    """2 x (body matmul params x (prompt + completion - 1) tokens per request + head params x completion
+    tokens): the matmul work of the useful tokens, as if no prefix were shared and nothing padded."""
+    body_tokens = sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new))
+    return 2 * (body_params * body_tokens + head_params * wl.useful_tokens)
+
+
+def matmul_peak(dtype: torch.dtype, n: int = 2048, min_seconds: float = 1.0) -> tuple[float, float]:
+    """Best FLOP/s of `torch.matmul` on n x n x n over repeated calls (2 n^3 FLOP each):
+    (by wall clock, by process CPU time)."""
+    a = torch.randn(n, n, dtype=dtype)
+    b = torch.randn(n, n, dtype=dtype)
+    torch.matmul(a, b)
+    best_wall = best_cpu = 0.0
+    total, t_start = 0, time.perf_counter()
+    while time.perf_counter() - t_start < min_seconds or total < 3:
+        t0, c0 = time.perf_counter(), time.process_time()
+        torch.matmul(a, b)
+        best_wall = max(best_wall, 2 * n**3 / (time.perf_counter() - t0))
+        best_cpu = max(best_cpu, 2 * n**3 / max(time.process_time() - c0, 1e-9))
+        total += 1
+    return best_wall, best_cpu
+
+
+def machine_info() -> str:
+    model_name, cores = "?", "?"
+    try:
+        import subprocess
+
+        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
+        info = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
+        model_name = info.get("Model name", "?").strip()
+        cores = info.get("CPU(s)", "?").strip()
+    except Exception:
+        pass
+    return f"{model_name}, {cores} CPUs, torch {torch.__version__} ({torch.get_num_threads()} threads)"
