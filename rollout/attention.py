@@ -4,8 +4,9 @@ Every step is one packed forward over `[1, T]` tokens. The per-step `AttentionMe
 attention function through the model's forward kwargs (`rollout_meta=`), never a module global.
 Cost grows with the sum over requests of (query tokens x that request's KV length):
 
-- decode rows (one query token each) are batched: their KV is gathered by slot index into
-  `[B, Lmax, Hkv, D]` and attended with a key-padding mask;
+- decode rows (one query token each) are batched in buckets of similar KV length: their KV is
+  gathered by slot index from the head-major cache `[Hkv, slots, D]` into `[B, Hkv, Lmax, D]` and
+  attended with a key-padding mask;
 - prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step
   when nothing is cached yet, else a gather of the request's slots).
 
@@ -38,32 +39,38 @@ class Segment:
 
 
 @dataclass(slots=True)
+class DecodeBucket:
+    """Decode rows (one query token each) of similar KV length, attended in one batched call."""
+
+    rows: torch.Tensor  # [B] packed rows of the queries
+    slots: torch.Tensor  # [B, Lmax] KV slots (padding repeats the row's last key)
+    kv_len: torch.Tensor  # [B] keys each row reads (its window at most)
+    padded: bool  # some row reads fewer than Lmax keys
+    _mask: torch.Tensor | None = None
+
+    def mask(self) -> torch.Tensor | None:
+        """[B, 1, 1, Lmax] True where a query may attend; None when nothing is padding."""
+        if not self.padded:
+            return None
+        if self._mask is None:
+            j = torch.arange(self.slots.shape[1], device=self.slots.device)
+            self._mask = (j[None, :] < self.kv_len[:, None])[:, None, None, :]
+        return self._mask
+
+
+@dataclass(slots=True)
 class GroupMetadata:
     """Where the layers of one group (full attention, or one sliding window) write and read KV.
 
-    Every request has one block table per group, so slots differ between groups; the rows of the
-    packed batch (decode rows, segments) are the same for all groups.
+    Every request has one block table per group, so slots differ between groups; the packed rows of
+    the segments are the same for all groups.
     """
 
     window: int | None  # the layers' sliding window, None for full attention
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
-    dec_slots: torch.Tensor | None = None  # [Bd, Lmax] KV slots (padding repeats the request's first slot)
-    dec_kv_len: torch.Tensor | None = None  # [Bd] keys each decode row reads (its window at most)
-    dec_padded: bool = True  # some decode row reads fewer than Lmax keys
+    buckets: list[DecodeBucket] = field(default_factory=list)
     segments: list[Segment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
-
-    def decode_mask(self) -> torch.Tensor | None:
-        """[Bd, 1, 1, Lmax] True where a decode query may attend; None when nothing is padding.
-
-        The gather already starts at the first key inside each row's window."""
-        if not self.dec_padded:
-            return None
-        mask = self._masks.get("dec")
-        if mask is None:
-            j = torch.arange(self.dec_slots.shape[1], device=self.dec_slots.device)
-            mask = self._masks["dec"] = (j[None, :] < self.dec_kv_len[:, None])[:, None, None, :]
-        return mask
 
     def segment_mask(self, i: int, seg: Segment) -> torch.Tensor | None:
         """[1, 1, q_len, kv_len] causal (and windowed) mask of a segment, None when plain causal."""
@@ -89,7 +96,6 @@ class AttentionMetadata:
 
     cache: object  # PagedKVCache
     groups: list[GroupMetadata]  # indexed by `cache.group_of(layer)`
-    dec_rows: torch.Tensor | None = None  # [Bd] packed rows of single-token queries
 
 
 def _attend(
@@ -151,24 +157,27 @@ def paged_attention_forward(
             f"layer {layer} attends with sliding_window={window} but its config announced {group.window}; "
             "rollout reads the windows from config.layer_types / config.sliding_window"
         )
-    k_cache, v_cache = meta.cache.layer(layer, num_kv_heads, head_dim)  # [S, Hkv, D]
-    k_new = key[0].transpose(0, 1)  # [T, Hkv, D]
-    v_new = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, group.slot_mapping, k_new.to(k_cache.dtype))
-    v_cache.index_copy_(0, group.slot_mapping, v_new.to(v_cache.dtype))
+    k_cache, v_cache = meta.cache.layer(layer, num_kv_heads, head_dim)  # [Hkv, S, D] head-major
+    k_cache.index_copy_(1, group.slot_mapping, key[0].to(k_cache.dtype))
+    v_cache.index_copy_(1, group.slot_mapping, value[0].to(v_cache.dtype))
 
     scale = scaling if scaling is not None else head_dim**-0.5
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q_rows)  # [T, H, D]
+    # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
+    upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
-    if meta.dec_rows is not None:
-        q = q_rows.index_select(0, meta.dec_rows)[:, :, None, :]  # [Bd, H, 1, D]
-        bd, lmax = group.dec_slots.shape
-        flat = group.dec_slots.reshape(-1)
-        k = k_cache.index_select(0, flat).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
-        v = v_cache.index_select(0, flat).view(bd, lmax, num_kv_heads, head_dim).transpose(1, 2)
-        o = _attend(q, k, v, group.decode_mask(), scale, softcap, is_causal=False)  # [Bd, H, 1, D]
-        out.index_copy_(0, meta.dec_rows, o[:, :, 0, :])
+    for bucket in group.buckets:
+        q = q_rows.index_select(0, bucket.rows)[:, :, None, :]  # [B, H, 1, D]
+        b, lmax = bucket.slots.shape
+        flat = bucket.slots.reshape(-1)
+        # NOTE: head-major gathers hand SDPA contiguous (L, D) planes.
+        k = k_cache.index_select(1, flat).view(num_kv_heads, b, lmax, head_dim).transpose(0, 1)
+        v = v_cache.index_select(1, flat).view(num_kv_heads, b, lmax, head_dim).transpose(0, 1)
+        if upcast:
+            q, k, v = q.float(), k.float(), v.float()
+        o = _attend(q, k, v, bucket.mask(), scale, softcap, is_causal=False)  # [B, H, 1, D]
+        out.index_copy_(0, bucket.rows, o[:, :, 0, :].to(out.dtype))
 
     for i, seg in enumerate(group.segments):
         rows = slice(seg.q_start, seg.q_start + seg.q_len)
@@ -176,8 +185,8 @@ def paged_attention_forward(
         if seg.kv_slots is None:
             k, v = key[:, :, rows], value[:, :, rows]  # [1, Hkv, q, D]
         else:
-            k = k_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]  # [1, Hkv, kv, D]
-            v = v_cache.index_select(0, seg.kv_slots).transpose(0, 1)[None]
+            k = k_cache.index_select(1, seg.kv_slots)[None]  # [1, Hkv, kv, D]
+            v = v_cache.index_select(1, seg.kv_slots)[None]
         mask = group.segment_mask(i, seg)
         o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)

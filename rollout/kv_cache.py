@@ -149,7 +149,7 @@ class PagedKVCache:
         self.layer_groups = list(layer_groups or [])
         self._storage_of = storage_layout(self.layer_groups)
         # NOTE: keyed by (storage, num_kv_heads, head_dim): layers of different shapes never share.
-        self.keys: dict[tuple[int, int, int], torch.Tensor] = {}  # -> [num_slots, Hkv, D]
+        self.keys: dict[tuple[int, int, int], torch.Tensor] = {}  # -> [Hkv, num_slots, D] head-major
         self.values: dict[tuple[int, int, int], torch.Tensor] = {}
         self._layer_ids: dict[int, int] = {}  # id(module) -> layer, for modules without `layer_idx`
         self._specs: set[tuple[int, int, int]] = set()  # storages seen, kept across release
@@ -169,13 +169,13 @@ class PagedKVCache:
         return self.storage((storage, num_kv_heads, head_dim))
 
     def storage(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K and V tensors `[num_slots, Hkv, D]` of storage `key = (index, Hkv, D)`."""
+        """The K and V tensors `[Hkv, num_slots, D]` of storage `key = (index, Hkv, D)`."""
         k = self.keys.get(key)
         if k is None:
             self._specs.add(key)
             # NOTE: empty, not zeros: attention only ever reads slots it has written (padding of a
             # gather repeats a slot of the same request), so memory is touched only as pages are used.
-            shape = (self.num_slots, key[1], key[2])
+            shape = (key[1], self.num_slots, key[2])
             k = self.keys[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
             self.values[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
         return k, self.values[key]
@@ -202,4 +202,4 @@ class PagedKVCache:
     def copy_slots(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy KV of slots `src` [n] into slots `dst` [n] in every layer (copy-on-write of a page)."""
         for cache in (*self.keys.values(), *self.values.values()):
-            cache.index_copy_(0, dst, cache.index_select(0, src))
+            cache.index_copy_(1, dst, cache.index_select(1, src))

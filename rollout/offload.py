@@ -57,7 +57,7 @@ class CpuOffloadBuffer:
         self.page_size = cache.page_size
         self.pin = torch.cuda.is_available() and cache.device.type == "cuda"
         self.free_slots: deque[int] = deque(range(num_pages))
-        self.host: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # [P, ps, Hkv, D] each
+        self.host: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}  # [Hkv, P, ps, D] each
 
     @property
     def num_free(self) -> int:
@@ -74,7 +74,7 @@ class CpuOffloadBuffer:
             dst = torch.tensor(slots)
             for key in self.cache.keys:
                 for dev, host in zip(self._paged(key), self._host(key), strict=True):
-                    host[dst] = dev.index_select(0, src).to("cpu")
+                    host[:, dst] = dev.index_select(1, src).to("cpu")
         return slots
 
     @torch.inference_mode()
@@ -88,7 +88,7 @@ class CpuOffloadBuffer:
             for key in list(self.host):
                 self.cache.storage(key)  # NOTE: re-created if the cache was released meanwhile
                 for dev, host in zip(self._paged(key), self.host[key], strict=True):
-                    dev.index_copy_(0, dst, host.index_select(0, src).to(dev.device, non_blocking=self.pin))
+                    dev.index_copy_(1, dst, host.index_select(1, src).to(dev.device, non_blocking=self.pin))
         self.discard(slots)
 
     def discard(self, slots: list[int]) -> None:
@@ -105,15 +105,15 @@ class CpuOffloadBuffer:
         return sum(t.numel() * t.element_size() for pair in self.host.values() for t in pair)
 
     def _paged(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache storage `key` viewed as `[num_blocks, page_size, Hkv, D]` (K and V)."""
+        """The cache storage `key` viewed as `[Hkv, num_blocks, page_size, D]` (K and V)."""
         k, v = self.cache.storage(key)
-        shape = (self.cache.num_blocks, self.page_size, key[1], key[2])
+        shape = (key[1], self.cache.num_blocks, self.page_size, key[2])
         return k.view(shape), v.view(shape)
 
     def _host(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
         pair = self.host.get(key)
         if pair is None:
-            shape = (self.num_pages, self.page_size, key[1], key[2])
+            shape = (key[1], self.num_pages, self.page_size, key[2])
             # NOTE: pinned only with CUDA (pinning without a driver raises); plain host memory is
             # touched only as pages are saved.
             pair = self.host[key] = tuple(

@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from .attention import ATTN_NAME, AttentionMetadata, GroupMetadata, Segment, register
+from .attention import ATTN_NAME, AttentionMetadata, DecodeBucket, GroupMetadata, Segment, register
 from .kv_cache import PagedKVCache
 from .scheduler import SchedulerOutput
 
@@ -64,36 +64,32 @@ class ModelRunner:
     def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
         """Forward kwargs for the step, and the scheduled indices whose last logits are sampled."""
         ids: list[int] = []
-        positions: list[int] = []
         keep: list[int] = []  # packed rows whose logits we sample
         sampled: list[int] = []
-        dec_rows: list[int] = []
-        groups = [_GroupBuilder(w, self.page_size, self.device) for w in self.windows]
+        starts: list[int] = []
+        lens: list[int] = []
         for i, s in enumerate(out.scheduled):
             req, n = s.request, s.num_new_tokens
             start = req.num_computed_tokens
-            end = start + n
-            row = len(ids)
-            ids += req.token_ids[start:end]
-            positions += range(start, end)
-            if end == req.num_tokens:
-                keep.append(row + n - 1)
+            ids += req.token_ids[start : start + n]
+            starts.append(start)
+            lens.append(n)
+            if start + n == req.num_tokens:
+                keep.append(len(ids) - 1)
                 sampled.append(i)
-            if n == 1:
-                dec_rows.append(row)
-            for g, table in zip(groups, s.tables, strict=True):
-                g.add(table, row, start, end)
         dev = self.device
-        meta = AttentionMetadata(cache=self.cache, groups=[g.build() for g in groups])
-        if dec_rows:
-            meta.dec_rows = torch.tensor(dec_rows, device=dev)
-        kwargs = dict(
-            input_ids=torch.tensor(ids, device=dev)[None],  # [1, T]
-            position_ids=torch.tensor(positions, device=dev)[None],  # [1, T]
-            logits_to_keep=torch.tensor(keep, dtype=torch.long, device=dev),  # [R]
-            use_cache=False,
-            rollout_meta=meta,
-        )
+        step = _StepIndex(starts, lens, dev)
+        groups = []
+        for g, window in enumerate(self.windows):
+            tables = [s.tables[g] for s in out.scheduled]
+            groups.append(_build_group(window, tables, step, self.page_size))
+        kwargs = {
+            "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
+            "position_ids": step.positions[None],  # [1, T]
+            "logits_to_keep": torch.tensor(keep, dtype=torch.long, device=dev),  # [R]
+            "use_cache": False,
+            "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups),
+        }
         return kwargs, sampled
 
     @torch.inference_mode()
@@ -112,37 +108,76 @@ class ModelRunner:
         return logits.float(), sampled
 
 
-class _GroupBuilder:
-    """Collects one layer group's slots for a step (see `attention.GroupMetadata`)."""
+# NOTE: decode rows are split into at most this many buckets of similar KV length, a bucket closing
+# when the next row would read less than half of the bucket's longest KV (and it has enough rows).
+MAX_DECODE_BUCKETS = 4
+MIN_BUCKET_ROWS = 8
 
-    def __init__(self, window: int | None, page_size: int, device: torch.device) -> None:
-        self.window = window
-        self.ps = page_size
+
+class _StepIndex:
+    """Per-request and per-token index tensors of one step (shared by every layer group)."""
+
+    def __init__(self, starts: list[int], lens: list[int], device: torch.device) -> None:
+        self.starts_list = starts
+        self.lens_list = lens
         self.device = device
-        self.slots: list[int] = []
-        self.dec_slots: list[list[int]] = []
-        self.segments: list[Segment] = []
+        self.starts = torch.tensor(starts, device=device)  # [B]
+        self.lens = torch.tensor(lens, device=device)  # [B]
+        total = int(sum(lens))
+        self.request_of_token = torch.repeat_interleave(torch.arange(len(lens), device=device), self.lens)  # [T]
+        first_row = torch.cumsum(self.lens, 0) - self.lens  # [B]
+        self.first_row = first_row.tolist()
+        offsets = torch.arange(total, device=device) - first_row[self.request_of_token]
+        self.positions = self.starts[self.request_of_token] + offsets  # [T]
 
-    def add(self, table: list[int], row: int, start: int, end: int) -> None:
-        """A request computing positions [start, end) whose pages are `table`."""
-        ps = self.ps
-        self.slots += [table[p // ps] * ps + p % ps for p in range(start, end)]
-        # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
-        lo = 0 if self.window is None else max(0, start - self.window + 1)
-        if end - start == 1:
-            self.dec_slots.append([table[p // ps] * ps + p % ps for p in range(lo, end)])
-            return
+
+def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps: int) -> torch.Tensor:
+    """Cache slots of `positions` (any shape) of requests `rows` (broadcastable) through `table` [B, P]."""
+    return table[rows, torch.div(positions, ps, rounding_mode="floor")] * ps + positions % ps
+
+
+def _build_group(window: int | None, tables: list[list[int]], step: _StepIndex, ps: int) -> GroupMetadata:
+    """Slots, decode buckets and prompt segments of one layer group, computed with tensor ops."""
+    dev = step.device
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)  # [B, P]
+    g = GroupMetadata(window, _slots(table, step.request_of_token, step.positions, ps))
+    # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
+    decode: list[tuple[int, int, int]] = []  # (kv_len, request, lo)
+    for b, (start, n) in enumerate(zip(step.starts_list, step.lens_list, strict=True)):
+        end = start + n
+        lo = 0 if window is None else max(0, start - window + 1)
+        if n == 1:
+            decode.append((end - lo, b, lo))
+            continue
         kv = None  # NOTE: from position 0 every key is this step's own (lo is 0 too)
         if start > 0:
-            kv = torch.tensor([table[p // ps] * ps + p % ps for p in range(lo, end)], device=self.device)
-        self.segments.append(Segment(row, end - start, lo, end - lo, kv))
+            kv = _slots(table, torch.tensor(b, device=dev), torch.arange(lo, end, device=dev), ps)
+        g.segments.append(Segment(step.first_row[b], n, lo, end - lo, kv))
+    if decode:
+        decode.sort(reverse=True)
+        for chunk in _bucket(decode):
+            kv_len = torch.tensor([c[0] for c in chunk], device=dev)  # [Bb]
+            reqs = torch.tensor([c[1] for c in chunk], device=dev)  # [Bb]
+            lo = torch.tensor([c[2] for c in chunk], device=dev)  # [Bb]
+            lmax = chunk[0][0]
+            j = torch.arange(lmax, device=dev)
+            # NOTE: padding repeats the row's last key: a written slot, masked out below.
+            pos = lo[:, None] + torch.minimum(j[None, :], kv_len[:, None] - 1)  # [Bb, Lmax]
+            rows = torch.tensor([step.first_row[c[1]] for c in chunk], device=dev)
+            g.buckets.append(DecodeBucket(rows, _slots(table, reqs[:, None], pos, ps), kv_len,
+                                          padded=chunk[-1][0] < lmax))
+    return g
 
-    def build(self) -> GroupMetadata:
-        dev = self.device
-        g = GroupMetadata(self.window, torch.tensor(self.slots, device=dev), segments=self.segments)
-        if self.dec_slots:
-            lmax = max(len(s) for s in self.dec_slots)
-            g.dec_slots = torch.tensor([s + s[:1] * (lmax - len(s)) for s in self.dec_slots], device=dev)
-            g.dec_kv_len = torch.tensor([len(s) for s in self.dec_slots], device=dev)
-            g.dec_padded = any(len(s) < lmax for s in self.dec_slots)
-        return g
+
+def _bucket(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
+    """Split rows sorted by decreasing KV length into buckets that waste little padding."""
+    buckets = [[rows[0]]]
+    for row in rows[1:]:
+        cur = buckets[-1]
+        if (row[0] * 2 < cur[0][0] and len(cur) >= MIN_BUCKET_ROWS
+                and len(buckets) < MAX_DECODE_BUCKETS):
+            buckets.append([row])
+        else:
+            cur.append(row)
+    return buckets

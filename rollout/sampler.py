@@ -54,10 +54,6 @@ class Sampler:
         greedy = [p.greedy for p in params]
         tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # [R]
         chosen_lp = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)  # [R]
-        raw_lp = None
-        if any(greedy) or logprobs_mode == "raw":
-            raw_lp = torch.log_softmax(logits, dim=-1)  # [R, V]
-
         g_rows = [i for i, g in enumerate(greedy) if g]
         if g_rows:
             idx = torch.tensor(g_rows, device=logits.device)
@@ -78,8 +74,10 @@ class Sampler:
             return SamplerOutput(tokens.tolist(), None)
         raw_rows = g_rows if logprobs_mode == "processed" else list(range(num_rows))
         if raw_rows:
+            # NOTE: log p(token) = logit - logsumexp(logits): no [R, V] log_softmax materialised.
             idx = torch.tensor(raw_rows, device=logits.device)
-            chosen_lp[idx] = raw_lp.index_select(0, idx).gather(1, tokens[idx][:, None])[:, 0]
+            sub = logits.index_select(0, idx)  # [G, V]
+            chosen_lp[idx] = sub.gather(1, tokens[idx][:, None])[:, 0] - sub.logsumexp(dim=-1)
         return SamplerOutput(tokens.tolist(), chosen_lp.tolist())
 
     def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:

@@ -238,9 +238,9 @@ def test_cpu_offload_buffer_round_trips_pages_and_loses_none():
     assert buf.num_free == 3
     for key, (k0, v0) in before.items():
         for t, t0 in ((cache.keys[key], k0), (cache.values[key], v0)):
-            pages, pages0 = t.view(6, PS, 2, 3), t0.view(6, PS, 2, 3)
-            assert torch.equal(pages[2], pages0[1]) and torch.equal(pages[5], pages0[4])
-            assert not pages[1].any()  # only the target pages were written
+            pages, pages0 = t.view(2, 6, PS, 3), t0.view(2, 6, PS, 3)  # head-major [Hkv, blocks, ps, D]
+            assert torch.equal(pages[:, 2], pages0[:, 1]) and torch.equal(pages[:, 5], pages0[:, 4])
+            assert not pages[:, 1].any()  # only the target pages were written
     extra = buf.save([3])
     buf.discard(extra)
     assert buf.num_free == 3 and sorted(buf.free_slots) == [0, 1, 2]
