@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import os
 import random
 import statistics
 import time
@@ -148,10 +149,56 @@ def timed(fn, *args, **kwargs) -> RunResult:
     return r
 
 
-def run_ours(model, wl: Workload, cbc=None) -> RunResult:
-    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`."""
-    from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+def rollout_snapshot(commit: str, repo: str | None = None):
+    """Import `rollout/` as it was at `commit` under another name (`rollout_<commit>`), beside the live one.
+
+    The package only uses relative imports, so the extracted copy runs as is. Both register their
+    attention function under the same name; every `EngineCore` re-registers its own at construction, so
+    runs must not overlap (they never do here).
+    """
+    import importlib
+    import subprocess
+    import sys
+    import tempfile
+
+    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    name = f"rollout_{commit[:10]}"
+    if name in sys.modules:
+        return sys.modules[name]
+    root = tempfile.mkdtemp(prefix="rollout_snapshot_")
+    archive = subprocess.run(["git", "-C", repo, "archive", commit, "rollout"], check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
+    os.rename(os.path.join(root, "rollout"), os.path.join(root, name))
+    sys.path.insert(0, root)
+    return importlib.import_module(name)
+
+
+def rollout_version(repo: str | None = None) -> str:
+    """The live `rollout` package: its path, the HEAD commit and whether rollout/ has uncommitted changes."""
+    import subprocess
+
+    import rollout
+
+    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--", "rollout"], capture_output=True,
+                               text=True).stdout.strip()
+    except Exception:
+        head, dirty = "?", ""
+    return f"{os.path.dirname(rollout.__file__)} at {head}{' + uncommitted changes' if dirty else ''}"
+
+
+def run_ours(model, wl: Workload, cbc=None, pkg=None) -> RunResult:
+    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`.
+
+    `pkg`: another copy of the package (see `rollout_snapshot`); the live `rollout` by default."""
+    import importlib
+
+    pkg_name = pkg.__name__ if pkg is not None else "rollout"
+    ContinuousBatchingConfig = importlib.import_module(pkg_name).ContinuousBatchingConfig
+    EngineCore = importlib.import_module(pkg_name + ".core").EngineCore
 
     t0 = time.perf_counter()
     core = EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
@@ -172,7 +219,7 @@ def run_ours(model, wl: Workload, cbc=None) -> RunResult:
     # NOTE: the last token of each request is sampled but never fed back; recomputation after preemption
     # is not included (see extra["preemptions"]).
     body = st["computed_prompt_tokens"] + st["generated_tokens"] - len(reqs)
-    return RunResult("ours", dt, [o.generated_tokens for o in outs], body, st["generated_tokens"],
+    return RunResult(pkg_name, dt, [o.generated_tokens for o in outs], body, st["generated_tokens"],
                      dict(steps=steps, cached_prompt_tokens=st["cached_prompt_tokens"], preemptions=st["preemptions"],
                           num_blocks=st["num_blocks"], page_size=st["page_size"],
                           max_batch_tokens=st["max_batch_tokens"]))
@@ -285,6 +332,30 @@ def divergence_margins(model, wl: Workload, a: list[list[int]], b: list[list[int
         del ref
     return dict(n=len(diverged), gap_median=statistics.median(gaps), gap_max=max(gaps),
                 top2_gap_median=statistics.median(top_gaps), fp32_prefers_first=prefers_a)
+
+
+@torch.no_grad()
+def fp32_greedy_agreement(model, wl: Workload, outputs: list[list[int]], ref=None) -> dict:
+    """Teacher-force each completion through an fp32 copy of the same weights: the share of generated tokens
+    that are the fp32 argmax given the system's own prefix, and the fp32 logit gap (argmax - chosen) where
+    they are not. A low-precision engine that is greedy up to near-ties scores close to 1 with small gaps."""
+    ref = ref if ref is not None else (copy.deepcopy(model).float()
+                                       if next(model.parameters()).dtype != torch.float32 else model)
+    agree = total = 0
+    gaps: list[float] = []
+    for prompt, out in zip(wl.prompts, outputs):
+        ids = torch.tensor([prompt + out])
+        logits = ref(ids, logits_to_keep=len(out) + 1).logits[0, :-1].float()  # [len(out), V]
+        chosen = torch.tensor(out)
+        best = logits.argmax(-1)
+        ok = best == chosen
+        agree += int(ok.sum())
+        total += len(out)
+        if not bool(ok.all()):
+            bad = (~ok).nonzero()[:, 0]
+            gaps += (logits[bad, best[bad]] - logits[bad, chosen[bad]]).tolist()
+    return dict(agree=agree / max(total, 1), tokens=total, n_off=len(gaps),
+                gap_median=statistics.median(gaps) if gaps else 0.0, gap_max=max(gaps) if gaps else 0.0)
 
 
 def useful_matmul_flops(wl: Workload, body_params: int, head_params: int) -> int:

@@ -46,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     compare,
     decode_workload,
     divergence_margins,
+    fp32_greedy_agreement,
     generate_one,
     machine_info,
     make_model,
@@ -55,6 +56,8 @@ from benchmarks.common import (  # noqa: E402
     rl_workload,
     run_generate,
     run_hf_cb,
+    rollout_snapshot,
+    rollout_version,
     run_ours,
     timed,
 )
@@ -71,6 +74,10 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-range", type=float, default=0.3, help="initializer_range (peaked logits, stable greedy)")
     p.add_argument("--systems", default="ours,hf_cb,generate")
+    p.add_argument("--ours-commit", metavar="COMMIT",
+                   help="pin 'ours' to rollout/ as committed at COMMIT (default: the live working tree)")
+    p.add_argument("--baseline", metavar="COMMIT",
+                   help="also run rollout/ as it was at COMMIT (system 'ours_base', imported beside the live one)")
     p.add_argument("--reps", type=int, default=1, help="timed repetitions of each system (interleaved)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads (1 by default: on a shared 2-core box 2 threads oversubscribe "
@@ -140,6 +147,13 @@ def check_outputs(model, wl, results: dict, n_oracle: int) -> dict:
             if exact < 1 and b == "generate":
                 report[f"{a} vs {b}: first divergences"] = divergence_margins(
                     model, wl, results[a].outputs, results[b].outputs)
+    if next(model.parameters()).dtype != torch.float32:
+        import copy
+
+        ref = copy.deepcopy(model).float()
+        for name in names:
+            report[f"{name}: fp32 greedy agreement"] = fp32_greedy_agreement(model, wl, results[name].outputs, ref)
+        del ref
     if n_oracle > 0:
         # distinct prompts first (one per group), then the shortest completions
         step = max(1, wl.group_size)
@@ -186,6 +200,10 @@ def print_throughput(res: dict, args, model, peaks: dict) -> list[dict]:
 
     print("\ngreedy output check (exact = whole completion identical; prefix = mean share before the first difference):")
     for k, v in checks.items():
+        if k.endswith("fp32 greedy agreement"):
+            print(f"  {k}: {v['agree']:.2%} of {v['tokens']} tokens are the fp32 argmax given their own prefix; "
+                  f"where not ({v['n_off']}), the fp32 logit gap is median {v['gap_median']:.3f}, max {v['gap_max']:.3f}")
+            continue
         if k.endswith("first divergences"):
             print(f"    {k}: {v['n']} re-scored in fp32: |logit gap between the two tokens| median "
                   f"{v['gap_median']:.3f}, max {v['gap_max']:.3f} (median top-1 - top-2 margin over those sequences' "
@@ -272,6 +290,26 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     print(f"machine: {machine_info()}")
     print(f"command: python benchmarks/throughput.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    if args.ours_commit:
+        import functools
+
+        SYSTEMS["ours"] = functools.partial(run_ours, pkg=rollout_snapshot(args.ours_commit))
+        LABELS["ours"] = f"ours @ {args.ours_commit[:7]}"
+        print(f"ours: rollout at {args.ours_commit} (snapshot)")
+    else:
+        print(f"ours: {rollout_version()}")
+    if args.baseline:
+        import functools
+
+        base = rollout_snapshot(args.baseline)
+        SYSTEMS["ours_base"] = functools.partial(run_ours, pkg=base)
+        LABELS["ours_base"] = f"ours @ {args.baseline[:7]} (baseline)"
+        for attr in ("systems", "scaling_systems"):
+            names = [x for x in getattr(args, attr).split(",") if x]
+            if "ours_base" not in names:
+                names.insert(names.index("ours") + 1 if "ours" in names else 0, "ours_base")
+            setattr(args, attr, ",".join(names))
+        print(f"ours_base: rollout at {args.baseline} (imported as {base.__name__})")
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(f"torch.matmul 2048^3 peak (per CPU-second / by wall clock): fp32 {peaks['fp32'][1] / 1e9:.1f} / "
           f"{peaks['fp32'][0] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'][1] / 1e9:.1f} / {peaks['bf16'][0] / 1e9:.1f} GFLOP/s",
