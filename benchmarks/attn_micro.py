@@ -4,7 +4,7 @@ Shapes of the 5M Qwen3-arch model (4 query heads, 2 KV heads, head_dim 64), one 
 Times are CPU time of this thread (robust on a busy box), best of several repeats, per call.
 
 Decode attention variants (same K/V contents, results checked equal):
-  current      cache [slots, Hkv, D]; index_select of every row's slots padded to Lmax, transpose to
+  current      (rollout at 39e389a, as profiled) cache [slots, Hkv, D]; index_select of every row's slots padded to Lmax, transpose to
                [B, Hkv, Lmax, D] (a view whose (Lmax, D) planes are strided), SDPA (bool mask, enable_gqa)
   head-major   cache [Hkv, slots, D]; index_select on dim 1 gives [B, Hkv, Lmax, D] with contiguous planes
   bucketed     current, but the rows split in two by KV length (less padding)
@@ -71,7 +71,7 @@ def main() -> None:
 
     # ---- slot building
     def python_lists():
-        dec = [[t[p_ // ps] * ps + p_ % ps for p_ in range(n)] for t, n in zip(tables, lens)]
+        dec = [[t[p_ // ps] * ps + p_ % ps for p_ in range(n)] for t, n in zip(tables, lens, strict=True)]
         return torch.tensor([s + s[:1] * (lmax - len(s)) for s in dec])
 
     table_t = torch.tensor([t + t[:1] * (maxp - len(t)) for t in tables])  # [B, maxp]
@@ -141,9 +141,9 @@ def main() -> None:
     kk, vv = slot_kv()
     hk, hv = hm_kv()
     rows = [
-        ("slots: python lists + torch.tensor (runner.prepare today)", best_cpu(python_lists, 3, 1)),
+        ("slots: python lists + torch.tensor (runner.prepare at 39e389a)", best_cpu(python_lists, 3, 1)),
         ("slots: vectorised from a block-table tensor", best_cpu(vectorised)),
-        ("attn: CURRENT = slot gather [S,Hkv,D] + SDPA", best_cpu(lambda: sdpa(*slot_kv(), mask))),
+        ("attn: as profiled (39e389a) = slot gather [S,Hkv,D] + SDPA", best_cpu(lambda: sdpa(*slot_kv(), mask))),
         ("attn:   its gather alone (2 x index_select)", best_cpu(gather_only)),
         ("attn:   its SDPA alone (K/V (L,D) non-contiguous)", best_cpu(lambda: sdpa(kk, vv, mask))),
         ("attn: head-major cache [Hkv,S,D]: gather + SDPA", best_cpu(lambda: sdpa(*hm_kv(), mask))),
@@ -169,8 +169,8 @@ def main() -> None:
             err = (fn().float() - ref.float()).abs().max().item()
             assert err < 5e-2, (name, err)
         rows += [
-            (f"attn: head-major gather, K/V/q cast to fp32, SDPA in fp32", best_cpu(upcast)),
-            (f"attn: head-major gather, fp32 explicit GQA bmm + softmax", best_cpu(upcast_bmm)),
+            ("attn: head-major gather, K/V/q cast to fp32, SDPA in fp32", best_cpu(upcast)),
+            ("attn: head-major gather, fp32 explicit GQA bmm + softmax", best_cpu(upcast_bmm)),
         ]
     kv_bytes = 2 * sum(lens) * Hkv * D * k_cache.element_size()
     print(f"{B} decode rows, KV lengths {min(lens)}-{max(lens)} (Lmax {lmax}, padding {1 - sum(lens) / (B * lmax):.0%}), "

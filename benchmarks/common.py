@@ -203,7 +203,7 @@ def run_ours(model, wl: Workload, cbc=None, pkg=None) -> RunResult:
     t0 = time.perf_counter()
     core = EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
     reqs = [core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n)
-            for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new))]
+            for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
     for r in reqs:
         core.add(r)
     steps = 0
@@ -229,7 +229,7 @@ def hf_cb_config(wl: Workload, page_size: int = 32, max_batch_tokens: int = 512)
     """transformers' CB config tuned for this workload: small pages, just enough blocks, a set token budget."""
     from transformers.generation.configuration_utils import ContinuousBatchingConfig as HFConfig
 
-    blocks = sum(math.ceil((len(p) + n) / page_size) for p, n in zip(wl.prompts, wl.max_new))
+    blocks = sum(math.ceil((len(p) + n) / page_size) for p, n in zip(wl.prompts, wl.max_new, strict=True))
     return HFConfig(page_size=page_size, num_blocks=blocks + 16, max_batch_tokens=max_batch_tokens,
                     max_requests_per_batch=None, scheduler_type="fifo")
 
@@ -245,7 +245,7 @@ def run_hf_cb(model, wl: Workload, page_size: int = 32, max_batch_tokens: int = 
         generation_config=copy.deepcopy(gc), continuous_batching_config=cbc, block=True, timeout=30,
     ) as manager:
         ids = [manager.add_request(input_ids=p, request_id=f"req_{i}", max_new_tokens=n, eos_token_id=-1)
-               for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new))]
+               for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
         while len(results) < len(ids):
             r = manager.get_result(timeout=1)
             if r is None:
@@ -277,7 +277,7 @@ def run_generate(model, wl: Workload) -> RunResult:
     out = model.generate(ids, attention_mask=mask, generation_config=greedy_config(steps))
     dt = time.perf_counter() - t0
     gen = out[:, longest:].tolist()
-    outs = [g[:n] for g, n in zip(gen, wl.max_new)]
+    outs = [g[:n] for g, n in zip(gen, wl.max_new, strict=True)]
     rows = wl.num_requests
     return RunResult("generate", dt, outs, rows * (longest + steps - 1), rows * steps)
 
@@ -304,7 +304,7 @@ def compare(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     exact = sum(x == y for x, y in zip(a, b, strict=True)) / len(a)
     prefix = []
     for x, y in zip(a, b, strict=True):
-        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        k = next((i for i, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
         prefix.append(k / max(len(x), 1))
     return exact, statistics.mean(prefix)
 
@@ -320,7 +320,7 @@ def divergence_margins(model, wl: Workload, a: list[list[int]], b: list[list[int
     ref = copy.deepcopy(model).float() if next(model.parameters()).dtype != torch.float32 else model
     gaps, top_gaps, prefers_a = [], [], 0
     for i in diverged:
-        t = next(k for k, (u, v) in enumerate(zip(a[i], b[i])) if u != v)
+        t = next(k for k, (u, v) in enumerate(zip(a[i], b[i], strict=False)) if u != v)
         ids = torch.tensor([wl.prompts[i] + a[i][:t]])
         all_logits = ref(ids).logits[0].float()  # [len, V]
         logits = all_logits[-1]
@@ -343,7 +343,7 @@ def fp32_greedy_agreement(model, wl: Workload, outputs: list[list[int]], ref=Non
                                        if next(model.parameters()).dtype != torch.float32 else model)
     agree = total = 0
     gaps: list[float] = []
-    for prompt, out in zip(wl.prompts, outputs):
+    for prompt, out in zip(wl.prompts, outputs, strict=True):
         ids = torch.tensor([prompt + out])
         logits = ref(ids, logits_to_keep=len(out) + 1).logits[0, :-1].float()  # [len(out), V]
         chosen = torch.tensor(out)
@@ -361,7 +361,7 @@ def fp32_greedy_agreement(model, wl: Workload, outputs: list[list[int]], ref=Non
 def useful_matmul_flops(wl: Workload, body_params: int, head_params: int) -> int:
     """2 x (body matmul params x (prompt + completion - 1) tokens per request + head params x completion
     tokens): the matmul work of the useful tokens, as if no prefix were shared and nothing padded."""
-    body_tokens = sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new))
+    body_tokens = sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True))
     return 2 * (body_params * body_tokens + head_params * wl.useful_tokens)
 
 

@@ -69,7 +69,7 @@ def make_core(model):
 
 
 def add_all(core, wl) -> None:
-    for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new)):
+    for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True)):
         core.add(core.make_request(p, request_id=f"req_{i}", max_new_tokens=n))
 
 
@@ -87,8 +87,9 @@ def prefill_until_decoding(core) -> int:
 
 def instrument(core, timers: Timers, label: bool = False) -> None:
     """Wrap the phases of one engine step with timers (instance attributes only; rollout/ is untouched)."""
-    from rollout import attention as attn_mod
     from transformers import AttentionInterface
+
+    from rollout import attention as attn_mod
 
     def wrap(obj, attr, name):
         fn = getattr(obj, attr)

@@ -54,10 +54,9 @@ from benchmarks.common import (  # noqa: E402
     matmul_peak,
     num_params,
     rl_workload,
-    run_generate,
-    run_hf_cb,
     rollout_snapshot,
     rollout_version,
+    run_hf_cb,
     run_ours,
     timed,
 )
@@ -159,7 +158,7 @@ def check_outputs(model, wl, results: dict, n_oracle: int) -> dict:
         step = max(1, wl.group_size)
         idx = list(range(0, wl.num_requests, step))[:n_oracle]
         sub = wl.subset(idx)
-        oracle = [generate_one(model, p, n) for p, n in zip(sub.prompts, sub.max_new)]
+        oracle = [generate_one(model, p, n) for p, n in zip(sub.prompts, sub.max_new, strict=True)]
         for name in names:
             got = [results[name].outputs[i] for i in idx]
             exact, prefix = compare(got, oracle)
@@ -195,7 +194,7 @@ def main_throughput(args, model) -> dict:
 def print_throughput(res: dict, args, model, peaks: dict) -> list[dict]:
     wl, runs, checks = res["workload"], res["runs"], res["checks"]
     body, head = matmul_params(model)
-    useful_flop = 2 * (body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new)) + head * wl.useful_tokens)
+    useful_flop = 2 * (body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True)) + head * wl.useful_tokens)
     peak_wall, peak_cpu = peaks[args.dtype]
 
     print("\ngreedy output check (exact = whole completion identical; prefix = mean share before the first difference):")
@@ -266,7 +265,7 @@ def main_scaling(args, model, peaks) -> list[dict]:
     out = []
     for c in levels:
         wl = decode_workload(c, model.config.vocab_size, args.scaling_prompt_len, args.scaling_new_tokens, seed=args.seed)
-        flop = 2 * (body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new)) + head * wl.useful_tokens)
+        flop = 2 * (body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True)) + head * wl.useful_tokens)
         row = dict(concurrency=c)
         for name in systems:
             r = (timed(run_hf_cb, model, wl, page_size=args.hf_page_size, max_batch_tokens=args.hf_max_batch_tokens)
