@@ -1,0 +1,212 @@
+"""Helpers the recipes share: the embedded warm-started model, dataset loading, the reward
+registry, and the outputs every recipe writes (plot, summary).
+
+The recipes themselves stay flat and readable top to bottom; everything here is a plain function.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+from collections.abc import Callable, Sequence
+
+import torch
+from accelerate import Accelerator
+from datasets import Dataset, load_dataset, load_from_disk
+
+from trainers.tasks import (
+    AdditionTask,
+    addition_reward,
+    build_tiny_model,
+    greedy_accuracy,
+    make_addition_tokenizer,
+    sft_warm_start,
+)
+
+# ------------------------------------------------------------------------------------ accelerate
+
+
+def make_accelerator(**kwargs) -> Accelerator:
+    """An `Accelerator` that really runs several ranks on CPU: without `cpu=True`, a
+    `--multi_gpu --num_processes 2` launch on a machine with no CUDA gives two lone processes."""
+    return Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+
+
+# --------------------------------------------------------------------------------------- rewards
+
+
+def exact_match_reward(
+    prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str], **_
+) -> list[float]:
+    """1.0 when the completion's first line, stripped, equals the `answer` column, else 0.0."""
+    lines = [(c.strip().splitlines() or [""])[0].strip() for c in completions]
+    return [float(line == str(a).strip()) for line, a in zip(lines, answer, strict=True)]
+
+
+# NOTE: every reward is `(prompts, completions, **dataset_columns) -> list[float]` in [0, 1];
+# a completion counts as correct (for pass@k) when its reward is 1.
+REWARDS: dict[str, Callable[..., Sequence[float]]] = {
+    "addition": addition_reward,  # exact verifier with per-digit partial credit (trainers.tasks)
+    "exact_match": exact_match_reward,
+}
+
+
+def get_reward(name: str) -> Callable[..., Sequence[float]]:
+    try:
+        return REWARDS[name]
+    except KeyError:
+        raise ValueError(f"unknown reward {name!r}; valid: {sorted(REWARDS)}") from None
+
+
+# -------------------------------------------------------------------------------------- datasets
+
+# file suffix -> `datasets` builder name
+DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+def load_prompts(spec: str, split: str = "train") -> Dataset:
+    """A `datasets.Dataset` from a local file (json / jsonl / parquet / csv), a `save_to_disk`
+    directory, a directory of such files, or a hub id. It must have a "prompt" column."""
+    if os.path.isdir(spec) and os.path.exists(os.path.join(spec, "dataset_info.json")):
+        data = load_from_disk(spec)
+        if hasattr(data, "keys"):  # a saved DatasetDict
+            data = data[split]
+    elif os.path.isfile(spec):
+        suffix = os.path.splitext(spec)[1].lower()
+        if suffix not in DATA_BUILDERS:
+            raise ValueError(f"{spec}: unsupported file type {suffix!r}; use one of {sorted(DATA_BUILDERS)}")
+        data = load_dataset(DATA_BUILDERS[suffix], data_files=spec, split="train")
+    else:  # a directory of data files or a hub id
+        data = load_dataset(spec, split=split)
+    if "prompt" not in data.column_names:
+        raise ValueError(f"{spec}: the dataset needs a 'prompt' column, has {data.column_names}")
+    return data
+
+
+def write_jsonl(rows: Sequence[dict], path: str) -> str:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    return path
+
+
+# ------------------------------------------------------------------------- the embedded model
+
+WARM_START_FILE = "warm_start.json"  # the settings and greedy accuracy of a saved warm start
+
+
+def build_warm_start(
+    path: str,
+    seed: int = 0,
+    target_exact: float = 0.3,
+    max_sft_steps: int = 1000,
+    hidden_size: int = 128,
+    num_layers: int = 3,
+) -> str:
+    """Build the embedded addition model from scratch, warm-start it by SFT until greedy exact
+    match reaches `target_exact` (a partly trained policy leaves RL room to improve), and
+    `save_pretrained` model and tokenizer to `path`. Returns `path`."""
+    tokenizer = make_addition_tokenizer()
+    task = AdditionTask(num_digits=3, seed=seed)
+    model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
+    sft_warm_start(model, tokenizer, task, steps=max_sft_steps, seed=seed, target_exact=target_exact)
+    accuracy = greedy_accuracy(model, tokenizer, task)
+    print(f"warm start: greedy exact {accuracy['exact']:.3f}, reward {accuracy['reward']:.3f} -> {path}")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    settings = dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps)
+    with open(os.path.join(path, WARM_START_FILE), "w") as f:
+        json.dump({**settings, "hidden_size": hidden_size, "num_layers": num_layers, **accuracy}, f)
+    return path
+
+
+def prepare_embedded_model(accelerator: Accelerator, path: str, **warm_start) -> str:
+    """Rank 0 builds and saves the warm-started model at `path` (a checkpoint already there,
+    built with the same settings, is reused); then every rank may load it from disk."""
+    if accelerator.is_main_process:
+        record = os.path.join(path, WARM_START_FILE)
+        saved = {}
+        if os.path.exists(record):
+            with open(record) as f:
+                saved = json.load(f)
+        if saved and all(saved.get(k) == v for k, v in warm_start.items()):
+            print(f"warm start: reusing {path} (greedy exact {saved['exact']:.3f})")
+        else:
+            build_warm_start(path, **warm_start)
+    accelerator.wait_for_everyone()
+    return path
+
+
+# -------------------------------------------------------------------------------------- outputs
+
+
+def fresh_output_dir(accelerator: Accelerator, output_dir: str) -> None:
+    """Create `output_dir`, dropping the metrics of an earlier run (the trainer appends)."""
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        metrics = os.path.join(output_dir, "metrics.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+    accelerator.wait_for_everyone()
+
+
+def smooth(values: Sequence[float], alpha: float = 0.2) -> list[float]:
+    """Exponential moving average with bias correction (no lag at the start)."""
+    out, avg = [], 0.0
+    for i, v in enumerate(values, start=1):
+        avg = alpha * v + (1 - alpha) * avg
+        out.append(avg / (1 - (1 - alpha) ** i))
+    return out
+
+
+def plot_rewards(history: Sequence[dict], path: str, title: str = "reward") -> str:
+    """`reward_mean` per step (dots and line) with its smoothed curve, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [h["step"] for h in history]
+    rewards = [h["reward_mean"] for h in history]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
+    ax.plot(steps, rewards, "o-", color="tab:blue", alpha=0.35, markersize=3, label="reward_mean")
+    ax.plot(steps, smooth(rewards), color="tab:blue", linewidth=2, label="smoothed (EMA 0.2)")
+    ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def summarize(history: Sequence[dict], wall_time: float, **extra) -> dict:
+    """First-5 / last-5 mean reward, steps, wall time and rollout throughput of a run."""
+    rewards = [h["reward_mean"] for h in history]
+    gen_time = sum(h.get("time_generate", 0.0) for h in history)
+    tokens = sum(h.get("rollout_tokens_per_s", 0.0) * h.get("time_generate", 0.0) for h in history)
+    first5 = statistics.mean(rewards[:5]) if rewards else math.nan
+    last5 = statistics.mean(rewards[-5:]) if rewards else math.nan
+    return {
+        "steps": len(history),
+        "reward_first5": first5,
+        "reward_last5": last5,
+        "reward_rise": last5 - first5,
+        "wall_time_s": wall_time,
+        "rollout_tokens": tokens,
+        "rollout_tokens_per_s": tokens / gen_time if gen_time > 0 else math.nan,
+        "time_generate_s": gen_time,
+        "time_train_s": sum(h.get("time_train", 0.0) for h in history),
+        **extra,
+    }
+
+
+def write_json(obj: dict, path: str) -> str:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2)
+    return path

@@ -1,0 +1,185 @@
+"""Recipes: the sweep's pass@k aggregation, dataset loading, CSV resume, and a short GRPO run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import random
+import sys
+from math import comb
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+# NOTE: recipes are scripts that import their sibling `_common`, as they do when launched.
+sys.path.insert(0, str(RECIPES))
+
+
+def load_recipe(name: str):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", RECIPES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+common = load_recipe("_common")
+sweep = load_recipe("eval_sweep")
+
+ROWS = [{"prompt": f"00{i}+001=", "answer": str(i + 1)} for i in range(6)]
+
+
+@pytest.fixture
+def keep_rng():
+    """The recipes seed the global RNGs; leave them as the other tests found them."""
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])
+
+
+# ------------------------------------------------------------------------------ pass@k
+
+
+def test_cell_metrics_matches_closed_form():
+    n = 5
+    correct = [0, 1, 3, 5]  # correct samples per prompt
+    rewards, lengths = [], []
+    for p, c in enumerate(correct):
+        # partial credit (0.5, 0.99) must not count as correct
+        rewards += [1.0] * c + [0.5 if j % 2 else 0.99 for j in range(n - c)]
+        lengths += [p + 1] * n
+    out = sweep.cell_metrics(rewards, lengths, n, ks=[1, 2, 5, 8])
+    for k in (1, 2, 5):
+        expected = np.mean([1 - comb(n - c, k) / comb(n, k) for c in correct])
+        assert out[f"pass@{k}"] == pytest.approx(expected, abs=1e-12)
+    assert out["pass@1"] == pytest.approx(np.mean(correct) / n)  # pass@1 is the plain accuracy
+    assert out["pass@5"] == pytest.approx(3 / 4)  # k = n: any correct sample at all
+    assert out["pass@8"] is None  # k > n has no unbiased estimate
+    assert out["prompts"] == 4
+    assert out["reward_mean"] == pytest.approx(np.mean(rewards))
+    assert out["response_length"] == pytest.approx(2.5)
+
+
+# ------------------------------------------------------------------------ dataset loading
+
+
+@pytest.mark.parametrize("kind", ["json", "jsonl", "csv", "parquet", "saved", "saved_dict"])
+def test_load_prompts_reads_every_local_format(tmp_path, kind):
+    ds = Dataset.from_list(ROWS)
+    path = tmp_path / f"data.{kind}"
+    if kind == "json":
+        path.write_text(json.dumps(ROWS))  # one JSON array
+    elif kind == "jsonl":
+        common.write_jsonl(ROWS, str(path))
+    elif kind == "csv":
+        ds.to_csv(str(path), index=False)
+    elif kind == "parquet":
+        ds.to_parquet(str(path))
+    elif kind == "saved":
+        ds.save_to_disk(str(path))
+    else:
+        DatasetDict(train=Dataset.from_list(ROWS[:2]), test=ds).save_to_disk(str(path))
+    loaded = common.load_prompts(str(path), split="test")
+    assert loaded["prompt"] == [r["prompt"] for r in ROWS]
+    # NOTE: csv parses "3" back as an int; the rewards compare str(answer)
+    assert [str(a) for a in loaded["answer"]] == [r["answer"] for r in ROWS]
+
+
+def test_load_prompts_refuses_bad_input(tmp_path):
+    no_prompt = tmp_path / "q.jsonl"
+    common.write_jsonl([{"question": "1+1=", "answer": "2"}], str(no_prompt))
+    with pytest.raises(ValueError, match="prompt"):
+        common.load_prompts(str(no_prompt))
+    odd = tmp_path / "data.txt"
+    odd.write_text("1+1=\n")
+    with pytest.raises(ValueError, match="unsupported"):
+        common.load_prompts(str(odd))
+
+
+def test_reward_registry():
+    add = common.get_reward("addition")
+    assert add(["1+2=", "1+2="], ["3", "4"], answer=["3", "3"]) == [1.0, 0.0]
+    exact = common.get_reward("exact_match")
+    assert exact(["q"] * 3, [" 42\nmore", "41", ""], answer=["42", "42", "42"]) == [1.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="unknown reward"):
+        common.get_reward("nope")
+
+
+# ---------------------------------------------------------------------------- CSV resume
+
+
+def test_csv_keeps_finished_cells(tmp_path):
+    path = str(tmp_path / "sweep.csv")
+    assert sweep.done_cells(path) == set()
+    fields = ["checkpoint", "temperature", "n", "pass@1", "pass@4"]
+    sweep.append_row(
+        path, {"checkpoint": "runs/a/", "temperature": 0.5, "n": 2, "pass@1": 0.1, "pass@4": None}, fields
+    )
+    sweep.append_row(
+        path, {"checkpoint": "runs/a", "temperature": 1.0, "n": 4, "pass@1": 0.2, "pass@4": 0.6}, fields
+    )
+    # keys survive the text round trip (path spelling, float formatting)
+    assert sweep.done_cells(path) == {sweep.cell_key("runs/a", 0.5, 2), sweep.cell_key("runs/a", 1, 4)}
+    rows = sweep.read_rows(path)
+    assert rows[0]["pass@4"] == "" and rows[1]["pass@4"] == "0.6"
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from trainers.tasks import build_tiny_model, make_addition_tokenizer
+
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    tokenizer = make_addition_tokenizer()
+    build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def test_sweep_resume_runs_only_missing_cells(tmp_path, tiny_checkpoint, monkeypatch, keep_rng):
+    calls = []
+    real_generate = sweep.RolloutEngine.generate
+
+    def counting_generate(self, prompts, temps=1.0, group_size=1, **kwargs):
+        calls.append((temps, group_size))
+        return real_generate(self, prompts, temps=temps, group_size=group_size, **kwargs)
+
+    monkeypatch.setattr(sweep.RolloutEngine, "generate", counting_generate)
+    base = ["--checkpoints", tiny_checkpoint, "--num_prompts", "6", "--samples", "2", "--ks", "1", "2"]
+    base += ["--output_dir", str(tmp_path), "--max_new_tokens", "3"]
+
+    rows = sweep.main([*base, "--temperatures", "0.5", "1.0"])
+    assert sorted(calls) == [(0.5, 2), (1.0, 2)]
+    assert len(rows) == 2 and (tmp_path / "passk.png").stat().st_size > 0
+    first = sweep.read_rows(str(tmp_path / "sweep.csv"))
+
+    calls.clear()
+    rows = sweep.main([*base, "--temperatures", "0.5", "1.0", "1.5"])
+    assert calls == [(1.5, 2)]  # only the new cell ran
+    assert len(rows) == 3
+    assert sweep.read_rows(str(tmp_path / "sweep.csv"))[:2] == first  # finished cells untouched
+
+    calls.clear()
+    monkeypatch.setattr(sweep.AutoModelForCausalLM, "from_pretrained", pytest.fail)  # nothing to load
+    assert len(sweep.main([*base, "--temperatures", "1.0", "1.5"])) == 2
+    assert calls == []
+
+
+# ------------------------------------------------------------------------------- GRPO run
+
+
+def test_grpo_short_run_writes_outputs(tmp_path, keep_rng):
+    grpo = load_recipe("grpo")
+    out = tmp_path / "grpo"
+    args = ["--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4", "--group_size", "4"]
+    summary = grpo.main([*args, "--output_dir", str(out)])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
+    assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2 == summary["steps"]
+    assert (out / "final" / "config.json").exists() and (out / "init" / "warm_start.json").exists()
