@@ -69,6 +69,7 @@ class GroupMetadata:
     window: int | None  # the layers' sliding window, None for full attention
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     buckets: list[DecodeBucket] = field(default_factory=list)
+    lanes: object | None = None  # rollout.lanes.LaneBatch: decode rows served from lanes
     segments: list[Segment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -167,6 +168,9 @@ def paged_attention_forward(
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
     upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
+    if group.lanes is not None:
+        _attend_lanes(group.lanes, meta.cache.lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap)
+
     for bucket in group.buckets:
         q = q_rows.index_select(0, bucket.rows)[:, :, None, :]  # [B, H, 1, D]
         b, lmax = bucket.slots.shape
@@ -191,6 +195,33 @@ def paged_attention_forward(
         o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     return out[None], None
+
+
+def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap) -> None:
+    """Decode rows served from lanes (see `rollout.lanes`): fill, append this step's K/V, attend on a view."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[3]
+    lk, lv = lanes.layer(layer, num_kv_heads, head_dim)  # [NL, Hkv, Lcap, D]
+    if lb.fill_slots is not None:
+        lk[lb.fill_lanes, :, lb.fill_pos] = k_cache.index_select(1, lb.fill_slots).transpose(0, 1).to(lk.dtype)
+        lv[lb.fill_lanes, :, lb.fill_pos] = v_cache.index_select(1, lb.fill_slots).transpose(0, 1).to(lv.dtype)
+    lk[lb.lanes, :, lb.pos] = key[0].index_select(1, lb.rows).transpose(0, 1).to(lk.dtype)  # [n, Hkv, D]
+    lv[lb.lanes, :, lb.pos] = value[0].index_select(1, lb.rows).transpose(0, 1).to(lv.dtype)
+    for bk in lb.buckets:
+        q = q_rows.index_select(0, bk.rows).to(lk.dtype)  # [n, H, D]
+        if bk.view:
+            k = lk[bk.lo : bk.hi, :, : bk.lmax]  # NOTE: a view: no gather
+            v = lv[bk.lo : bk.hi, :, : bk.lmax]
+            if bk.index is not None:  # NOTE: holes in the range: their queries are zeros, outputs dropped
+                qq = q.new_zeros(bk.hi - bk.lo, q.shape[1], head_dim)
+                qq[bk.index] = q
+                q = qq
+        else:
+            k = lk[:, :, : bk.lmax].index_select(0, bk.index)  # whole lane prefixes
+            v = lv[:, :, : bk.lmax].index_select(0, bk.index)
+        o = _attend(q[:, :, None, :], k, v, bk.mask, scale, softcap, is_causal=False)[:, :, 0, :]
+        if bk.view and bk.index is not None:
+            o = o.index_select(0, bk.index)
+        out.index_copy_(0, bk.rows, o.to(out.dtype))
 
 
 def null_mask(*args, **kwargs) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import os
 from collections.abc import Sequence
 
 import torch
@@ -15,7 +16,15 @@ from transformers import GenerationConfig
 
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
-from .kv_cache import KVShape, PagedKVCache, kv_shape_from_config, plan_cache, step_bytes_per_token
+from .kv_cache import (
+    KVShape,
+    PagedKVCache,
+    cpu_budget,
+    kv_shape_from_config,
+    plan_cache,
+    step_bytes_per_token,
+)
+from .lanes import DecodeLanes
 from .offload import CpuOffloadBuffer, plan_offload
 from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, make_engine_view
@@ -108,6 +117,12 @@ class EngineCore:
         )
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
+        if self.device.type == "cpu" and None in self.windows and os.environ.get("ROLLOUT_DECODE_LANES", "1") != "0":
+            # NOTE: decode attention reads a per-request contiguous copy of the KV (see rollout.lanes).
+            lane_dtype = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
+            full = KVShape(groups.count(self.windows.index(None)), per_layer.num_kv_heads, per_layer.head_dim,
+                           lane_dtype)
+            self.cache.lanes = DecodeLanes(cpu_budget(), full.bytes_per_token, lane_dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
@@ -302,14 +317,17 @@ class EngineCore:
 
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
+        if self.cache.lanes is not None:  # NOTE: after a weight update no KV may survive anywhere
+            self.cache.lanes.reset()
         return self.block_manager.reset_prefix_cache()
 
     def release_memory(self) -> int:
         """Free the KV tensors while idle (their contents, and so the prefix cache, are lost)."""
         if self.has_work():
             raise RuntimeError("release_memory needs an idle engine")
-        self.reset_prefix_cache()
-        return self.cache.release()
+        lanes = self.cache.lanes.nbytes if self.cache.lanes is not None else 0
+        self.reset_prefix_cache()  # NOTE: drops the decode lanes too
+        return lanes + self.cache.release()
 
     def restore_memory(self) -> int:
         return self.cache.reallocate()
@@ -330,6 +348,7 @@ class EngineCore:
             "peak_used_blocks": self.scheduler.peak_used_blocks,
             "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "kv_bytes": self.cache.nbytes,
+            "lane_bytes": self.cache.lanes.nbytes if self.cache.lanes is not None else 0,
             "max_batch_tokens": self.max_batch_tokens,
             **self.stats,
         }

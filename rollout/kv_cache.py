@@ -66,6 +66,11 @@ def step_bytes_per_token(config, dtype: torch.dtype, max_requests: int | None = 
     return (8 * hidden + 3 * inter) * elt, vocab * (elt + 4)
 
 
+def cpu_budget() -> int:
+    """Bytes a CPU engine may keep for KV: min(5% of the available RAM, 1 GiB)."""
+    return min(int(psutil.virtual_memory().available * CPU_CACHE_FRACTION), CPU_CACHE_CAP_BYTES)
+
+
 def plan_cache(
     shape: KVShape,
     page_size: int,
@@ -96,7 +101,7 @@ def plan_cache(
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * max_memory_percent)
     else:
-        budget = min(int(psutil.virtual_memory().available * CPU_CACHE_FRACTION), CPU_CACHE_CAP_BYTES)
+        budget = cpu_budget()
     act_per_token, logits_per_row = step_bytes
 
     def step_memory(tokens: int) -> int:
@@ -154,6 +159,7 @@ class PagedKVCache:
         self._layer_ids: dict[int, int] = {}  # id(module) -> layer, for modules without `layer_idx`
         self._specs: set[tuple[int, int, int]] = set()  # storages seen, kept across release
         self.offload = None  # CpuOffloadBuffer, when CPU offload is on (see rollout.offload)
+        self.lanes = None  # DecodeLanes, when decode lanes are on (see rollout.lanes)
 
     def layer_index(self, module: torch.nn.Module) -> int:
         return self._layer_ids.setdefault(id(module), len(self._layer_ids))
@@ -182,13 +188,17 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the paged K/V tensors (decode lanes are counted apart: `lanes.nbytes`)."""
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
     def release(self) -> int:
-        """Free the tensors (they are allocated again at the next forward); returns the bytes freed."""
-        freed = self.nbytes
+        """Free the tensors (they are allocated again at the next forward); returns the bytes freed,
+        decode lanes included."""
+        freed = self.nbytes + (self.lanes.nbytes if self.lanes is not None else 0)
         self.keys.clear()
         self.values.clear()
+        if self.lanes is not None:
+            self.lanes.reset()
         if self.offload is not None:
             self.offload.release()
         return freed

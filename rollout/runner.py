@@ -15,6 +15,7 @@ import torch
 
 from .attention import ATTN_NAME, AttentionMetadata, DecodeBucket, GroupMetadata, Segment, register
 from .kv_cache import PagedKVCache
+from .lanes import DecodeLanes, LaneBatch, LaneBucket
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("rollout")
@@ -80,9 +81,11 @@ class ModelRunner:
         dev = self.device
         step = _StepIndex(starts, lens, dev)
         groups = []
+        lanes = self.cache.lanes
         for g, window in enumerate(self.windows):
             tables = [s.tables[g] for s in out.scheduled]
-            groups.append(_build_group(window, tables, step, self.page_size))
+            use = lanes if window is None else None
+            groups.append(_build_group(window, tables, step, self.page_size, use, out.scheduled))
         kwargs = {
             "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
             "position_ids": step.positions[None],  # [1, T]
@@ -102,7 +105,12 @@ class ModelRunner:
         kwargs, sampled = self.prepare(out)
         if not sampled:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
-        logits = self.model(**kwargs).logits[0]  # [R, V]
+        try:
+            logits = self.model(**kwargs).logits[0]  # [R, V]
+        except BaseException:
+            if self.cache.lanes is not None:  # NOTE: some layers may have written their lanes, some not
+                self.cache.lanes.reset()
+            raise
         if not sampled:
             logits = logits[:0]
         return logits.float(), sampled
@@ -112,6 +120,9 @@ class ModelRunner:
 # when the next row would read less than half of the bucket's longest KV (and it has enough rows).
 MAX_DECODE_BUCKETS = 4
 MIN_BUCKET_ROWS = 8
+# NOTE: lanes are reordered (see DecodeLanes.compact) once the views would read this much more KV
+# than the rows need (holes left by finished requests, newcomers out of length order).
+COMPACT_WASTE = 1.25
 
 
 class _StepIndex:
@@ -136,8 +147,11 @@ def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps:
     return table[rows, torch.div(positions, ps, rounding_mode="floor")] * ps + positions % ps
 
 
-def _build_group(window: int | None, tables: list[list[int]], step: _StepIndex, ps: int) -> GroupMetadata:
-    """Slots, decode buckets and prompt segments of one layer group, computed with tensor ops."""
+def _build_group(
+    window: int | None, tables: list[list[int]], step: _StepIndex, ps: int,
+    lanes: DecodeLanes | None = None, scheduled: list | None = None,
+) -> GroupMetadata:
+    """Slots, decode lanes and buckets, and prompt segments of one layer group, computed with tensor ops."""
     dev = step.device
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)  # [B, P]
@@ -154,6 +168,8 @@ def _build_group(window: int | None, tables: list[list[int]], step: _StepIndex, 
         if start > 0:
             kv = _slots(table, torch.tensor(b, device=dev), torch.arange(lo, end, device=dev), ps)
         g.segments.append(Segment(step.first_row[b], n, lo, end - lo, kv))
+    if decode and lanes is not None:
+        decode = _plan_lanes(g, lanes, decode, table, step, ps, scheduled)
     if decode:
         decode.sort(reverse=True)
         for chunk in _bucket(decode):
@@ -168,6 +184,68 @@ def _build_group(window: int | None, tables: list[list[int]], step: _StepIndex, 
             g.buckets.append(DecodeBucket(rows, _slots(table, reqs[:, None], pos, ps), kv_len,
                                           padded=chunk[-1][0] < lmax))
     return g
+
+
+def _plan_lanes(
+    g: GroupMetadata, lanes: DecodeLanes, decode: list[tuple[int, int, int]], table: torch.Tensor,
+    step: _StepIndex, ps: int, scheduled: list,
+) -> list[tuple[int, int, int]]:
+    """Serve what decode rows it can from lanes (sets `g.lanes`); returns the rows left to gather."""
+    dev = step.device
+    reqs = [c[1] for c in decode]
+    starts = [step.starts_list[b] for b in reqs]
+    served, lane_ids, fill = lanes.plan([scheduled[b].request for b in reqs], starts)
+    if not served:
+        return decode
+    rows_l = [step.first_row[reqs[i]] for i in served]
+    pos_l = [starts[i] for i in served]
+    ranked = sorted(zip((p + 1 for p in pos_l), lane_ids, rows_l, strict=True), reverse=True)
+    buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
+    read = sum((b.hi - b.lo if b.view else b.rows.numel()) * b.lmax for b in buckets)
+    need = sum(b.rows.numel() * b.lmax for b in buckets)
+    if any(not b.view for b in buckets) or read > COMPACT_WASTE * need:
+        new = lanes.compact([c[1] for c in ranked])
+        lane_ids = [new[lane] for lane in lane_ids]
+        ranked = [(kv, new[lane], row) for kv, lane, row in ranked]
+        buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
+    batch = LaneBatch(torch.tensor(rows_l, device=dev), torch.tensor(lane_ids, device=dev),
+                      torch.tensor(pos_l, device=dev), buckets)
+    if fill:
+        # NOTE: a (re)filled lane gets positions 0 .. pos - 1 from the pages; the new token is written after.
+        f_req = torch.tensor([reqs[served[i]] for i in fill], device=dev)
+        f_len = torch.tensor([pos_l[i] for i in fill], device=dev)
+        f_lane = torch.tensor([lane_ids[i] for i in fill], device=dev)
+        owner = torch.repeat_interleave(torch.arange(len(fill), device=dev), f_len)
+        first = torch.cumsum(f_len, 0) - f_len
+        p = torch.arange(int(f_len.sum()), device=dev) - first[owner]
+        batch.fill_lanes, batch.fill_pos = f_lane[owner], p
+        batch.fill_slots = _slots(table, f_req[owner], p, ps)
+    g.lanes = batch
+    done = set(served)
+    return [c for i, c in enumerate(decode) if i not in done]
+
+
+def _lane_bucket(chunk: list[tuple[int, int, int]], dev: torch.device) -> LaneBucket:
+    """One lane bucket from `(kv_len, lane, row)` rows: a view when the lanes are nearly contiguous."""
+    chunk = sorted(chunk, key=lambda c: c[1])
+    kv = [c[0] for c in chunk]
+    lanes = [c[1] for c in chunk]
+    lmax, n = max(kv), len(chunk)
+    lo, hi = lanes[0], lanes[-1] + 1
+    rows = torch.tensor([c[2] for c in chunk], device=dev)
+    lane_t = torch.tensor(lanes, device=dev)
+    kv_t = torch.tensor(kv, device=dev)
+    j = torch.arange(lmax, device=dev)
+    if hi - lo <= 2 * n + 2:  # NOTE: reading a hole costs less than copying a row
+        exact = hi - lo == n
+        mask = None
+        if not exact or min(kv) < lmax:
+            full = torch.ones(hi - lo, dtype=torch.long, device=dev)  # NOTE: a hole reads one (stale) key
+            full[lane_t - lo] = kv_t
+            mask = (j[None, :] < full[:, None])[:, None, None, :]
+        return LaneBucket(rows, lmax, lo, hi, True, None if exact else lane_t - lo, mask)
+    mask = None if min(kv) == lmax else (j[None, :] < kv_t[:, None])[:, None, None, :]
+    return LaneBucket(rows, lmax, lo, hi, False, lane_t, mask)
 
 
 def _bucket(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:

@@ -462,16 +462,19 @@ def test_sleep_releases_and_wake_regains_the_cache(model):
     with make_engine(model, page_size=16, num_blocks=256) as engine:
         assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=8)) == want
         held = engine.cache_stats()["kv_bytes"]
-        assert held > 0
+        lanes = engine.cache_stats()["lane_bytes"]  # decode lanes: freed too, regrown on demand
+        assert held > 0 and lanes > 0
         freed = engine.sleep()
         print(f"\nsleep() freed {freed} bytes of KV cache ({freed / 2**20:.2f} MiB)")
-        assert freed == held
+        assert freed == held + lanes
+        assert engine.cache_stats()["lane_bytes"] == 0
         assert engine.cache_stats()["kv_bytes"] == 0
         assert engine.wake() == held == engine.cache_stats()["kv_bytes"]
         assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=8)) == want
         assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=8)) == want  # prefix hits after wake
         # generate() while asleep wakes the engine
-        assert engine.sleep() == held
+        lanes = engine.cache_stats()["lane_bytes"]
+        assert engine.sleep() == held + lanes
         batch = engine.generate(prompts, temps=0.0, max_new_tokens=8)
         assert rows(batch) == want
         assert engine.cache_stats()["kv_bytes"] == held
@@ -482,9 +485,11 @@ def test_sleep_frees_the_default_cache(model):
     with make_engine(model, page_size=256) as engine:
         engine.generate([[1, 2, 3]], temps=0.0, max_new_tokens=2)
         held = engine.cache_stats()["kv_bytes"]
+        lanes = engine.cache_stats()["lane_bytes"]
         freed = engine.sleep()
         print(f"\ndefault config: sleep() freed {freed} bytes ({freed / 2**20:.0f} MiB)")
-        assert freed == held > 0 and engine.cache_stats()["kv_bytes"] == 0
+        assert freed == held + lanes and held > 0
+        assert engine.cache_stats()["kv_bytes"] == engine.cache_stats()["lane_bytes"] == 0
         engine.wake()
         assert engine.cache_stats()["kv_bytes"] == held
 
