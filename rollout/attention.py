@@ -201,11 +201,17 @@ def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, s
     """Decode rows served from lanes (see `rollout.lanes`): fill, append this step's K/V, attend on a view."""
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
     lk, lv = lanes.layer(layer, num_kv_heads, head_dim)  # [NL, Hkv, Lcap, D]
+    # NOTE: writes go through the flat [NL * Hkv * Lcap, D] view: one index_copy_ per tensor.
+    flat_k, flat_v = lk.view(-1, head_dim), lv.view(-1, head_dim)
+    heads = torch.arange(num_kv_heads, device=lk.device)[:, None]  # [Hkv, 1]
+    lane_len = lk.shape[2]
     if lb.fill_slots is not None:
-        lk[lb.fill_lanes, :, lb.fill_pos] = k_cache.index_select(1, lb.fill_slots).transpose(0, 1).to(lk.dtype)
-        lv[lb.fill_lanes, :, lb.fill_pos] = v_cache.index_select(1, lb.fill_slots).transpose(0, 1).to(lv.dtype)
-    lk[lb.lanes, :, lb.pos] = key[0].index_select(1, lb.rows).transpose(0, 1).to(lk.dtype)  # [n, Hkv, D]
-    lv[lb.lanes, :, lb.pos] = value[0].index_select(1, lb.rows).transpose(0, 1).to(lv.dtype)
+        idx = ((lb.fill_lanes[None, :] * num_kv_heads + heads) * lane_len + lb.fill_pos[None, :]).reshape(-1)
+        flat_k.index_copy_(0, idx, k_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lk.dtype))
+        flat_v.index_copy_(0, idx, v_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lv.dtype))
+    idx = ((lb.lanes[None, :] * num_kv_heads + heads) * lane_len + lb.pos[None, :]).reshape(-1)  # [Hkv * n]
+    flat_k.index_copy_(0, idx, key[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lk.dtype))
+    flat_v.index_copy_(0, idx, value[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lv.dtype))
     for bk in lb.buckets:
         q = q_rows.index_select(0, bk.rows).to(lk.dtype)  # [n, H, D]
         if bk.view:
