@@ -1,6 +1,7 @@
 """Markdown tables for RESULTS.md from the JSON files `throughput.py --json` wrote.
 
-    python benchmarks/summarize.py benchmarks/logs/5m_fp32_g4.json ... [--scaling benchmarks/logs/scaling_5m_fp32.json]
+    python benchmarks/summarize.py benchmarks/logs/5m_fp32_g4.json ... [--scaling benchmarks/logs/scaling_5m_fp32.json ...]
+        [--live COMMIT]    # name the live tree's commit in the labels
 """
 
 from __future__ import annotations
@@ -58,9 +59,14 @@ def throughput_tables(paths: list[str]) -> str:
     return "\n".join(lines) + "\n\n" + "\n".join(checks) + "\n"
 
 
+LIVE: str | None = None  # --live: the commit the live tree was at when the JSON was written
+
+
 def label(system: str, args: dict) -> str:
     if system == "ours":
-        return f"ours @ {args['ours_commit'][:7]}" if args.get("ours_commit") else "ours (live tree)"
+        if args.get("ours_commit"):
+            return f"ours @ {args['ours_commit'][:7]}"
+        return f"ours @ {LIVE[:7]}" if LIVE else "ours (live tree)"
     if system == "ours_base":
         return f"ours @ {args['baseline'][:7]} (before)"
     return {"hf_cb": "transformers CB (tuned)", "generate": "HF generate (padded)"}[system]
@@ -71,7 +77,9 @@ def scaling_table(path: str) -> str:
     a = d["args"]
     systems = [s for s in a["scaling_systems"].split(",") if s]
     peak = d["peaks"][a["dtype"]][1]
-    head = "| concurrent | " + " | ".join(label(s, a) + " tok/s" for s in systems) + " | ours GFLOP/s (% peak) |"
+    title = (f"**{a['model']} {a['dtype']}**: each of N distinct {a['scaling_prompt_len']}-token prompts decodes "
+             f"{a['scaling_new_tokens']} tokens; matmul peak {peak / 1e9:.0f} GFLOP/s per CPU-second\n\n")
+    head = title + "| concurrent | " + " | ".join(label(s, a) + " tok/s" for s in systems) + " | ours GFLOP/s (% peak) |"
     lines = [head, "|" + "---|" * (len(systems) + 2)]
     for row in d["scaling"]:
         cells = " | ".join(f"{fmt(row[s])} ({fmt(row[s + '_wall'])})" for s in systems)
@@ -82,12 +90,15 @@ def scaling_table(path: str) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("runs", nargs="*")
-    p.add_argument("--scaling")
+    p.add_argument("--scaling", action="append", default=[])
+    p.add_argument("--live", help="commit of the live tree the runs used")
     a = p.parse_args()
+    global LIVE
+    LIVE = a.live
     if a.runs:
         print(throughput_tables(a.runs))
-    if a.scaling:
-        print(scaling_table(a.scaling))
+    for path in a.scaling:
+        print(scaling_table(path))
 
 
 if __name__ == "__main__":

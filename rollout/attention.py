@@ -203,15 +203,21 @@ def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, s
     lk, lv = lanes.layer(layer, num_kv_heads, head_dim)  # [NL, Hkv, Lcap, D]
     # NOTE: writes go through the flat [NL * Hkv * Lcap, D] view: one index_copy_ per tensor.
     flat_k, flat_v = lk.view(-1, head_dim), lv.view(-1, head_dim)
-    heads = torch.arange(num_kv_heads, device=lk.device)[:, None]  # [Hkv, 1]
-    lane_len = lk.shape[2]
-    if lb.fill_slots is not None:
-        idx = ((lb.fill_lanes[None, :] * num_kv_heads + heads) * lane_len + lb.fill_pos[None, :]).reshape(-1)
-        flat_k.index_copy_(0, idx, k_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lk.dtype))
-        flat_v.index_copy_(0, idx, v_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lv.dtype))
-    idx = ((lb.lanes[None, :] * num_kv_heads + heads) * lane_len + lb.pos[None, :]).reshape(-1)  # [Hkv * n]
-    flat_k.index_copy_(0, idx, key[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lk.dtype))
-    flat_v.index_copy_(0, idx, value[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lv.dtype))
+    idx = lb.flat.get((num_kv_heads, lk.shape[2]))
+    if idx is None:  # NOTE: the same for every layer of the step: built by the first one
+        heads = torch.arange(num_kv_heads, device=lk.device)[:, None]  # [Hkv, 1]
+        lane_len = lk.shape[2]
+        write = ((lb.lanes[None, :] * num_kv_heads + heads) * lane_len + lb.pos[None, :]).reshape(-1)  # [Hkv * n]
+        fill = None
+        if lb.fill_slots is not None:
+            fill = ((lb.fill_lanes[None, :] * num_kv_heads + heads) * lane_len + lb.fill_pos[None, :]).reshape(-1)
+        idx = lb.flat[(num_kv_heads, lane_len)] = (write, fill)
+    write, fill = idx
+    if fill is not None:
+        flat_k.index_copy_(0, fill, k_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lk.dtype))
+        flat_v.index_copy_(0, fill, v_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lv.dtype))
+    flat_k.index_copy_(0, write, key[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lk.dtype))
+    flat_v.index_copy_(0, write, value[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lv.dtype))
     for bk in lb.buckets:
         q = q_rows.index_select(0, bk.rows).to(lk.dtype)  # [n, H, D]
         if bk.view:

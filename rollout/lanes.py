@@ -26,7 +26,7 @@ Half-precision models keep their lanes in fp32, so the fp32 decode attention (se
 from __future__ import annotations
 
 import heapq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -64,6 +64,7 @@ class LaneBatch:
     fill_lanes: torch.Tensor | None = None  # [F] lanes to (re)fill from the paged cache ...
     fill_pos: torch.Tensor | None = None  # [F] ... at these positions ...
     fill_slots: torch.Tensor | None = None  # [F] ... from these cache slots
+    flat: dict = field(default_factory=dict)  # (Hkv, lane_len) -> (write index, fill index), built once a step
 
 
 class DecodeLanes:

@@ -133,8 +133,13 @@ class _StepIndex:
         self.lens_list = lens
         self.device = device
         self.starts = torch.tensor(starts, device=device)  # [B]
-        self.lens = torch.tensor(lens, device=device)  # [B]
         total = int(sum(lens))
+        if total == len(lens):  # NOTE: a pure decode step (one token per request): no ragged indexing
+            self.request_of_token = torch.arange(total, device=device)
+            self.first_row = list(range(total))
+            self.positions = self.starts
+            return
+        self.lens = torch.tensor(lens, device=device)  # [B]
         self.request_of_token = torch.repeat_interleave(torch.arange(len(lens), device=device), self.lens)  # [T]
         first_row = torch.cumsum(self.lens, 0) - self.lens  # [B]
         self.first_row = first_row.tolist()
