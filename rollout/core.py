@@ -318,16 +318,15 @@ class EngineCore:
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
         if self.cache.lanes is not None:  # NOTE: after a weight update no KV may survive anywhere
-            self.cache.lanes.reset()
+            self.cache.lanes.forget()
         return self.block_manager.reset_prefix_cache()
 
     def release_memory(self) -> int:
         """Free the KV tensors while idle (their contents, and so the prefix cache, are lost)."""
         if self.has_work():
             raise RuntimeError("release_memory needs an idle engine")
-        lanes = self.cache.lanes.nbytes if self.cache.lanes is not None else 0
-        self.reset_prefix_cache()  # NOTE: drops the decode lanes too
-        return lanes + self.cache.release()
+        self.reset_prefix_cache()
+        return self.cache.release()  # NOTE: the decode lanes' tensors included
 
     def restore_memory(self) -> int:
         return self.cache.reallocate()

@@ -14,7 +14,8 @@ work on pages); lanes are a cache of it, rebuilt whenever there is any doubt:
   refilled from the pages;
 - a lane whose request is not a decode row this step is freed (finished, preempted, aborted, or
   back in prefill after a recompute);
-- a failed forward, a weight update (`reset`) and `PagedKVCache.release` drop every lane.
+- a failed forward and a weight update drop every lane (`forget`; the tensors stay allocated), and
+  `PagedKVCache.release` frees them (`reset`).
 
 Lanes are used on CPU only (on an accelerator the KV budget is the whole free memory, and a paged
 attention kernel reads the pages in place), for full-attention layers only (a sliding window already
@@ -103,8 +104,17 @@ class DecodeLanes:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
+    def forget(self) -> None:
+        """No lane belongs to any request any more (after a failed step, a weight update); the tensors
+        stay allocated for the next requests, which fill their lanes before reading them."""
+        self._of = {}
+        self._perm = None
+        self.owner = [None] * self.num_lanes
+        self.length = [0] * self.num_lanes
+        self._free = list(range(self.num_lanes))
+
     def reset(self) -> None:
-        """Forget every lane and free the tensors (after a failed step, a weight update, a release)."""
+        """Forget every lane and free the tensors (`PagedKVCache.release`)."""
         self.owner, self.length, self._free, self._of = [], [], [], {}
         self.lane_len = 0
         self._perm = None
@@ -120,10 +130,17 @@ class DecodeLanes:
     def _max_lanes(self, lane_len: int) -> int:
         return self.budget_bytes // (lane_len * self.bytes_per_token)
 
-    def _grow(self, want_lanes: int, want_len: int) -> None:
-        """Raise lane count and/or length within the budget (tensors follow lazily, see `layer`)."""
+    def _grow(self, want_lanes: int, want_len: int, limit: int = 0) -> None:
+        """Raise lane count and/or length within the budget (tensors follow lazily, see `layer`).
+
+        `limit`: the longest the rows can get (prompt + max_new_tokens). Lanes are sized for it when
+        that is at most twice what is needed now, so one generation rarely reallocates them."""
         if want_len > self.lane_len:
-            new_len = -(-want_len // LANE_LEN_QUANTUM) * LANE_LEN_QUANTUM
+            quantum = LANE_LEN_QUANTUM
+            for target in (max(want_len, min(limit, 2 * want_len)), want_len):
+                new_len = -(-target // quantum) * quantum
+                if self._max_lanes(new_len) >= max(self.num_lanes, want_lanes, 1) or target == want_len:
+                    break
             if self._max_lanes(new_len) >= max(self.num_lanes, 1):
                 self.lane_len = new_len
         if self.lane_len == 0:
@@ -148,9 +165,9 @@ class DecodeLanes:
         for lane, owner in enumerate(self.owner):
             if owner is not None and id(owner) not in here:
                 self._release(lane)
-        fits = [i for i, s in enumerate(starts) if s + 1 <= self.lane_len]
-        if len(fits) < len(starts):
-            self._grow(len(starts), max(starts) + 1)
+        if max(starts) + 1 > self.lane_len:
+            limit = max(getattr(r, "num_prompt_tokens", 0) + getattr(r, "max_new_tokens", 0) for r in requests)
+            self._grow(len(starts), max(starts) + 1, limit)
         else:
             self._grow(len(starts), 0)
         served: list[int] = []

@@ -109,7 +109,7 @@ class ModelRunner:
             logits = self.model(**kwargs).logits[0]  # [R, V]
         except BaseException:
             if self.cache.lanes is not None:  # NOTE: some layers may have written their lanes, some not
-                self.cache.lanes.reset()
+                self.cache.lanes.forget()
             raise
         if not sampled:
             logits = logits[:0]

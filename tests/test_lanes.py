@@ -142,7 +142,8 @@ def test_failed_step_drops_every_lane_and_the_engine_goes_on(model):
     core.step()
     del view.forward
     assert all(r.status == RequestStatus.FAILED for r in reqs)
-    assert core.cache.lanes.num_lanes == 0
+    assert all(o is None for o in core.cache.lanes.owner)  # no lane is trusted after a failed step
+    fills = core.cache.lanes.fills
     fresh = [core.make_request(p, request_id=f"b{i}", max_new_tokens=12) for i, p in enumerate(prompts)]
     for r in fresh:
         core.add(r)
@@ -150,6 +151,7 @@ def test_failed_step_drops_every_lane_and_the_engine_goes_on(model):
         core.step()
     for r, p in zip(fresh, prompts, strict=True):
         assert r.generated == hf_greedy(model, p, 12)
+    assert core.cache.lanes.fills >= fills + len(fresh)  # every new request filled its lane again
 
 
 def test_weight_update_drops_lanes(model):
@@ -158,9 +160,17 @@ def test_weight_update_drops_lanes(model):
     core.add(r)
     for _ in range(4):
         core.step()
-    assert core.cache.lanes.num_lanes > 0
+    lanes = core.cache.lanes
+    assert lanes.num_lanes > 0 and any(o is r for o in lanes.owner)
     core.reset_prefix_cache()  # what RolloutEngine.update_weights calls
-    assert core.cache.lanes.num_lanes == 0 and core.cache.lanes.nbytes == 0
+    assert all(o is None for o in lanes.owner) and lanes.nbytes > 0  # forgotten, tensors kept for reuse
+    fills = lanes.fills
+    core.step()  # r goes on decoding: its lane is filled again from the pages, never reused as it was
+    assert lanes.fills == fills + 1 and lanes.owner[lanes._of[id(r)]] is r
+    while core.has_work():
+        core.step()
+    held = lanes.nbytes
+    assert core.release_memory() >= held > 0 and lanes.nbytes == 0  # release frees the lane tensors
 
 
 def test_bf16_lanes_are_fp32_and_agree_with_the_gather_path(monkeypatch):
