@@ -56,14 +56,14 @@ class Sampler:
         chosen_lp = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)  # [R]
         g_rows = [i for i, g in enumerate(greedy) if g]
         if g_rows:
-            idx = torch.tensor(g_rows, device=logits.device)
-            tokens[idx] = logits.index_select(0, idx).argmax(dim=-1)
+            idx, sub = _take(logits, g_rows)
+            tokens[idx] = sub.argmax(dim=-1)
 
         s_rows = [i for i, g in enumerate(greedy) if not g]
         if s_rows:
-            idx = torch.tensor(s_rows, device=logits.device)
+            idx, rows = _take(logits, s_rows)
             sub = [params[i] for i in s_rows]
-            proc_lp = processed_logprobs(logits.index_select(0, idx), sub)  # [S, V]
+            proc_lp = processed_logprobs(rows, sub)  # [S, V]
             noise = self._noise(proc_lp.shape, [request_ids[i] for i in s_rows], sub)  # [S, V]
             picked = (proc_lp - noise.log()).argmax(dim=-1)  # [S]
             tokens[idx] = picked
@@ -75,8 +75,7 @@ class Sampler:
         raw_rows = g_rows if logprobs_mode == "processed" else list(range(num_rows))
         if raw_rows:
             # NOTE: log p(token) = logit - logsumexp(logits): no [R, V] log_softmax materialised.
-            idx = torch.tensor(raw_rows, device=logits.device)
-            sub = logits.index_select(0, idx)  # [G, V]
+            idx, sub = _take(logits, raw_rows)  # [G, V]
             chosen_lp[idx] = sub.gather(1, tokens[idx][:, None])[:, 0] - sub.logsumexp(dim=-1)
         return SamplerOutput(tokens.tolist(), chosen_lp.tolist())
 
@@ -89,6 +88,14 @@ class Sampler:
         for i in seeded:
             noise[i].exponential_(generator=self.generator_for(request_ids[i], params[i].seed))
         return noise
+
+
+def _take(logits: torch.Tensor, rows: list[int]) -> tuple[slice | torch.Tensor, torch.Tensor]:
+    """(index, logits[rows]): every row in order is a slice and the logits themselves, no [R, V] copy."""
+    if len(rows) == logits.shape[0]:  # NOTE: rows are increasing, so all of them means 0 .. R - 1
+        return slice(None), logits
+    idx = torch.tensor(rows, device=logits.device)
+    return idx, logits.index_select(0, idx)
 
 
 def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
