@@ -116,8 +116,10 @@ class ContinuousBatchingConfig:
             return
         self._gpu_notes_logged = True
         if self.default_compile_level or self.varlen_compile_config or self.decode_compile_config:
-            # NOTE: measured on the 5M benchmark (CPU): compiling the MLPs and norms was 8% slower.
-            logger.warning("torch.compile settings are accepted but not applied by rollout's engine yet")
+            # NOTE: benchmarks/compile_levels.py (CPU, transformers' level mapping): levels 1-3 ran at
+            # 0.95x / 0.96x / 0.87x of no compilation, after 9-14 s of compiling.
+            logger.warning("torch.compile settings are accepted but not applied by rollout's engine: on CPU every "
+                           "level measured slower (benchmarks/RESULTS.md)")
         if has_cuda:
             return
         ignored = [n for n in ("use_cuda_graph", "use_async_batching") if getattr(self, n)]
