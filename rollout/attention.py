@@ -53,9 +53,14 @@ class DecodeBucket:
         if not self.padded:
             return None
         if self._mask is None:
-            j = torch.arange(self.slots.shape[1], device=self.slots.device)
-            self._mask = (j[None, :] < self.kv_len[:, None])[:, None, None, :]
+            self._mask = key_padding_mask(self.kv_len, self.slots.shape[1])
         return self._mask
+
+
+def key_padding_mask(kv_len: torch.Tensor, lmax: int) -> torch.Tensor:
+    """[B, 1, 1, lmax] bool, True for the first `kv_len[b]` keys of row b (the decode attention mask)."""
+    j = torch.arange(lmax, device=kv_len.device)
+    return (j[None, :] < kv_len[:, None])[:, None, None, :]
 
 
 @dataclass(slots=True)

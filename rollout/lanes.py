@@ -68,6 +68,10 @@ class LaneBatch:
     flat: dict = field(default_factory=dict)  # (Hkv, lane_len) -> (write index, fill index), built once a step
 
 
+def _round_up(n: int) -> int:
+    return -(-n // LANE_LEN_QUANTUM) * LANE_LEN_QUANTUM
+
+
 class DecodeLanes:
     """Lane bookkeeping and the lane tensors of every full-attention layer.
 
@@ -115,11 +119,11 @@ class DecodeLanes:
 
     def reset(self) -> None:
         """Forget every lane and free the tensors (`PagedKVCache.release`)."""
-        self.owner, self.length, self._free, self._of = [], [], [], {}
+        self.owner = []
         self.lane_len = 0
-        self._perm = None
         self.keys.clear()
         self.values.clear()
+        self.forget()
 
     def _release(self, lane: int) -> None:
         self._of.pop(id(self.owner[lane]), None)
@@ -136,11 +140,9 @@ class DecodeLanes:
         `limit`: the longest the rows can get (prompt + max_new_tokens). Lanes are sized for it when
         that is at most twice what is needed now, so one generation rarely reallocates them."""
         if want_len > self.lane_len:
-            quantum = LANE_LEN_QUANTUM
-            for target in (max(want_len, min(limit, 2 * want_len)), want_len):
-                new_len = -(-target // quantum) * quantum
-                if self._max_lanes(new_len) >= max(self.num_lanes, want_lanes, 1) or target == want_len:
-                    break
+            new_len = _round_up(max(want_len, min(limit, 2 * want_len)))
+            if self._max_lanes(new_len) < max(self.num_lanes, want_lanes, 1):
+                new_len = _round_up(want_len)
             if self._max_lanes(new_len) >= max(self.num_lanes, 1):
                 self.lane_len = new_len
         if self.lane_len == 0:
@@ -166,7 +168,7 @@ class DecodeLanes:
             if owner is not None and id(owner) not in here:
                 self._release(lane)
         if max(starts) + 1 > self.lane_len:
-            limit = max(getattr(r, "num_prompt_tokens", 0) + getattr(r, "max_new_tokens", 0) for r in requests)
+            limit = max(r.num_prompt_tokens + r.max_new_tokens for r in requests)
             self._grow(len(starts), max(starts) + 1, limit)
         else:
             self._grow(len(starts), 0)

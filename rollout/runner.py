@@ -13,7 +13,15 @@ import logging
 
 import torch
 
-from .attention import ATTN_NAME, AttentionMetadata, DecodeBucket, GroupMetadata, Segment, register
+from .attention import (
+    ATTN_NAME,
+    AttentionMetadata,
+    DecodeBucket,
+    GroupMetadata,
+    Segment,
+    key_padding_mask,
+    register,
+)
 from .kv_cache import PagedKVCache
 from .lanes import DecodeLanes, LaneBatch, LaneBucket
 from .scheduler import SchedulerOutput
@@ -139,12 +147,17 @@ class _StepIndex:
             self.first_row = list(range(total))
             self.positions = self.starts
             return
-        self.lens = torch.tensor(lens, device=device)  # [B]
-        self.request_of_token = torch.repeat_interleave(torch.arange(len(lens), device=device), self.lens)  # [T]
-        first_row = torch.cumsum(self.lens, 0) - self.lens  # [B]
+        self.request_of_token, offsets, first_row = _ragged(torch.tensor(lens, device=device))  # [T], [T], [B]
         self.first_row = first_row.tolist()
-        offsets = torch.arange(total, device=device) - first_row[self.request_of_token]
         self.positions = self.starts[self.request_of_token] + offsets  # [T]
+
+
+def _ragged(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For runs of `lens` [B] items laid end to end: (run of each item [N], its offset in the run [N],
+    first item of each run [B])."""
+    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+    first = torch.cumsum(lens, 0) - lens
+    return owner, torch.arange(owner.numel(), device=lens.device) - first[owner], first
 
 
 def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps: int) -> torch.Tensor:
@@ -220,9 +233,7 @@ def _plan_lanes(
         f_req = torch.tensor([reqs[served[i]] for i in fill], device=dev)
         f_len = torch.tensor([pos_l[i] for i in fill], device=dev)
         f_lane = torch.tensor([lane_ids[i] for i in fill], device=dev)
-        owner = torch.repeat_interleave(torch.arange(len(fill), device=dev), f_len)
-        first = torch.cumsum(f_len, 0) - f_len
-        p = torch.arange(int(f_len.sum()), device=dev) - first[owner]
+        owner, p, _ = _ragged(f_len)
         batch.fill_lanes, batch.fill_pos = f_lane[owner], p
         batch.fill_slots = _slots(table, f_req[owner], p, ps)
     g.lanes = batch
@@ -240,16 +251,15 @@ def _lane_bucket(chunk: list[tuple[int, int, int]], dev: torch.device) -> LaneBu
     rows = torch.tensor([c[2] for c in chunk], device=dev)
     lane_t = torch.tensor(lanes, device=dev)
     kv_t = torch.tensor(kv, device=dev)
-    j = torch.arange(lmax, device=dev)
     if hi - lo <= 2 * n + 2:  # NOTE: reading a hole costs less than copying a row
         exact = hi - lo == n
         mask = None
         if not exact or min(kv) < lmax:
             full = torch.ones(hi - lo, dtype=torch.long, device=dev)  # NOTE: a hole reads one (stale) key
             full[lane_t - lo] = kv_t
-            mask = (j[None, :] < full[:, None])[:, None, None, :]
+            mask = key_padding_mask(full, lmax)
         return LaneBucket(rows, lmax, lo, hi, True, None if exact else lane_t - lo, mask)
-    mask = None if min(kv) == lmax else (j[None, :] < kv_t[:, None])[:, None, None, :]
+    mask = None if min(kv) == lmax else key_padding_mask(kv_t, lmax)
     return LaneBucket(rows, lmax, lo, hi, False, lane_t, mask)
 
 

@@ -192,8 +192,9 @@ def test_bf16_lanes_are_fp32_and_agree_with_the_gather_path(monkeypatch):
     assert same == len(prompts), f"{same}/{len(prompts)} bf16 completions agree between lanes and gather"
 
 
-class _Req:  # a stand-in request object: lanes only use identity
-    pass
+class _Req:  # a stand-in request: lanes use its identity and its longest possible length
+    num_prompt_tokens = 0
+    max_new_tokens = 0
 
 
 def test_plan_assigns_keeps_refills_and_releases():
