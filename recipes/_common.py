@@ -10,6 +10,7 @@ import json
 import math
 import os
 import statistics
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -138,6 +139,34 @@ def prepare_embedded_model(accelerator: Accelerator, path: str, **warm_start) ->
             build_warm_start(path, **warm_start)
     accelerator.wait_for_everyone()
     return path
+
+
+def load_policy_and_prompts(
+    accelerator: Accelerator, args, train_prompts: int, sft_seed: int
+) -> tuple[str, object, torch.nn.Module, Dataset, float]:
+    """The recipes' steps 1-2: `(model_path, tokenizer, model, dataset, warm-start seconds)`.
+
+    The policy is `args.model` (a hub id or local checkpoint) or the embedded model, warm-started
+    with `sft_seed` and saved to OUTPUT_DIR/init, then loaded back with `from_pretrained` either way.
+    The prompts are `args.dataset` or `train_prompts` generated addition problems."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    start = time.perf_counter()
+    model_path = args.model or prepare_embedded_model(
+        accelerator,
+        os.path.join(args.output_dir, "init"),
+        seed=sft_seed,
+        target_exact=args.sft_target,
+        max_sft_steps=args.sft_steps,
+    )
+    warm_start_s = time.perf_counter() - start
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if args.dataset:
+        dataset = load_prompts(args.dataset, args.dataset_split)
+    else:
+        dataset = AdditionTask(num_digits=3).to_dataset(train_prompts, seed=1000 + args.seed)
+    return model_path, tokenizer, model, dataset, warm_start_s
 
 
 # -------------------------------------------------------------------------------------- outputs

@@ -37,19 +37,16 @@ from _common import (
     REWARDS,
     fresh_output_dir,
     get_reward,
-    load_prompts,
+    load_policy_and_prompts,
     make_accelerator,
     plot_rewards,
-    prepare_embedded_model,
     summarize,
     write_json,
 )
 from accelerate.utils import set_seed
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout import ContinuousBatchingConfig
 from trainers import PPOConfig, PPOTrainer
-from trainers.tasks import AdditionTask
 
 # ----------------------------------------------------------------------------------- config
 STEPS = 100
@@ -96,23 +93,11 @@ def main(argv: list[str] | None = None) -> dict:
     fresh_output_dir(accelerator, args.output_dir)
     start = time.perf_counter()
 
-    # 1. the policy: a hub / local checkpoint, or the embedded model warm-started and saved here
-    model_path = args.model or prepare_embedded_model(
-        accelerator,
-        os.path.join(args.output_dir, "init"),
-        seed=args.seed,
-        target_exact=args.sft_target,
-        max_sft_steps=args.sft_steps,
+    # 1-2. the policy (a hub / local checkpoint, or the embedded model warm-started and saved here)
+    # and the prompts, as a datasets.Dataset
+    model_path, tokenizer, model, dataset, warm_start_s = load_policy_and_prompts(
+        accelerator, args, TRAIN_PROMPTS, sft_seed=args.seed
     )
-    warm_start_s = time.perf_counter() - start
-    tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-
-    # 2. the prompts, as a datasets.Dataset
-    if args.dataset:
-        dataset = load_prompts(args.dataset, args.dataset_split)
-    else:
-        dataset = AdditionTask(num_digits=3).to_dataset(TRAIN_PROMPTS, seed=1000 + args.seed)
 
     # 3. PPO (the trainer wraps the model with a value head)
     config = PPOConfig(
