@@ -27,12 +27,14 @@ from trainers.common import (
     PromptSource,
     RLConfig,
     completion_forward,
+    logprob_mismatch,
     lr_factor,
     minibatch_plan,
     reduce_metrics,
     rollout_seed,
     scored_logprobs,
 )
+from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
 
@@ -229,6 +231,20 @@ class RLTrainer:
             if values is not None:
                 parts["values"].append(values.float())
         return {k: torch.cat(v) for k, v in parts.items()}
+
+    def recompute_old(self, data: dict[str, Tensor], metrics: dict[str, float]) -> dict[str, Tensor]:
+        """`recompute`, stored as the update's `old_logprobs` (and, with `tis_cap`, `tis_weights`), with
+        the rollout parity probe and the entropy added to `metrics`; returns the recomputation."""
+        mask = data["completion_mask"]  # [N, T]
+        own = self.recompute(data)
+        data["old_logprobs"] = own["logprobs"]  # [N, T]
+        metrics.update(logprob_mismatch(data["rollout_logprobs"], own["logprobs"], mask))
+        metrics["entropy"] = masked_mean(own["entropy"], mask).item()
+        if self.config.tis_cap is not None:
+            data["tis_weights"] = truncated_importance_weights(
+                own["logprobs"], data["rollout_logprobs"], self.config.tis_cap
+            )  # [N, T]
+        return own
 
     def optimize(self, data: dict[str, Tensor]) -> dict[str, float]:
         """`num_iterations` epochs of `num_minibatches` optimizer steps, each accumulating

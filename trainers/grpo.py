@@ -23,8 +23,8 @@ from torch import Tensor
 
 from trainers.algorithms import get_algorithm
 from trainers.base import RLTrainer
-from trainers.common import RLConfig, batch_tensors, logprob_mismatch, reference_logprobs, scored_logprobs
-from trainers.losses import aggregate, clipped_policy_loss, kl_k3, masked_mean, truncated_importance_weights
+from trainers.common import RLConfig, batch_tensors, reference_logprobs, scored_logprobs
+from trainers.losses import aggregate, clipped_policy_loss, kl_k3, masked_mean
 
 
 @dataclass
@@ -97,14 +97,7 @@ class GRPOTrainer(RLTrainer):
         # same number of backward passes (DDP would hang otherwise).
         data["loss_mask"] = mask & keep[:, None]  # [N, T]
         # 3. the trainer's own logprobs before the update: ratio denominator and parity probe
-        own = self.recompute(data)
-        data["old_logprobs"] = own["logprobs"]  # [N, T]
-        metrics.update(logprob_mismatch(data["rollout_logprobs"], own["logprobs"], mask))
-        metrics["entropy"] = masked_mean(own["entropy"], mask).item()
-        if cfg.tis_cap is not None:
-            data["tis_weights"] = truncated_importance_weights(
-                own["logprobs"], data["rollout_logprobs"], cfg.tis_cap
-            )  # [N, T]
+        own = self.recompute_old(data, metrics)
         # 4. the frozen reference, for the KL term
         if self.ref_model is not None:
             chunks = cfg.num_minibatches * cfg.gradient_accumulation_steps

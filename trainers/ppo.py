@@ -24,7 +24,6 @@ from trainers.common import (
     RLConfig,
     batch_tensors,
     completion_forward,
-    logprob_mismatch,
     reference_logprobs,
     scored_logprobs,
 )
@@ -33,7 +32,6 @@ from trainers.losses import (
     gae,
     kl_k3,
     masked_mean,
-    truncated_importance_weights,
     value_loss,
 )
 
@@ -147,14 +145,8 @@ class PPOTrainer(RLTrainer):
         data["loss_mask"] = mask
         scores, reward_metrics = self.score(rows, batch)  # [N]
         # 2. the trainer's own logprobs and values before the update
-        own = self.recompute(data)
-        data["old_logprobs"], data["old_values"] = own["logprobs"], own["values"]  # [N, T] each
-        metrics.update(logprob_mismatch(data["rollout_logprobs"], own["logprobs"], mask))
-        metrics["entropy"] = masked_mean(own["entropy"], mask).item()
-        if cfg.tis_cap is not None:
-            data["tis_weights"] = truncated_importance_weights(
-                own["logprobs"], data["rollout_logprobs"], cfg.tis_cap
-            )  # [N, T]
+        own = self.recompute_old(data, metrics)
+        data["old_values"] = own["values"]  # [N, T]
         # 3. per-token rewards: the score on the last token, minus the KL penalty on every token
         token_rewards = torch.zeros_like(own["values"])  # [N, T]
         last = (mask.sum(dim=1) - 1).clamp_min(0)  # [N]
