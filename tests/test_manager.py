@@ -9,10 +9,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import threading
 import time
 
 import pytest
+from threads import guarded as run_guarded
 from tiny_models import VOCAB, hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
@@ -58,22 +58,7 @@ PROMPTS = random_prompts(6, 5, 40, seed=7)
 
 def guarded(fn, timeout: float = TIMEOUT):
     """Run `fn()` on a helper thread; fail the test if it does not return within `timeout` seconds."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised on the test thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        pytest.fail(f"{getattr(fn, '__name__', fn)} did not return within {timeout}s (the manager hangs)")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return run_guarded(fn, timeout)
 
 
 def drain(manager: ContinuousBatchingManager, timeout: float = TIMEOUT) -> dict[str, GenerationOutput]:

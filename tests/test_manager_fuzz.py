@@ -9,13 +9,13 @@ and prompts that share prefixes make preemption and prefix-cache hits frequent.
 from __future__ import annotations
 
 import functools
-import threading
 
 import hypothesis.strategies as st
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from threads import guarded
 from tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
@@ -40,22 +40,7 @@ def _world() -> tuple[torch.nn.Module, list[list[int]]]:
 
 
 def _guarded(fn, timeout: float = WAIT_TIMEOUT):
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # re-raised on the test thread
-            box["error"] = e
-
-    t = threading.Thread(target=target, daemon=True)
-    t.start()
-    t.join(timeout)
-    if t.is_alive():
-        pytest.fail(f"manager hung for {timeout}s")
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    return guarded(fn, timeout)
 
 
 class ManagerMachine(RuleBasedStateMachine):
