@@ -223,6 +223,12 @@ def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, s
         flat_v.index_copy_(0, fill, v_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lv.dtype))
     flat_k.index_copy_(0, write, key[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lk.dtype))
     flat_v.index_copy_(0, write, value[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lv.dtype))
+    if lanes.kernel is not None:  # NOTE: rollout.cpu_kernels: every lane read in place at its own length
+        q = q_rows.index_select(0, lb.rows).to(lk.dtype)  # [n, H, D]
+        o = torch.empty_like(q)
+        lanes.kernel(q, lk, lv, lb.lanes, lb.kv_len, scale, float(softcap or 0.0), o)
+        out.index_copy_(0, lb.rows, o.to(out.dtype))
+        return
     for bk in lb.buckets:
         q = q_rows.index_select(0, bk.rows).to(lk.dtype)  # [n, H, D]
         if bk.view:

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from . import cpu_kernels
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
 from .kv_cache import (
@@ -123,6 +124,7 @@ class EngineCore:
             full = KVShape(groups.count(self.windows.index(None)), per_layer.num_kv_heads, per_layer.head_dim,
                            lane_dtype)
             self.cache.lanes = DecodeLanes(cpu_budget(), full.bytes_per_token, lane_dtype, self.device)
+            self.cache.lanes.kernel = cpu_kernels.decode_attention()  # NOTE: None: SDPA over lane buckets
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,

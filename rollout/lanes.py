@@ -65,6 +65,7 @@ class LaneBatch:
     fill_lanes: torch.Tensor | None = None  # [F] lanes to (re)fill from the paged cache ...
     fill_pos: torch.Tensor | None = None  # [F] ... at these positions ...
     fill_slots: torch.Tensor | None = None  # [F] ... from these cache slots
+    kv_len: torch.Tensor | None = None  # [n] pos + 1, when the decode-attention kernel reads the lanes
     flat: dict = field(default_factory=dict)  # (Hkv, lane_len) -> (write index, fill index), built once a step
 
 
@@ -99,6 +100,9 @@ class DecodeLanes:
         self._perm: torch.Tensor | None = None  # pending reorder of this step (see `compact`)
         self._perm_len = 0
         self._permuted: set[int] = set()
+        # NOTE: `rollout.cpu_kernels.decode_attention` (set by the engine): it reads every lane at its own
+        # length, so the rows need no buckets and the lanes no compaction.
+        self.kernel = None
 
     @property
     def num_lanes(self) -> int:

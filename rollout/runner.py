@@ -217,17 +217,13 @@ def _plan_lanes(
         return decode
     rows_l = [step.first_row[reqs[i]] for i in served]
     pos_l = [starts[i] for i in served]
-    ranked = sorted(zip((p + 1 for p in pos_l), lane_ids, rows_l, strict=True), reverse=True)
-    buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
-    read = sum((b.hi - b.lo if b.view else b.rows.numel()) * b.lmax for b in buckets)
-    need = sum(b.rows.numel() * b.lmax for b in buckets)
-    if any(not b.view for b in buckets) or read > COMPACT_WASTE * need:
-        new = lanes.compact([c[1] for c in ranked])
-        lane_ids = [new[lane] for lane in lane_ids]
-        ranked = [(kv, new[lane], row) for kv, lane, row in ranked]
-        buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
-    batch = LaneBatch(torch.tensor(rows_l, device=dev), torch.tensor(lane_ids, device=dev),
-                      torch.tensor(pos_l, device=dev), buckets)
+    if lanes.kernel is not None:
+        batch = LaneBatch(torch.tensor(rows_l, device=dev), torch.tensor(lane_ids, device=dev),
+                          torch.tensor(pos_l, device=dev), [])
+        batch.kv_len = batch.pos + 1
+    else:
+        batch = _lane_buckets(lanes, rows_l, lane_ids, pos_l, dev)
+        lane_ids = batch.lanes.tolist()
     if fill:
         # NOTE: a (re)filled lane gets positions 0 .. pos - 1 from the pages; the new token is written after.
         f_req = torch.tensor([reqs[served[i]] for i in fill], device=dev)
@@ -239,6 +235,22 @@ def _plan_lanes(
     g.lanes = batch
     done = set(served)
     return [c for i, c in enumerate(decode) if i not in done]
+
+
+def _lane_buckets(lanes: DecodeLanes, rows_l: list[int], lane_ids: list[int], pos_l: list[int],
+                  dev: torch.device) -> LaneBatch:
+    """Lane rows for SDPA: buckets of similar length read as views; compacts the lanes when views waste."""
+    ranked = sorted(zip((p + 1 for p in pos_l), lane_ids, rows_l, strict=True), reverse=True)
+    buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
+    read = sum((b.hi - b.lo if b.view else b.rows.numel()) * b.lmax for b in buckets)
+    need = sum(b.rows.numel() * b.lmax for b in buckets)
+    if any(not b.view for b in buckets) or read > COMPACT_WASTE * need:
+        new = lanes.compact([c[1] for c in ranked])
+        lane_ids = [new[lane] for lane in lane_ids]
+        ranked = [(kv, new[lane], row) for kv, lane, row in ranked]
+        buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
+    return LaneBatch(torch.tensor(rows_l, device=dev), torch.tensor(lane_ids, device=dev),
+                     torch.tensor(pos_l, device=dev), buckets)
 
 
 def _lane_bucket(chunk: list[tuple[int, int, int]], dev: torch.device) -> LaneBucket:

@@ -45,8 +45,11 @@ def test_lanes_off_by_env(model, monkeypatch):
     assert EngineCore(model, GREEDY, ContinuousBatchingConfig()).cache.lanes is None
 
 
-def test_mixed_workload_matches_generate_with_holes_growth_and_arrivals(model):
-    """Chunked prefill (budget 64), staggered decode entry, late arrivals, prompts longer than a lane."""
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_mixed_workload_matches_generate_with_holes_growth_and_arrivals(model, monkeypatch, kernel):
+    """Chunked prefill (budget 64), staggered decode entry, late arrivals, prompts longer than a lane;
+    decode attention through the C++ kernel (`rollout.cpu_kernels`) and through SDPA over lane buckets."""
+    monkeypatch.setenv("ROLLOUT_CPU_KERNELS", kernel)
     prompts, max_new = mixed_workload()
     late = [(p, n) for p, n in zip(*mixed_workload(seed=1, n=6), strict=True)]
     core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, num_blocks=512))
@@ -71,7 +74,12 @@ def test_mixed_workload_matches_generate_with_holes_growth_and_arrivals(model):
         assert r.generated == hf_greedy(model, p, n), f"{r.request_id} ({len(p)}-token prompt) differs"
     lanes = core.cache.lanes
     assert lanes.fills >= len(reqs) - sum(n == 1 for n in all_new)  # every decoding request got a lane
-    assert lanes.compactions > 0  # finished requests left holes that were compacted away
+    if kernel == "1":
+        assert lanes.kernel is not None, "the decode-attention kernel did not build on this machine"
+        assert lanes.compactions == 0  # the kernel reads each lane in place: holes cost nothing
+    else:
+        assert lanes.kernel is None
+        assert lanes.compactions > 0  # finished requests left holes that were compacted away
     assert lanes.lane_len > LANE_LEN_QUANTUM  # prompts near 300 tokens grew the lanes
     assert core.cache_stats()["free_blocks"] == core.cache_stats()["num_blocks"]
 
