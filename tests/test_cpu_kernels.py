@@ -1,8 +1,8 @@
 """The C++ CPU decode-attention kernel (rollout/csrc/decode_attention.cpp, loaded by rollout.cpu_kernels).
 
-Checked against an explicit fp32 softmax(q K^T * scale) V on lanes read at their own lengths, over
-the shapes the kernel special-cases (head size 64 and 128, any other size; GQA groups 1, 2, 4; key
-counts that are and are not multiples of its 4-key blocks; one key), with Gemma 2's softcap, with
+Checked against an fp64 softmax(q K^T * scale) V on lanes read at their own lengths, over
+the shapes the kernel special-cases (head size 64 and 128 with GQA groups 1, 2, 4, and the generic loop; key
+counts that are and are not multiples of its 2- and 4-key blocks; one key), with Gemma 2's softcap, with
 two intra-op threads, and on bad input. Engine-level exactness (greedy equals `model.generate`
 with the kernel on) is in test_lanes.py and in every architecture test of test_correctness.py.
 """
@@ -53,7 +53,9 @@ def run(kernel, q, k, v, lanes, lens, scale, softcap=0.0):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (2, 2, 128), (8, 2, 32), (3, 1, 80)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [
+    (4, 2, 64), (8, 2, 64), (2, 2, 64), (2, 2, 128), (4, 1, 128), (8, 2, 32), (3, 1, 80),
+])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])
 def test_matches_fp64_reference(kernel, heads, kv_heads, head_dim, softcap):
     g = torch.Generator().manual_seed(heads * 1000 + head_dim)

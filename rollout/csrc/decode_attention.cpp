@@ -4,6 +4,8 @@
 // once from memory for all the query heads that share that KV head (GQA), so the cost is one read
 // of the request's K and V: the bound this op cannot beat. torch's CPU SDPA reads them once per
 // query head and runs per-head GEMM calls with one row, at a third to a half of that bandwidth.
+// Head sizes 64 and 128 with 1, 2 or 4 query heads per KV head have register-resident specialisations;
+// anything else takes a generic loop.
 //
 // Layouts (fp32, contiguous):
 //   q    [n, H, D]             one query per request
@@ -42,18 +44,85 @@ inline float exp_nonpos(float x) {
 
 }  // namespace
 
-// One (request, KV head): scores of the G query heads against L keys, softmax, weighted sum of the
-// values. DIM > 0 is the head size known at compile time (accumulators stay in registers), 0 = any.
-template <int DIM>
-void attend_one(const float* Q, const float* K, const float* V, float* O, int64_t G, int64_t L, int64_t D_,
-                float sc, float cap, float* s) {
-  const int64_t D = DIM > 0 ? DIM : D_;
+// Softmax of the G score rows s[g * L .. g * L + L) in place (probabilities, unnormalised), with
+// Gemma 2's softcap first when cap > 0; r[g] = 1 / sum of row g.
+inline void softmax_rows(float* s, int64_t G, int64_t L, float cap, float* r) {
+  for (int64_t g = 0; g < G; ++g) {
+    float* sg = s + g * L;
+    if (cap > 0.f) {
+      for (int64_t j = 0; j < L; ++j) sg[j] = cap * std::tanh(sg[j] / cap);
+    }
+    float m = sg[0];
+    for (int64_t j = 1; j < L; ++j) m = std::max(m, sg[j]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < L; ++j) {
+      const float e = exp_nonpos(sg[j] - m);
+      sg[j] = e;
+      sum += e;
+    }
+    r[g] = 1.f / sum;
+  }
+}
+
+// One (request, KV head) with GG query heads of size DIM known at compile time: one pass over the keys
+// scores all GG heads (two keys at a time, so 2 x GG independent FMA chains), one pass over the values
+// accumulates all GG outputs in registers.
+template <int DIM, int GG>
+void attend_fixed(const float* Q, const float* K, const float* V, float* O, int64_t L, float sc, float cap,
+                  float* s) {
+  constexpr int64_t D = DIM;
+  int64_t j = 0;
+  for (; j + 2 <= L; j += 2) {
+    const float* k0 = K + j * D;
+    const float* k1 = k0 + D;
+    for (int g = 0; g < GG; ++g) {
+      const float* qg = Q + g * D;
+      float d0 = 0.f, d1 = 0.f;
+#pragma omp simd reduction(+ : d0, d1)
+      for (int64_t d = 0; d < D; ++d) {
+        d0 += qg[d] * k0[d];
+        d1 += qg[d] * k1[d];
+      }
+      s[g * L + j] = d0 * sc;
+      s[g * L + j + 1] = d1 * sc;
+    }
+  }
+  for (; j < L; ++j) {
+    const float* kj = K + j * D;
+    for (int g = 0; g < GG; ++g) {
+      const float* qg = Q + g * D;
+      float d0 = 0.f;
+#pragma omp simd reduction(+ : d0)
+      for (int64_t d = 0; d < D; ++d) d0 += qg[d] * kj[d];
+      s[g * L + j] = d0 * sc;
+    }
+  }
+  float r[GG];
+  softmax_rows(s, GG, L, cap, r);
+  float acc[GG][D];
+  for (int g = 0; g < GG; ++g)
+    for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
+  for (int64_t jj = 0; jj < L; ++jj) {
+    const float* vj = V + jj * D;
+    for (int g = 0; g < GG; ++g) {
+      const float pj = s[g * L + jj];
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) acc[g][d] += pj * vj[d];
+    }
+  }
+  for (int g = 0; g < GG; ++g)
+    for (int64_t d = 0; d < D; ++d) O[g * D + d] = acc[g][d] * r[g];
+}
+
+// Any head size and group: one query head at a time (K and V re-read from cache for the next head).
+void attend_any(const float* Q, const float* K, const float* V, float* O, int64_t G, int64_t L, int64_t D,
+                float sc, float cap, float* s, float* acc) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = Q + g * D;
     float* sg = s + g * L;
     int64_t j = 0;
-    // NOTE: four keys at a time: four independent accumulator chains hide the FMA latency.
-    for (; j + 4 <= L; j += 4) {
+    for (; j + 4 <= L; j += 4) {  // NOTE: four independent accumulator chains hide the FMA latency
       const float* k0 = K + j * D;
       const float* k1 = k0 + D;
       const float* k2 = k1 + D;
@@ -79,29 +148,19 @@ void attend_one(const float* Q, const float* K, const float* V, float* O, int64_
       for (int64_t d = 0; d < D; ++d) d0 += qg[d] * kj[d];
       sg[j] = d0 * sc;
     }
-    if (cap > 0.f) {  // Gemma 2 logit softcap: cap * tanh(score / cap)
-      for (int64_t jj = 0; jj < L; ++jj) sg[jj] = cap * std::tanh(sg[jj] / cap);
-    }
-    float m = sg[0];
-    for (int64_t jj = 1; jj < L; ++jj) m = std::max(m, sg[jj]);
-    float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-    for (int64_t jj = 0; jj < L; ++jj) {
-      const float e = exp_nonpos(sg[jj] - m);
-      sg[jj] = e;
-      sum += e;
-    }
-    const float r = 1.f / sum;
-    float acc[DIM > 0 ? DIM : 1024];
+  }
+  std::vector<float> r(G);
+  softmax_rows(s, G, L, cap, r.data());
+  for (int64_t g = 0; g < G; ++g) {
+    const float* sg = s + g * L;
     for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-    for (int64_t jj = 0; jj < L; ++jj) {
-      const float pj = sg[jj];
-      const float* vj = V + jj * D;
+    for (int64_t j = 0; j < L; ++j) {
+      const float pj = sg[j];
+      const float* vj = V + j * D;
 #pragma omp simd
       for (int64_t d = 0; d < D; ++d) acc[d] += pj * vj[d];
     }
-    float* o = O + g * D;
-    for (int64_t d = 0; d < D; ++d) o[d] = acc[d] * r;
+    for (int64_t d = 0; d < D; ++d) O[g * D + d] = acc[d] * r[g];
   }
 }
 
@@ -133,18 +192,31 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> s;  // [G, L] scores, then probabilities
+    std::vector<float> acc(D);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t i = item / Hkv, h = item % Hkv;
       const int64_t L = lenp[i];
       const int64_t base = (lanep[i] * Hkv + h) * Lcap * D;
       const int64_t qo = (i * H + h * G) * D;
       if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
-      if (D == 64) {
-        attend_one<64>(qp + qo, kp + base, vp + base, op + qo, G, L, D, sc, cap, s.data());
-      } else if (D == 128) {
-        attend_one<128>(qp + qo, kp + base, vp + base, op + qo, G, L, D, sc, cap, s.data());
+      const float* Qi = qp + qo;
+      const float* Ki = kp + base;
+      const float* Vi = vp + base;
+      float* Oi = op + qo;
+      if (D == 64 && G == 1) {
+        attend_fixed<64, 1>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
+      } else if (D == 64 && G == 2) {
+        attend_fixed<64, 2>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
+      } else if (D == 64 && G == 4) {
+        attend_fixed<64, 4>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
+      } else if (D == 128 && G == 1) {
+        attend_fixed<128, 1>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
+      } else if (D == 128 && G == 2) {
+        attend_fixed<128, 2>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
+      } else if (D == 128 && G == 4) {
+        attend_fixed<128, 4>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
       } else {
-        attend_one<0>(qp + qo, kp + base, vp + base, op + qo, G, L, D, sc, cap, s.data());
+        attend_any(Qi, Ki, Vi, Oi, G, L, D, sc, cap, s.data(), acc.data());
       }
     }
   });
