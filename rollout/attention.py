@@ -4,7 +4,9 @@ Every step is one packed forward over `[1, T]` tokens. The per-step `AttentionMe
 attention function through the model's forward kwargs (`rollout_meta=`), never a module global.
 Cost grows with the sum over requests of (query tokens x that request's KV length):
 
-- decode rows (one query token each) are batched in buckets of similar KV length: their KV is
+- decode rows (one query token each) served from decode lanes (`rollout.lanes`, CPU) are attended
+  in place by the C++ kernel of `rollout.cpu_kernels`, or by SDPA over lane buckets without it;
+- other decode rows are batched in buckets of similar KV length: their KV is
   gathered by slot index from the head-major cache `[Hkv, slots, D]` into `[B, Hkv, Lmax, D]` and
   attended with a key-padding mask;
 - prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step

@@ -22,6 +22,10 @@ attention kernel reads the pages in place), for full-attention layers only (a sl
 bounds the gather), and within a memory budget: rows that do not fit take the gather path.
 Half-precision models keep their lanes in fp32, so the fp32 decode attention (see
 `rollout.attention`) casts nothing per step.
+
+Who reads the lanes: the C++ kernel of `rollout.cpu_kernels` when it is built (`DecodeLanes.kernel`),
+every lane in place at its own length; otherwise torch SDPA over `LaneBucket`s, views of lane ranges
+of similar length, which is why the lanes are then compacted into length order (`compact`).
 """
 
 from __future__ import annotations
