@@ -8,8 +8,8 @@ heads that share them, and reads every lane at its own length, so no row is padd
 The source is `rollout/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native` the first
 time a CPU engine with lanes starts on a machine (about 30 s; torch caches the build under
 `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); the name of the build carries a hash
-of the CPU flags and the torch version, so a shared home directory never hands one machine another's
-binary. No compiler, no ninja, or a failed build: one warning, and decode attention stays on torch's
+of the CPU flags, the torch version and the source, so a shared home directory never hands one
+machine another's binary, and a new version of the source is a new build. No compiler, no ninja, or a failed build: one warning, and decode attention stays on torch's
 SDPA. `ROLLOUT_CPU_KERNELS=0` skips the kernel (and the build) altogether.
 """
 
@@ -48,7 +48,7 @@ def _cpu_tag() -> str:
                     break
     except OSError:
         pass
-    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS)}".encode()
+    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS)}".encode() + SOURCE.read_bytes()
     return hashlib.sha1(key).hexdigest()[:12]
 
 
