@@ -66,6 +66,16 @@ def key_padding_mask(kv_len: torch.Tensor, lmax: int) -> torch.Tensor:
 
 
 @dataclass(slots=True)
+class PagedDecode:
+    """Decode rows attended in place over the paged cache by `rollout.cpu_kernels.paged_decode_attention`."""
+
+    rows: torch.Tensor  # [n] packed rows of the queries
+    table: torch.Tensor  # [n, P] block table of each row's request
+    start: torch.Tensor  # [n] first position read (> 0 once a sliding window has moved on)
+    end: torch.Tensor  # [n] one past the last position read (the row's own, just written)
+
+
+@dataclass(slots=True)
 class GroupMetadata:
     """Where the layers of one group (full attention, or one sliding window) write and read KV.
 
@@ -77,6 +87,7 @@ class GroupMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     buckets: list[DecodeBucket] = field(default_factory=list)
     lanes: object | None = None  # rollout.lanes.LaneBatch: decode rows served from lanes
+    paged: PagedDecode | None = None  # decode rows read in place by the paged kernel
     segments: list[Segment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -174,6 +185,14 @@ def paged_attention_forward(
     out = torch.empty_like(q_rows)  # [T, H, D]
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
     upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
+
+    if group.paged is not None:
+        pd = group.paged
+        q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]; NOTE: bf16 K/V are widened in the kernel
+        o = torch.empty_like(q)
+        meta.cache.paged_kernel(q, k_cache, v_cache, pd.table, pd.start, pd.end, meta.cache.page_size, scale,
+                                float(softcap or 0.0), o)
+        out.index_copy_(0, pd.rows, o.to(out.dtype))
 
     if group.lanes is not None:
         _attend_lanes(group.lanes, meta.cache.lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap)

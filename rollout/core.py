@@ -118,7 +118,12 @@ class EngineCore:
         )
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
-        if self.device.type == "cpu" and None in self.windows and os.environ.get("ROLLOUT_DECODE_LANES", "1") != "0":
+        paged = None
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
+            paged = cpu_kernels.paged_decode_attention()
+        if paged is not None and os.environ.get("ROLLOUT_PAGED_KERNEL", "1") != "0":
+            self.cache.paged_kernel = paged
+        elif self.device.type == "cpu" and None in self.windows and os.environ.get("ROLLOUT_DECODE_LANES", "1") != "0":
             # NOTE: decode attention reads a per-request contiguous copy of the KV (see rollout.lanes).
             lane_dtype = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
             full = KVShape(groups.count(self.windows.index(None)), per_layer.num_kv_heads, per_layer.head_dim,

@@ -81,19 +81,31 @@ def _build():
     return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
 
 
-def decode_attention():
-    """The compiled `decode_attention(q, k, v, lane, len, scale, softcap, out)`, or None (see module doc).
-
-    Builds (or loads the cached build) on first call; thread-safe; the outcome is remembered."""
+def _module():
+    """The compiled extension, or None (see module doc). Builds (or loads the cached build) on first
+    call; thread-safe; the outcome is remembered."""
     if not enabled():
         return None
     with _lock:
-        if "op" not in _state:
-            op = None
+        if "module" not in _state:
+            module = None
             try:
-                op = _build().decode_attention
+                module = _build()
             except Exception as e:  # NOTE: no compiler, no ninja, a failed build: SDPA still works
                 logger.warning("rollout: CPU decode-attention kernel unavailable, using torch SDPA (%s: %s)",
                                type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
-            _state["op"] = op
-        return _state["op"]
+            _state["module"] = module
+        return _state["module"]
+
+
+def decode_attention():
+    """`decode_attention(q, k, v, lane, len, scale, softcap, out)` over decode lanes, or None."""
+    module = _module()
+    return None if module is None else module.decode_attention
+
+
+def paged_decode_attention():
+    """`paged_decode_attention(q, k_cache, v_cache, table, start, end, page_size, scale, softcap, out)`
+    over the paged cache (fp32), or None."""
+    module = _module()
+    return None if module is None else module.paged_decode_attention

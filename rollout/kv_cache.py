@@ -160,6 +160,7 @@ class PagedKVCache:
         self._specs: set[tuple[int, int, int]] = set()  # storages seen, kept across release
         self.offload = None  # CpuOffloadBuffer, when CPU offload is on (see rollout.offload)
         self.lanes = None  # DecodeLanes, when decode lanes are on (see rollout.lanes)
+        self.paged_kernel = None  # rollout.cpu_kernels.paged_decode_attention, when decode rows use it
 
     def layer_index(self, module: torch.nn.Module) -> int:
         return self._layer_ids.setdefault(id(module), len(self._layer_ids))

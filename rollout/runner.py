@@ -18,6 +18,7 @@ from .attention import (
     AttentionMetadata,
     DecodeBucket,
     GroupMetadata,
+    PagedDecode,
     Segment,
     key_padding_mask,
     register,
@@ -93,7 +94,8 @@ class ModelRunner:
         for g, window in enumerate(self.windows):
             tables = [s.tables[g] for s in out.scheduled]
             use = lanes if window is None else None
-            groups.append(_build_group(window, tables, step, self.page_size, use, out.scheduled))
+            groups.append(_build_group(window, tables, step, self.page_size, use, out.scheduled,
+                                       paged=self.cache.paged_kernel is not None))
         kwargs = {
             "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
             "position_ids": step.positions[None],  # [1, T]
@@ -167,7 +169,7 @@ def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps:
 
 def _build_group(
     window: int | None, tables: list[list[int]], step: _StepIndex, ps: int,
-    lanes: DecodeLanes | None = None, scheduled: list | None = None,
+    lanes: DecodeLanes | None = None, scheduled: list | None = None, paged: bool = False,
 ) -> GroupMetadata:
     """Slots, decode lanes and buckets, and prompt segments of one layer group, computed with tensor ops."""
     dev = step.device
@@ -186,6 +188,12 @@ def _build_group(
         if start > 0:
             kv = _slots(table, torch.tensor(b, device=dev), torch.arange(lo, end, device=dev), ps)
         g.segments.append(Segment(step.first_row[b], n, lo, end - lo, kv))
+    if decode and paged:
+        reqs = torch.tensor([c[1] for c in decode], device=dev)
+        lo = torch.tensor([c[2] for c in decode], device=dev)
+        g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
+                              table.index_select(0, reqs), lo, lo + torch.tensor([c[0] for c in decode], device=dev))
+        decode = []
     if decode and lanes is not None:
         decode = _plan_lanes(g, lanes, decode, table, step, ps, scheduled)
     if decode:

@@ -456,14 +456,17 @@ def test_bf16_engine_updated_from_fp32_trainer(model, new_model):
 # ------------------------------------------------------------------------------- 8. sleep / wake
 
 
-def test_sleep_releases_and_wake_regains_the_cache(model):
+@pytest.mark.parametrize("decode", ["paged_kernel", "lanes"])
+def test_sleep_releases_and_wake_regains_the_cache(model, monkeypatch, decode):
+    """Default CPU decode (the paged kernel, no lanes) and decode lanes (whose bytes are freed too)."""
+    monkeypatch.setenv("ROLLOUT_PAGED_KERNEL", "1" if decode == "paged_kernel" else "0")
     prompts = random_prompts(2, 20, 30, seed=14)
     want = [hf_greedy(model, p, 8) for p in prompts]
     with make_engine(model, page_size=16, num_blocks=256) as engine:
         assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=8)) == want
         held = engine.cache_stats()["kv_bytes"]
         lanes = engine.cache_stats()["lane_bytes"]  # decode lanes: freed too, regrown on demand
-        assert held > 0 and lanes > 0
+        assert held > 0 and (lanes > 0) == (decode == "lanes")
         freed = engine.sleep()
         print(f"\nsleep() freed {freed} bytes of KV cache ({freed / 2**20:.2f} MiB)")
         assert freed == held + lanes

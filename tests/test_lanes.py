@@ -34,10 +34,18 @@ def model():
     return make_model("qwen3")
 
 
-def test_lanes_are_on_by_default_on_cpu(model):
+@pytest.fixture(autouse=True)
+def lanes_not_pages(monkeypatch):
+    """fp32 and bf16 engines decode through the paged kernel by default (test_cpu_kernels.py); lanes serve
+    when that is off, when the kernel cannot be built, and for fp16."""
+    monkeypatch.setenv("ROLLOUT_PAGED_KERNEL", "0")
+
+
+def test_lanes_are_on_without_the_paged_kernel(model):
     core = EngineCore(model, GREEDY, ContinuousBatchingConfig())
     assert isinstance(core.cache.lanes, DecodeLanes)
     assert core.cache.lanes.dtype == torch.float32
+    assert core.cache.paged_kernel is None
 
 
 def test_lanes_off_by_env(model, monkeypatch):

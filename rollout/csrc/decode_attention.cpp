@@ -42,6 +42,15 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
+// K/V elements: fp32 as they are, bf16 (stored as uint16) widened to fp32 (exact: bf16 is the top half).
+inline float load(float x) { return x; }
+inline float load(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+
 }  // namespace
 
 // Softmax of the G score rows s[g * L .. g * L + L) in place (probabilities, unnormalised), with
@@ -65,118 +74,180 @@ inline void softmax_rows(float* s, int64_t G, int64_t L, float cap, float* r) {
   }
 }
 
+// The keys (and values) of one (request, KV head) as runs of contiguous rows: one run for a lane,
+// one run per page for the paged cache.
+template <typename T>
+struct Runs {
+  const T* const* k;  // [n] first key row of each run
+  const T* const* v;  // [n] first value row of each run
+  const int64_t* len;     // [n] rows in each run
+  int64_t n;
+};
+
 // One (request, KV head) with GG query heads of size DIM known at compile time: one pass over the keys
 // scores all GG heads (two keys at a time, so 2 x GG independent FMA chains), one pass over the values
 // accumulates all GG outputs in registers.
-template <int DIM, int GG>
-void attend_fixed(const float* Q, const float* K, const float* V, float* O, int64_t L, float sc, float cap,
-                  float* s) {
+template <int DIM, int GG, typename T>
+void attend_fixed(const float* Q, const Runs<T>& runs, float* O, int64_t L, float sc, float cap, float* s) {
   constexpr int64_t D = DIM;
-  int64_t j = 0;
-  for (; j + 2 <= L; j += 2) {
-    const float* k0 = K + j * D;
-    const float* k1 = k0 + D;
-    for (int g = 0; g < GG; ++g) {
-      const float* qg = Q + g * D;
-      float d0 = 0.f, d1 = 0.f;
+  int64_t off = 0;
+  for (int64_t r = 0; r < runs.n; ++r) {
+    const T* K = runs.k[r];
+    const int64_t cnt = runs.len[r];
+    float* so = s + off;
+    int64_t j = 0;
+    for (; j + 2 <= cnt; j += 2) {
+      const T* k0 = K + j * D;
+      const T* k1 = k0 + D;
+      for (int g = 0; g < GG; ++g) {
+        const float* qg = Q + g * D;
+        float d0 = 0.f, d1 = 0.f;
 #pragma omp simd reduction(+ : d0, d1)
-      for (int64_t d = 0; d < D; ++d) {
-        d0 += qg[d] * k0[d];
-        d1 += qg[d] * k1[d];
+        for (int64_t d = 0; d < D; ++d) {
+          d0 += qg[d] * load(k0[d]);
+          d1 += qg[d] * load(k1[d]);
+        }
+        so[g * L + j] = d0 * sc;
+        so[g * L + j + 1] = d1 * sc;
       }
-      s[g * L + j] = d0 * sc;
-      s[g * L + j + 1] = d1 * sc;
     }
-  }
-  for (; j < L; ++j) {
-    const float* kj = K + j * D;
-    for (int g = 0; g < GG; ++g) {
-      const float* qg = Q + g * D;
-      float d0 = 0.f;
+    for (; j < cnt; ++j) {
+      const T* kj = K + j * D;
+      for (int g = 0; g < GG; ++g) {
+        const float* qg = Q + g * D;
+        float d0 = 0.f;
 #pragma omp simd reduction(+ : d0)
-      for (int64_t d = 0; d < D; ++d) d0 += qg[d] * kj[d];
-      s[g * L + j] = d0 * sc;
+        for (int64_t d = 0; d < D; ++d) d0 += qg[d] * load(kj[d]);
+        so[g * L + j] = d0 * sc;
+      }
     }
+    off += cnt;
   }
   float r[GG];
   softmax_rows(s, GG, L, cap, r);
   float acc[GG][D];
   for (int g = 0; g < GG; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
-  for (int64_t jj = 0; jj < L; ++jj) {
-    const float* vj = V + jj * D;
-    for (int g = 0; g < GG; ++g) {
-      const float pj = s[g * L + jj];
+  off = 0;
+  for (int64_t run = 0; run < runs.n; ++run) {
+    const T* V = runs.v[run];
+    const int64_t cnt = runs.len[run];
+    for (int64_t jj = 0; jj < cnt; ++jj) {
+      const T* vj = V + jj * D;
+      for (int g = 0; g < GG; ++g) {
+        const float pj = s[g * L + off + jj];
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[g][d] += pj * vj[d];
+        for (int64_t d = 0; d < D; ++d) acc[g][d] += pj * load(vj[d]);
+      }
     }
+    off += cnt;
   }
   for (int g = 0; g < GG; ++g)
     for (int64_t d = 0; d < D; ++d) O[g * D + d] = acc[g][d] * r[g];
 }
 
 // Any head size and group: one query head at a time (K and V re-read from cache for the next head).
-void attend_any(const float* Q, const float* K, const float* V, float* O, int64_t G, int64_t L, int64_t D,
-                float sc, float cap, float* s, float* acc) {
+template <typename T>
+void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L, int64_t D, float sc, float cap,
+                float* s, float* acc) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = Q + g * D;
-    float* sg = s + g * L;
-    int64_t j = 0;
-    for (; j + 4 <= L; j += 4) {  // NOTE: four independent accumulator chains hide the FMA latency
-      const float* k0 = K + j * D;
-      const float* k1 = k0 + D;
-      const float* k2 = k1 + D;
-      const float* k3 = k2 + D;
-      float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
+    int64_t off = 0;
+    for (int64_t run = 0; run < runs.n; ++run) {
+      const T* K = runs.k[run];
+      const int64_t cnt = runs.len[run];
+      float* sg = s + g * L + off;
+      int64_t j = 0;
+      for (; j + 4 <= cnt; j += 4) {  // NOTE: four independent accumulator chains hide the FMA latency
+        const T* k0 = K + j * D;
+        const T* k1 = k0 + D;
+        const T* k2 = k1 + D;
+        const T* k3 = k2 + D;
+        float d0 = 0.f, d1 = 0.f, d2 = 0.f, d3 = 0.f;
 #pragma omp simd reduction(+ : d0, d1, d2, d3)
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = qg[d];
-        d0 += x * k0[d];
-        d1 += x * k1[d];
-        d2 += x * k2[d];
-        d3 += x * k3[d];
+        for (int64_t d = 0; d < D; ++d) {
+          const float x = qg[d];
+          d0 += x * load(k0[d]);
+          d1 += x * load(k1[d]);
+          d2 += x * load(k2[d]);
+          d3 += x * load(k3[d]);
+        }
+        sg[j] = d0 * sc;
+        sg[j + 1] = d1 * sc;
+        sg[j + 2] = d2 * sc;
+        sg[j + 3] = d3 * sc;
       }
-      sg[j] = d0 * sc;
-      sg[j + 1] = d1 * sc;
-      sg[j + 2] = d2 * sc;
-      sg[j + 3] = d3 * sc;
-    }
-    for (; j < L; ++j) {
-      const float* kj = K + j * D;
-      float d0 = 0.f;
+      for (; j < cnt; ++j) {
+        const T* kj = K + j * D;
+        float d0 = 0.f;
 #pragma omp simd reduction(+ : d0)
-      for (int64_t d = 0; d < D; ++d) d0 += qg[d] * kj[d];
-      sg[j] = d0 * sc;
+        for (int64_t d = 0; d < D; ++d) d0 += qg[d] * load(kj[d]);
+        sg[j] = d0 * sc;
+      }
+      off += cnt;
     }
   }
   std::vector<float> r(G);
   softmax_rows(s, G, L, cap, r.data());
   for (int64_t g = 0; g < G; ++g) {
-    const float* sg = s + g * L;
     for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
-    for (int64_t j = 0; j < L; ++j) {
-      const float pj = sg[j];
-      const float* vj = V + j * D;
+    int64_t off = 0;
+    for (int64_t run = 0; run < runs.n; ++run) {
+      const T* V = runs.v[run];
+      const int64_t cnt = runs.len[run];
+      const float* sg = s + g * L + off;
+      for (int64_t j = 0; j < cnt; ++j) {
+        const float pj = sg[j];
+        const T* vj = V + j * D;
 #pragma omp simd
-      for (int64_t d = 0; d < D; ++d) acc[d] += pj * vj[d];
+        for (int64_t d = 0; d < D; ++d) acc[d] += pj * load(vj[d]);
+      }
+      off += cnt;
     }
     for (int64_t d = 0; d < D; ++d) O[g * D + d] = acc[d] * r[g];
   }
 }
 
-void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lane,
-                      const at::Tensor& len, double scale, double softcap, at::Tensor& out) {
-  TORCH_CHECK(q.dim() == 3 && k.dim() == 4 && v.sizes() == k.sizes(), "decode_attention: bad ranks");
+template <typename T>
+void attend(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L, int64_t D, float sc, float cap,
+            float* s, float* acc) {
+  if (D == 64 && G == 1) {
+    attend_fixed<64, 1, T>(Q, runs, O, L, sc, cap, s);
+  } else if (D == 64 && G == 2) {
+    attend_fixed<64, 2, T>(Q, runs, O, L, sc, cap, s);
+  } else if (D == 64 && G == 4) {
+    attend_fixed<64, 4, T>(Q, runs, O, L, sc, cap, s);
+  } else if (D == 128 && G == 1) {
+    attend_fixed<128, 1, T>(Q, runs, O, L, sc, cap, s);
+  } else if (D == 128 && G == 2) {
+    attend_fixed<128, 2, T>(Q, runs, O, L, sc, cap, s);
+  } else if (D == 128 && G == 4) {
+    attend_fixed<128, 4, T>(Q, runs, O, L, sc, cap, s);
+  } else {
+    attend_any(Q, runs, O, G, L, D, sc, cap, s, acc);
+  }
+}
+
+void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                  const char* name) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
                   out.scalar_type() == at::kFloat,
-              "decode_attention: fp32 only");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(),
-              "decode_attention: contiguous tensors only");
+              name, ": fp32 only");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(), name,
+              ": contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && v.sizes() == k.sizes(), name, ": shapes disagree");
+  TORCH_CHECK(q.size(2) <= 1024, name, ": head size above 1024");
+}
+
+// Lanes: k, v [NL, Hkv, Lcap, D]; request i reads lane lane[i], positions 0 .. len[i] - 1.
+void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lane,
+                      const at::Tensor& len, double scale, double softcap, at::Tensor& out) {
+  check_common(q, k, v, out, "decode_attention");
+  TORCH_CHECK(k.dim() == 4, "decode_attention: lanes must be [lanes, Hkv, lane_len, D]");
   TORCH_CHECK(lane.scalar_type() == at::kLong && len.scalar_type() == at::kLong, "decode_attention: int64 indices");
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t NL = k.size(0), Hkv = k.size(1), Lcap = k.size(2);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0 && out.sizes() == q.sizes(), "decode_attention: shapes disagree");
-  TORCH_CHECK(D <= 1024, "decode_attention: head size above 1024");
+  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "decode_attention: shapes disagree");
   TORCH_CHECK(lane.numel() == n && len.numel() == n, "decode_attention: one lane and one length per query");
   const int64_t G = H / Hkv;
   const float* qp = q.data_ptr<float>();
@@ -197,31 +268,96 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
       const int64_t i = item / Hkv, h = item % Hkv;
       const int64_t L = lenp[i];
       const int64_t base = (lanep[i] * Hkv + h) * Lcap * D;
-      const int64_t qo = (i * H + h * G) * D;
       if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
-      const float* Qi = qp + qo;
-      const float* Ki = kp + base;
-      const float* Vi = vp + base;
-      float* Oi = op + qo;
-      if (D == 64 && G == 1) {
-        attend_fixed<64, 1>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
-      } else if (D == 64 && G == 2) {
-        attend_fixed<64, 2>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
-      } else if (D == 64 && G == 4) {
-        attend_fixed<64, 4>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
-      } else if (D == 128 && G == 1) {
-        attend_fixed<128, 1>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
-      } else if (D == 128 && G == 2) {
-        attend_fixed<128, 2>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
-      } else if (D == 128 && G == 4) {
-        attend_fixed<128, 4>(Qi, Ki, Vi, Oi, L, sc, cap, s.data());
-      } else {
-        attend_any(Qi, Ki, Vi, Oi, G, L, D, sc, cap, s.data(), acc.data());
-      }
+      const float* kr = kp + base;
+      const float* vr = vp + base;
+      const Runs<float> runs{&kr, &vr, &L, 1};
+      const int64_t qo = (i * H + h * G) * D;
+      attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data());
     }
   });
 }
 
+// Paged cache: k, v [Hkv, slots, D] (head-major, slot = block * page_size + offset); request i reads
+// positions start[i] .. end[i] - 1 through its block table table[i] ([n, P], block ids).
+// K/V are fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.
+template <typename T>
+void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc, float cap,
+                at::Tensor& out) {
+  TORCH_CHECK(k.dim() == 3, "paged_decode_attention: the cache must be [Hkv, slots, D]");
+  TORCH_CHECK(table.scalar_type() == at::kLong && start.scalar_type() == at::kLong && end.scalar_type() == at::kLong &&
+                  table.dim() == 2 && table.is_contiguous(),
+              "paged_decode_attention: int64 block table [n, P] and positions");
+  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k.size(0), S = k.size(1), P = table.size(1);
+  TORCH_CHECK(k.size(2) == D && H % Hkv == 0, "paged_decode_attention: shapes disagree");
+  TORCH_CHECK(table.size(0) == n && start.numel() == n && end.numel() == n,
+              "paged_decode_attention: one table row and one start and end per query");
+  TORCH_CHECK(page_size >= 1 && S % page_size == 0, "paged_decode_attention: bad page size");
+  const int64_t G = H / Hkv, blocks = S / page_size;
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* sp = start.data_ptr<int64_t>();
+  const int64_t* ep = end.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(sp[i] >= 0 && ep[i] > sp[i] && ep[i] <= P * page_size,
+                "paged_decode_attention: positions out of range");
+    for (int64_t p = sp[i] / page_size; p <= (ep[i] - 1) / page_size; ++p) {
+      TORCH_CHECK(tp[i * P + p] >= 0 && tp[i * P + p] < blocks, "paged_decode_attention: block id out of range");
+    }
+  }
+  const float* qp = q.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(k.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(v.data_ptr());
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t stop) {
+    std::vector<float> s;
+    std::vector<float> acc(D);
+    std::vector<const T*> kr, vr;
+    std::vector<int64_t> lens;
+    for (int64_t item = begin; item < stop; ++item) {
+      const int64_t i = item / Hkv, h = item % Hkv;
+      const int64_t lo = sp[i], hi = ep[i], L = hi - lo;
+      kr.clear();
+      vr.clear();
+      lens.clear();
+      for (int64_t pos = lo; pos < hi;) {
+        const int64_t page = pos / page_size, offset = pos % page_size;
+        const int64_t cnt = std::min(page_size - offset, hi - pos);
+        const int64_t row = (h * S + tp[i * P + page] * page_size + offset) * D;
+        kr.push_back(kp + row);
+        vr.push_back(vp + row);
+        lens.push_back(cnt);
+        pos += cnt;
+      }
+      if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
+      const Runs<T> runs{kr.data(), vr.data(), lens.data(), static_cast<int64_t>(lens.size())};
+      const int64_t qo = (i * H + h * G) * D;
+      attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data());
+    }
+  });
+}
+
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                            const at::Tensor& start, const at::Tensor& end, int64_t page_size, double scale,
+                            double softcap, at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "paged_decode_attention: fp32 queries and output only");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+              "paged_decode_attention: fp32 or bf16 cache only");
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(),
+              "paged_decode_attention: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && v.sizes() == k.sizes(), "paged_decode_attention: shapes disagree");
+  TORCH_CHECK(q.size(2) <= 1024, "paged_decode_attention: head size above 1024");
+  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  if (k.scalar_type() == at::kFloat) {
+    paged_impl<float>(q, k, v, table, start, end, page_size, sc, cap, out);
+  } else {
+    paged_impl<uint16_t>(q, k, v, table, start, end, page_size, sc, cap, out);
+  }
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "decode attention over lanes (fp32, CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (fp32, CPU)");
 }
