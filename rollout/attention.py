@@ -4,8 +4,9 @@ Every step is one packed forward over `[1, T]` tokens. The per-step `AttentionMe
 attention function through the model's forward kwargs (`rollout_meta=`), never a module global.
 Cost grows with the sum over requests of (query tokens x that request's KV length):
 
-- decode rows (one query token each) served from decode lanes (`rollout.lanes`, CPU) are attended
-  in place by the C++ kernel of `rollout.cpu_kernels`, or by SDPA over lane buckets without it;
+- on CPU, decode rows (one query token each) are attended by the C++ kernels of `rollout.cpu_kernels`:
+  in place over the paged cache (fp32 and bf16 caches), or over decode lanes (`rollout.lanes`; fp16),
+  or by SDPA over lane buckets when the kernels cannot be built;
 - other decode rows are batched in buckets of similar KV length: their KV is
   gathered by slot index from the head-major cache `[Hkv, slots, D]` into `[B, Hkv, Lmax, D]` and
   attended with a key-padding mask;

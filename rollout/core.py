@@ -118,6 +118,8 @@ class EngineCore:
         )
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
+        # NOTE: on CPU decode attention runs in rollout.cpu_kernels: in place over the pages (fp32, bf16),
+        # else over decode lanes (fp16, ROLLOUT_PAGED_KERNEL=0), else SDPA (no compiler).
         paged = None
         if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
             paged = cpu_kernels.paged_decode_attention()

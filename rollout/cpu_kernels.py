@@ -1,16 +1,18 @@
 """Optional C++ kernels for the CPU decode path, built once per machine by torch's JIT extension loader.
 
-Only one so far: `decode_attention`, the attention of decode rows served from lanes
-(`rollout.lanes`). torch's CPU SDPA with one query row per request runs at a third to a half of
-the memory bandwidth (PROFILE.md); this kernel streams each request's K and V once for all the query
-heads that share them, and reads every lane at its own length, so no row is padded.
+Decode attention, one query token per request, in two addressings: `paged_decode_attention` reads
+the paged cache in place through block tables (the default for fp32 and bf16 caches), and
+`decode_attention` reads decode lanes (`rollout.lanes`; fp16 caches, `ROLLOUT_PAGED_KERNEL=0`).
+torch's CPU SDPA with one query row per request runs at a third to a half of the memory bandwidth
+(PROFILE.md); these kernels stream each request's K and V once for all the query heads that share
+them, at each row's own length, so no row is padded.
 
 The source is `rollout/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native` the first
 time a CPU engine with lanes starts on a machine (about 30 s; torch caches the build under
 `TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); the name of the build carries a hash
 of the CPU flags, the torch version and the source, so a shared home directory never hands one
 machine another's binary, and a new version of the source is a new build. No compiler, no ninja, or a failed build: one warning, and decode attention stays on torch's
-SDPA. `ROLLOUT_CPU_KERNELS=0` skips the kernel (and the build) altogether.
+SDPA over lanes. `ROLLOUT_CPU_KERNELS=0` skips the kernels (and the build) altogether.
 """
 
 from __future__ import annotations

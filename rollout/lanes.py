@@ -23,7 +23,11 @@ bounds the gather), and within a memory budget: rows that do not fit take the ga
 Half-precision models keep their lanes in fp32, so the fp32 decode attention (see
 `rollout.attention`) casts nothing per step.
 
-Who reads the lanes: the C++ kernel of `rollout.cpu_kernels` when it is built (`DecodeLanes.kernel`),
+When the paged kernel of `rollout.cpu_kernels` is built, fp32 and bf16 engines keep no lanes at all:
+decode attention reads the pages in place. Lanes serve fp16 caches, `ROLLOUT_PAGED_KERNEL=0`, and
+machines without a compiler.
+
+Who reads the lanes: the lane kernel of `rollout.cpu_kernels` when it is built (`DecodeLanes.kernel`),
 every lane in place at its own length; otherwise torch SDPA over `LaneBucket`s, views of lane ranges
 of similar length, which is why the lanes are then compacted into length order (`compact`).
 """
