@@ -187,13 +187,10 @@ def paged_attention_forward(
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
     upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
-    if group.paged is not None:
+    if group.paged is not None:  # NOTE: bf16 K/V are widened in the kernel
         pd = group.paged
-        q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]; NOTE: bf16 K/V are widened in the kernel
-        o = torch.empty_like(q)
-        meta.cache.paged_kernel(q, k_cache, v_cache, pd.table, pd.start, pd.end, meta.cache.page_size, scale,
-                                float(softcap or 0.0), o)
-        out.index_copy_(0, pd.rows, o.to(out.dtype))
+        _kernel_rows(meta.cache.paged_kernel, pd.rows, q_rows, out, k_cache, v_cache, pd.table, pd.start, pd.end,
+                     meta.cache.page_size, scale, softcap)
 
     if group.lanes is not None:
         _attend_lanes(group.lanes, meta.cache.lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap)
@@ -224,6 +221,17 @@ def paged_attention_forward(
     return out[None], None
 
 
+def _kernel_rows(kernel, rows: torch.Tensor, q_rows: torch.Tensor, out: torch.Tensor, *args) -> None:
+    """Decode rows `rows` through a `rollout.cpu_kernels` op: fp32 queries in, `out[rows]` written.
+
+    `args` are the op's arguments between the queries and the output, ending with (scale, softcap)."""
+    *args, scale, softcap = args
+    q = q_rows.index_select(0, rows).float()  # [n, H, D]
+    o = torch.empty_like(q)
+    kernel(q, *args, scale, float(softcap or 0.0), o)
+    out.index_copy_(0, rows, o.to(out.dtype))
+
+
 def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap) -> None:
     """Decode rows served from lanes (see `rollout.lanes`): fill, append this step's K/V, attend on a view."""
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
@@ -246,10 +254,7 @@ def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, s
     flat_k.index_copy_(0, write, key[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lk.dtype))
     flat_v.index_copy_(0, write, value[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lv.dtype))
     if lanes.kernel is not None:  # NOTE: rollout.cpu_kernels: every lane read in place at its own length
-        q = q_rows.index_select(0, lb.rows).to(lk.dtype)  # [n, H, D]
-        o = torch.empty_like(q)
-        lanes.kernel(q, lk, lv, lb.lanes, lb.kv_len, scale, float(softcap or 0.0), o)
-        out.index_copy_(0, lb.rows, o.to(out.dtype))
+        _kernel_rows(lanes.kernel, lb.rows, q_rows, out, lk, lv, lb.lanes, lb.kv_len, scale, softcap)
         return
     for bk in lb.buckets:
         q = q_rows.index_select(0, bk.rows).to(lk.dtype)  # [n, H, D]

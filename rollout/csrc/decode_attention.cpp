@@ -228,11 +228,9 @@ void attend(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L,
   }
 }
 
+// Layout checks both entry points share (each checks its dtypes first).
 void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                   const char* name) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
-              name, ": fp32 only");
   TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(), name,
               ": contiguous tensors only");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && v.sizes() == k.sizes(), name, ": shapes disagree");
@@ -242,6 +240,9 @@ void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
 // Lanes: k, v [NL, Hkv, Lcap, D]; request i reads lane lane[i], positions 0 .. len[i] - 1.
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lane,
                       const at::Tensor& len, double scale, double softcap, at::Tensor& out) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
+                  out.scalar_type() == at::kFloat,
+              "decode_attention: fp32 only");
   check_common(q, k, v, out, "decode_attention");
   TORCH_CHECK(k.dim() == 4, "decode_attention: lanes must be [lanes, Hkv, lane_len, D]");
   TORCH_CHECK(lane.scalar_type() == at::kLong && len.scalar_type() == at::kLong, "decode_attention: int64 indices");
@@ -345,10 +346,7 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
               "paged_decode_attention: fp32 queries and output only");
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
               "paged_decode_attention: fp32 or bf16 cache only");
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(),
-              "paged_decode_attention: contiguous tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && v.sizes() == k.sizes(), "paged_decode_attention: shapes disagree");
-  TORCH_CHECK(q.size(2) <= 1024, "paged_decode_attention: head size above 1024");
+  check_common(q, k, v, out, "paged_decode_attention");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (k.scalar_type() == at::kFloat) {
     paged_impl<float>(q, k, v, table, start, end, page_size, sc, cap, out);
