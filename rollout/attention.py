@@ -116,6 +116,7 @@ class AttentionMetadata:
 
     cache: object  # PagedKVCache
     groups: list[GroupMetadata]  # indexed by `cache.group_of(layer)`
+    layers_seen: set[int] | None = None  # when set, each layer that runs adds its index (first-step check)
 
 
 def _attend(
@@ -170,6 +171,8 @@ def paged_attention_forward(
     layer = getattr(module, "layer_idx", None)
     if layer is None:
         layer = meta.cache.layer_index(module)
+    if meta.layers_seen is not None:
+        meta.layers_seen.add(layer)
     group = meta.groups[meta.cache.group_of(layer)]
     window = sliding_window if sliding_window else None
     if window != group.window:

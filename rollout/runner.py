@@ -41,6 +41,7 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
     for a, b in zip(model.parameters(), view.parameters(), strict=True):
         if a is not b:
             raise RuntimeError("engine view does not share parameters with the model")
+    _drop_forward_overrides(view)
     try:
         view.set_attn_implementation(ATTN_NAME)
     except Exception as e:  # pragma: no cover - depends on the architecture
@@ -52,6 +53,20 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
     return view
 
 
+def _drop_forward_overrides(view: torch.nn.Module) -> None:
+    """Run each model's class forward: drop `forward`s set on the view's model instances.
+
+    TRL (`add_fused_lm_head`) and accelerate (mixed precision) replace `model.forward` on the instance
+    with a wrapper; TRL's closes over the *original* module's bound forward, so the copied view would run
+    the user's module with its own attention. accelerate's device hooks (`_hf_hook`) are kept.
+    """
+    from transformers import PreTrainedModel
+
+    for module in view.modules():
+        if isinstance(module, PreTrainedModel) and "forward" in vars(module) and "_hf_hook" not in vars(module):
+            del module.forward
+
+
 class ModelRunner:
     """Runs one packed forward per step.
 
@@ -60,14 +75,19 @@ class ModelRunner:
         cache: the paged KV cache.
         windows: attention window of each layer group (None = full attention), in the order of the
             scheduler's block tables; default one full-attention group.
+        num_layers: attention layers the model announces; the first step checks that our attention ran
+            in each of them (default: the cache's layers).
     """
 
     def __init__(
-        self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None
+        self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None,
+        num_layers: int | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
         self.windows = windows or [None]  # attention window of each layer group
+        self.num_layers = len(cache.layer_groups) if num_layers is None else num_layers
+        self.verified = False  # NOTE: set once a step saw our attention run in every layer
         self.device = cache.device
         self.page_size = cache.page_size
 
@@ -115,8 +135,13 @@ class ModelRunner:
         kwargs, sampled = self.prepare(out)
         if not sampled:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
+        meta = kwargs["rollout_meta"]
+        if not self.verified:
+            meta.layers_seen = set()
         try:
             logits = self.model(**kwargs).logits[0]  # [R, V]
+            if not self.verified:
+                self._verify(meta.layers_seen)
         except BaseException:
             if self.cache.lanes is not None:  # NOTE: some layers may have written their lanes, some not
                 self.cache.lanes.forget()
@@ -124,6 +149,20 @@ class ModelRunner:
         if not sampled:
             logits = logits[:0]
         return logits.float(), sampled
+
+
+    def _verify(self, seen: set[int]) -> None:
+        """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""
+        missing = sorted(set(range(self.num_layers)) - seen)
+        if missing:
+            raise RuntimeError(
+                f"rollout's paged attention did not run in layer(s) {missing} of {self.num_layers}: the model's "
+                "forward (or a layer's) was replaced by one that bypasses the attention interface (e.g. a "
+                "wrapper bound to another module instance), so the engine would produce wrong tokens. "
+                "Build the engine on a model whose layers dispatch attention through "
+                "transformers.AttentionInterface (call it before wrapping, or pass the unwrapped model)."
+            )
+        self.verified = True
 
 
 # NOTE: decode rows are split into at most this many buckets of similar KV length, a bucket closing
