@@ -2,24 +2,32 @@
 
 A page holds `page_size` consecutive tokens of one sequence. A *full* page is identified by a chained
 hash of (hash of the previous page, its tokens), so two requests with the same prefix produce the
-same hashes and can share the pages. Freed pages keep their hash and stay reusable until the pool
+same hashes and can share the pages. The hash is a 128-bit BLAKE2b of the token bytes (as vLLM
+keys its prefix cache with SHA-256): a hit is taken without comparing tokens, so a collision must
+be out of reach (Python's 64-bit `hash()` of a tuple is not). Freed pages keep their hash and stay reusable until the pool
 needs them again; they are then evicted in LRU order (least recently freed first).
 """
 
 from __future__ import annotations
 
+import hashlib
+from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
 
-ROOT_HASH = 0x5EED
+ROOT_HASH = b"rollout-prefix-root"
+HASH_BYTES = 16
 
 
 def page_hashes(token_ids: Sequence[int], page_size: int, num_pages: int, start: int = 0,
-                parent: int = ROOT_HASH) -> list[int]:
-    """Chained hashes of pages `start .. start+num_pages-1` (all full), continuing from `parent`."""
-    hashes: list[int] = []
+                parent: bytes = ROOT_HASH) -> list[bytes]:
+    """Chained hashes of pages `start .. start+num_pages-1` (all full), continuing from `parent`:
+    BLAKE2b-128 of (parent hash, the page's tokens as int64 bytes)."""
+    hashes: list[bytes] = []
     for p in range(start, start + num_pages):
-        parent = hash((parent, tuple(token_ids[p * page_size : (p + 1) * page_size])))
+        h = hashlib.blake2b(parent, digest_size=HASH_BYTES)
+        h.update(array("q", token_ids[p * page_size : (p + 1) * page_size]).tobytes())
+        parent = h.digest()
         hashes.append(parent)
     return hashes
 
@@ -39,8 +47,8 @@ class BlockManager:
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.cached: dict[int, int] = {}  # page hash -> block id
+        self.block_hash: list[bytes | None] = [None] * num_blocks
+        self.cached: dict[bytes, int] = {}  # page hash -> block id
         # NOTE: front = next to reuse; freed blocks go to the back (LRU eviction of cached pages).
         self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
 
@@ -83,7 +91,7 @@ class BlockManager:
             self.ref_counts[block] += 1
 
     # --------------------------------------------------------- prefix cache
-    def match_prefix(self, hashes: Sequence[int]) -> list[int]:
+    def match_prefix(self, hashes: Sequence[bytes]) -> list[int]:
         """Longest run of cached pages for `hashes`; takes a reference to each hit block."""
         if not self.enable_prefix_caching:
             return []
@@ -96,7 +104,7 @@ class BlockManager:
         self.fork(hits)
         return hits
 
-    def peek_prefix(self, hashes: Sequence[int]) -> int:
+    def peek_prefix(self, hashes: Sequence[bytes]) -> int:
         """How many leading pages of `hashes` are cached (no references taken)."""
         if not self.enable_prefix_caching:
             return 0
@@ -107,11 +115,11 @@ class BlockManager:
             n += 1
         return n
 
-    def num_unreferenced(self, hashes: Sequence[int]) -> int:
+    def num_unreferenced(self, hashes: Sequence[bytes]) -> int:
         """How many cached pages of `hashes` nobody holds: a hit on them takes them off the free queue."""
         return sum(1 for h in hashes if self.ref_counts[self.cached[h]] == 0)
 
-    def cache_page(self, block: int, page_hash: int) -> None:
+    def cache_page(self, block: int, page_hash: bytes) -> None:
         """Register a full, computed page under its hash (first writer wins)."""
         if not self.enable_prefix_caching or self.block_hash[block] is not None:
             return

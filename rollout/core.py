@@ -27,6 +27,7 @@ from .kv_cache import (
 )
 from .lanes import DecodeLanes
 from .offload import CpuOffloadBuffer, plan_offload
+from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, make_engine_view
 from .sampler import Sampler
@@ -69,11 +70,26 @@ def layer_groups(windows: Sequence[int | None]) -> tuple[list[int | None], list[
     return groups, [groups.index(w) for w in windows]
 
 
-def eos_ids_of(gc: GenerationConfig) -> frozenset[int]:
-    eos = gc.eos_token_id
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
+def eos_ids_of(*sources) -> frozenset[int]:
+    """The union of EOS ids of `sources`: ints, lists of ints, None, or objects with `eos_token_id`
+    (a tokenizer, a `GenerationConfig`)."""
+    out: set[int] = set()
+    for src in sources:
+        if src is not None and not isinstance(src, (int, list, tuple, set, frozenset)):
+            src = getattr(src, "eos_token_id", None)
+        if src is None:
+            continue
+        out.update([src] if isinstance(src, int) else src)
+    return frozenset(int(t) for t in out)
+
+
+def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
+    if isinstance(values, int) or isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of token ids, got {values!r}")
+    values = list(values)
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
+        raise ValueError(f"{name} must hold int token ids, got {values!r}")
+    return frozenset(values)
 
 
 class EngineCore:
@@ -173,9 +189,13 @@ class EngineCore:
             self.default_sampling = SamplingParams(temperature=0.0)
         self.default_max_new_tokens = gc.max_new_tokens or 20
 
+    def check_prompt(self, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+        """A prompt's token ids as a list after one vectorised check (ValueError naming `input_ids`)."""
+        return check_token_ids(input_ids, self.vocab_size)
+
     def make_request(
         self,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
@@ -184,22 +204,25 @@ class EngineCore:
         top_p: float | None = None,
         seed: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        *,
+        prompt_checked: bool = False,
     ) -> Request:
-        """Validate a submission (ValueError naming the field) and build its `Request`."""
+        """Validate a submission (ValueError naming the field) and build its `Request`.
+
+        Stop tokens: the engine's EOS ids (see `set_generation_config`; none with `ignore_eos`) plus the
+        request's own `eos_token_ids`. `prompt_checked=True` says `input_ids` is the list `check_prompt`
+        returned (a group's samples share one check)."""
         if request_id is None:
             request_id = f"req_{next(self._arrival)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
         if request_id in self.requests:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.reshape(-1).tolist()
-        ids = list(input_ids)
-        if not ids:
-            raise ValueError(f"input_ids of request {request_id!r} is empty")
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
-                raise ValueError(f"input_ids of request {request_id!r} holds token {t!r} outside the vocabulary [0, {self.vocab_size})")
+        try:
+            ids = input_ids if prompt_checked else self.check_prompt(input_ids)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
         if max_new_tokens is None:
             max_new_tokens = self.default_max_new_tokens
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -218,7 +241,9 @@ class EngineCore:
                 f"{self.block_manager.num_blocks} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
             )
         sampling = self._sampling(temperature, top_k, top_p, seed)
-        eos = self.eos_ids if eos_token_ids is None else frozenset(eos_token_ids)
+        eos = frozenset() if ignore_eos else self.eos_ids
+        if eos_token_ids is not None:
+            eos = eos | _int_set(eos_token_ids, "eos_token_ids")
         return Request(
             request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,

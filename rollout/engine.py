@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import threading
@@ -14,6 +15,7 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from .config import ContinuousBatchingConfig
+from .core import eos_ids_of
 from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput, RequestStatus
 
@@ -87,7 +89,7 @@ class RolloutEngine:
         self.model = model
         self.tokenizer = tokenizer
         config = (config or ContinuousBatchingConfig()).replace(return_logprobs=True)
-        self.generation_config = generation_config or self._default_generation_config(model, tokenizer)
+        self.generation_config = self._generation_config(model, tokenizer, generation_config)
         self.manager = ContinuousBatchingManager(model, self.generation_config, config)
         self.manager.start()
         self.device = next(model.parameters()).device
@@ -97,15 +99,18 @@ class RolloutEngine:
         self._closed = False
 
     @staticmethod
-    def _default_generation_config(model, tokenizer) -> GenerationConfig:
-        eos = getattr(tokenizer, "eos_token_id", None)
-        if eos is None:
-            eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        pad = getattr(tokenizer, "pad_token_id", None)
-        return GenerationConfig(
-            do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=256,
-            eos_token_id=eos, pad_token_id=pad,
-        )
+    def _generation_config(model, tokenizer, given: GenerationConfig | None) -> GenerationConfig:
+        """The engine's defaults. Stop tokens: the tokenizer's EOS plus the given config's, or without
+        one the model's `generation_config` (int or list: Llama 3 / Qwen 2.5 Instruct list several)."""
+        if given is not None:
+            gc = copy.deepcopy(given)
+        else:
+            gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=256,
+                                  pad_token_id=getattr(tokenizer, "pad_token_id", None))
+            given = getattr(model, "generation_config", None)
+        eos = sorted(eos_ids_of(tokenizer, given))
+        gc.eos_token_id = eos[0] if len(eos) == 1 else (eos or None)
+        return gc
 
     # ------------------------------------------------------------- properties
     @property
@@ -176,32 +181,25 @@ class RolloutEngine:
             if apply_chat_template:
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
                 out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                return list(out["input_ids"] if isinstance(out, Mapping) else out)
-            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        if isinstance(prompt, torch.Tensor):
-            return prompt.reshape(-1).tolist()
-        return list(prompt)
+                return self.manager._core().check_prompt(out["input_ids"] if isinstance(out, Mapping) else out)
+            return self.manager._core().check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return self.manager._core().check_prompt(prompt)
 
     def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed) -> list[str]:
-        rids: list[str] = []
-        try:
-            for i, prompt in enumerate(ids):
-                for j in range(group_size):
-                    rid = self.manager.add_request(
-                        prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
-                        temperature=temps[i], top_k=top_k, top_p=top_p,
-                        seed=None if seed is None else _row_seed(seed, i * group_size + j),
-                    )
-                    if rid is None:
-                        raise RuntimeError("the rollout engine's manager is not running")
-                    rids.append(rid)
-        except Exception:
-            for rid in rids:
-                self.manager.cancel_request(rid)
-            for rid in rids:
-                self.manager.get_result(rid)
-            raise
-        return rids
+        """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
+        core = self.manager._core()
+        reqs = [
+            core.make_request(
+                prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
+                temperature=temps[i], top_k=top_k, top_p=top_p,
+                seed=None if seed is None else _row_seed(seed, i * group_size + j), prompt_checked=True,
+            )
+            for i, prompt in enumerate(ids)
+            for j in range(group_size)
+        ]
+        if not self.manager.submit(reqs):
+            raise RuntimeError("the rollout engine's manager is not running")
+        return [r.request_id for r in reqs]
 
     def _collect(self, rids: list[str], progress: bool) -> list[GenerationOutput]:
         outputs: dict[str, GenerationOutput] = {}

@@ -107,7 +107,7 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------- submission
     def add_request(
         self,
-        input_ids: Sequence[int],
+        input_ids: Sequence[int] | torch.Tensor,
         request_id: str | None = None,
         max_new_tokens: int | None = None,
         streaming: bool = False,
@@ -116,26 +116,24 @@ class ContinuousBatchingManager:
         top_p: float | None = None,
         seed: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
     ) -> str | None:
         """Queue one request; returns its id, or None (with a warning) if the manager is not running.
 
+        `input_ids` is one prompt: a flat sequence of token ids (a 1-D tensor is fine). Stop tokens are
+        the engine's EOS ids (none with `ignore_eos`) plus `eos_token_ids`.
         Raises ValueError naming the field for bad input; nothing is queued then."""
-        with self._cv:
-            if not self._accepting or self._destroyed:
-                logger.warning("add_request refused: the manager is stopped (call start() first)")
-                return None
-            if request_id is not None and request_id in self._live:
-                raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-            req = self._core().make_request(
-                input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids
-            )
-            self._live.add(req.request_id)
-            self._streams.pop(req.request_id, None)  # NOTE: never a stale stream of an earlier same-id request
-            if streaming:
-                self._streams[req.request_id] = deque()
-            self._inbox.append(("add", req))
-            self._cv.notify_all()
-            return req.request_id
+        if not self._accepting or self._destroyed:
+            logger.warning("add_request refused: the manager is stopped (call start() first)")
+            return None
+        if request_id is not None and request_id in self._live:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        # NOTE: validated outside the lock: the engine loop takes it between steps.
+        req = self._core().make_request(
+            input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids,
+            ignore_eos,
+        )
+        return req.request_id if self.submit([req]) else None
 
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
         """Queue several requests (same kwargs); returns their ids in input order.
@@ -144,19 +142,39 @@ class ContinuousBatchingManager:
 
         With prefix sharing on, the batch is submitted sorted by its tokens, so prompts with a common
         prefix run back to back and the later ones read the shared pages from the cache."""
-        ids = [f"req_{time.monotonic_ns()}_{i}" for i in range(len(inputs))]
-        if self._accepting and not self._destroyed:
-            # NOTE: validate the whole batch first: one bad input refuses all of it, so no request
-            # runs under an id the caller never got back.
-            for i, ids_i in enumerate(inputs):
-                self._core().make_request(ids_i, request_id=ids[i], **kwargs)
-        order = range(len(inputs))
+        if not self._accepting or self._destroyed:
+            logger.warning("add_requests refused: the manager is stopped (call start() first)")
+            return []
+        stamp = time.monotonic_ns()
+        core = self._core()
+        reqs = [core.make_request(ids_i, request_id=f"req_{stamp}_{i}", **kwargs) for i, ids_i in enumerate(inputs)]
+        order = list(range(len(reqs)))
         if self.config.allow_block_sharing:
-            order = sorted(order, key=lambda i: list(inputs[i]))
-        for i in order:
-            if self.add_request(inputs[i], request_id=ids[i], **kwargs) is None:
-                return [rid for rid in ids if rid in self._live]
-        return ids
+            order.sort(key=lambda i: reqs[i].prompt_ids)
+        if not self.submit([reqs[i] for i in order]):
+            return []
+        return [r.request_id for r in reqs]
+
+    def submit(self, requests: Sequence[Request]) -> bool:
+        """Queue requests built by `self.core.make_request`, all or none; False (with a warning) if the
+        manager is not running. ValueError if an id is live already (nothing is queued then)."""
+        with self._cv:
+            if not self._accepting or self._destroyed:
+                logger.warning("submission refused: the manager is stopped (call start() first)")
+                return False
+            seen: set[str] = set()
+            for req in requests:
+                if req.request_id in self._live or req.request_id in seen:
+                    raise ValueError(f"request_id {req.request_id!r} is already in use by a live request")
+                seen.add(req.request_id)
+            for req in requests:
+                self._live.add(req.request_id)
+                self._streams.pop(req.request_id, None)  # NOTE: never a stale stream of an earlier same-id request
+                if req.streaming:
+                    self._streams[req.request_id] = deque()
+                self._inbox.append(("add", req))
+            self._cv.notify_all()
+            return True
 
     def cancel_request(self, request_id: str) -> bool:
         """Cancel a live request; it delivers one final CANCELLED result. False if it is not live."""

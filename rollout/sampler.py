@@ -11,6 +11,7 @@ then top-k, then top-p, renormalised); "raw" is `log_softmax` of the unmodified 
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
@@ -25,10 +26,19 @@ class SamplerOutput:
 
 
 class Sampler:
+    """Samples one token per row. Unseeded rows draw from the sampler's own generator (seeded from the OS
+    unless `seed` is given); torch's global RNG is never read or reseeded.
+
+    Args:
+        device: where the logits live.
+        seed: seed of the generator of unseeded rows (None: fresh OS entropy).
+    """
+
     def __init__(self, device: torch.device, seed: int | None = None) -> None:
         self.device = device
         self.generator = torch.Generator(device=device)
-        self.generator.manual_seed(seed if seed is not None else torch.seed() % (1 << 62))
+        # NOTE: not torch.seed(), which reseeds the global generator (a trainer's seeding would be lost).
+        self.generator.manual_seed(seed if seed is not None else secrets.randbits(62))
         self._row_generators: dict[str, torch.Generator] = {}
 
     def generator_for(self, request_id: str, seed: int) -> torch.Generator:

@@ -7,6 +7,9 @@ the tail of a freed prefix is evicted before its head.
 
 from __future__ import annotations
 
+import hashlib
+import struct
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -16,7 +19,7 @@ from rollout.block_manager import BlockManager, page_hashes
 PS = 4  # tokens per page in these tests
 
 
-def hashes_of(tokens: list[int]) -> list[int]:
+def hashes_of(tokens: list[int]) -> list[bytes]:
     """Chained hashes of every full page of `tokens`."""
     return page_hashes(tokens, PS, len(tokens) // PS)
 
@@ -121,6 +124,21 @@ def test_page_hashes_continue_a_chain():
     full = page_hashes(tokens, PS, 5)
     assert page_hashes(tokens, PS, 3, start=2, parent=full[1]) == full[2:]
     assert len(set(full)) == 5
+
+
+def test_page_keys_are_a_strong_chained_digest_of_the_token_bytes():
+    """Prefix-cache keys are 128-bit BLAKE2b digests chained over the pages' int64 token bytes, so a hit
+    (taken without comparing tokens) cannot serve another prompt's KV through a 64-bit hash collision."""
+    tokens = [3, 70000, 5, 2**40, 0, 1, 2, 3]
+    parent = b"rollout-prefix-root"
+    expected = []
+    for p in range(2):
+        page = tokens[p * PS : (p + 1) * PS]
+        parent = hashlib.blake2b(parent + struct.pack(f"={PS}q", *page), digest_size=16).digest()
+        expected.append(parent)
+    assert hashes_of(tokens) == expected
+    # token ids are bytes of the key, not Python hash() values: ids equal modulo 2**61 - 1 differ
+    assert hashes_of([1, 2, 3, 4]) != hashes_of([1, 2, 3, 4 + 2**61 - 1])
 
 
 def test_first_writer_wins_for_a_hash():
