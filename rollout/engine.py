@@ -263,14 +263,18 @@ class RolloutEngine:
         existing storage. Built on the trainer's own module, `update_weights(model)` copies nothing.
         Every prefix-cache page computed with the old weights is dropped. Requests in flight finish
         under the old weights first (`in_flight="finish"`) or are aborted with their partial output
-        (`in_flight="abort"`)."""
+        (`in_flight="abort"`), or, with the manager paused in "keep" mode, stay where they are and go on
+        under the new weights after `resume()` (`in_flight="keep"`)."""
         self._check_open()
-        if in_flight not in ("finish", "abort"):
-            raise ValueError(f"in_flight must be 'finish' or 'abort', got {in_flight!r}")
+        if in_flight not in ("finish", "abort", "keep"):
+            raise ValueError(f"in_flight must be 'finish', 'abort' or 'keep', got {in_flight!r}")
+        if in_flight == "keep" and self.manager._paused != "keep":
+            raise ValueError("in_flight='keep' needs the manager paused with mode='keep'")
         if in_flight == "abort":
             self._abort_live()
         with self._lock:  # NOTE: a generate() running in another thread finishes first
-            self._wait_idle()
+            if in_flight != "keep":
+                self._wait_idle()
             with self.manager.step_lock:
                 core = self.manager._core()
                 try:

@@ -17,7 +17,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from transformers import GenerationConfig
@@ -59,6 +59,9 @@ class ContinuousBatchingManager:
         self._accepting = False
         self._stop_mode: str | None = None  # None, "drain" or "hard"
         self._destroyed = False
+        self._paused: str | None = None  # None, or the pause mode: "abort", "wait" or "keep"
+        self._held: deque[Request] = deque()  # requests submitted while paused, admitted on resume
+        self._listeners: list[Callable[[GenerationOutput], bool]] = []
         _LIVE_MANAGERS.add(self)
 
     # -------------------------------------------------------------- lifecycle
@@ -103,6 +106,50 @@ class ContinuousBatchingManager:
     def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
         with self.step_lock:
             self._core().set_generation_config(generation_config)
+
+    # ---------------------------------------------------------------- pausing
+    PAUSE_MODES = ("abort", "wait", "keep")
+
+    def pause(self, mode: str = "keep", timeout: float | None = None) -> None:
+        """Hold new requests until `resume()`; what happens to the live ones depends on `mode`:
+        "abort" cancels them (each delivers a final CANCELLED result), "wait" lets them finish,
+        "keep" freezes them where they are (no step runs; they continue on resume). Returns once that
+        state is reached (for "wait", once the running requests have finished)."""
+        if mode not in self.PAUSE_MODES:
+            raise ValueError(f"mode must be one of {self.PAUSE_MODES}, got {mode!r}")
+        with self._cv:
+            self._paused = mode
+            if mode == "abort":
+                self._inbox.append(("abort_all", None))
+            self._cv.notify_all()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        # NOTE: the loop holds step_lock for a whole step: once we get it, no step is under way.
+        while self.is_running():
+            with self.step_lock, self._cv:
+                if self._paused != mode:
+                    return
+                if not self._inbox and (mode == "keep" or not self._core().has_work()):
+                    return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"pause(mode={mode!r}) did not settle within {timeout} s")
+            time.sleep(0.002)
+
+    def resume(self) -> None:
+        """Admit the held requests and run again."""
+        with self._cv:
+            self._paused = None
+            self._inbox.extendleft(("add", r) for r in reversed(self._held))
+            self._held.clear()
+            self._cv.notify_all()
+
+    def is_paused(self) -> bool:
+        return self._paused is not None
+
+    def add_listener(self, fn: Callable[[GenerationOutput], bool]) -> None:
+        """Call `fn(output)` from the engine thread for every piece of news (final results, and chunks of
+        streaming requests). If it returns True it has taken the output: the manager keeps no copy, and a
+        final one counts as delivered. `fn` must be quick and must not call into the manager."""
+        self._listeners.append(fn)
 
     # ------------------------------------------------------------- submission
     def add_request(
@@ -257,16 +304,22 @@ class ContinuousBatchingManager:
         core = self._core()
         while True:
             with self._cv:
-                while not self._inbox and not core.has_work() and self._stop_mode is None:
+                while (not self._inbox and not (core.has_work() and self._paused != "keep")
+                       and self._stop_mode is None):
                     self._cv.wait()
+                if self._stop_mode is not None and self._held:  # NOTE: a stop ends the pause
+                    self._paused = None
+                    self._inbox.extendleft(("add", r) for r in reversed(self._held))
+                    self._held.clear()
                 commands = list(self._inbox)
                 self._inbox.clear()
                 stop_mode = self._stop_mode
+                paused = self._paused if stop_mode is None else None
             with self.step_lock:
-                news = self._apply(core, commands)
+                news = self._apply(core, commands, paused)
                 if stop_mode == "hard":
                     news += core.fail_all(HARD_STOP_ERROR)
-                elif core.has_work():
+                elif core.has_work() and paused != "keep":
                     try:
                         news += core.step()
                     except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
@@ -279,10 +332,16 @@ class ContinuousBatchingManager:
                         self._cv.notify_all()
                         return
 
-    def _apply(self, core: EngineCore, commands: list[tuple[str, object]]) -> list[Request]:
+    def _apply(self, core: EngineCore, commands: list[tuple[str, object]], paused: str | None) -> list[Request]:
         news: list[Request] = []
         for kind, arg in commands:
-            if kind == "add":
+            if kind == "add" and paused is not None:
+                with self._cv:
+                    self._held.append(arg)
+            elif kind == "abort_all":
+                news += [r for r in (core.cancel(rid) for rid in list(core.requests)) if r is not None]
+                news += self._cancel_held(lambda r: True)
+            elif kind == "add":
                 try:
                     core.add(arg)
                 except ValueError as e:  # NOTE: raced with a live id; fail this request alone
@@ -292,7 +351,16 @@ class ContinuousBatchingManager:
                 req = core.cancel(arg)
                 if req is not None:
                     news.append(req)
+                news += self._cancel_held(lambda r, rid=arg: r.request_id == rid)
         return news
+
+    def _cancel_held(self, match: Callable[[Request], bool]) -> list[Request]:
+        with self._cv:
+            gone = [r for r in self._held if match(r)]
+            self._held = deque(r for r in self._held if not match(r))
+        for req in gone:
+            req.status, req.finish_reason = RequestStatus.CANCELLED, "cancelled"
+        return gone
 
     def _publish(self, news: list[Request]) -> None:
         if not news:
@@ -300,12 +368,28 @@ class ContinuousBatchingManager:
         with self._cv:
             for req in news:
                 out = req.to_output()
+                if self._taken(out):
+                    continue
                 stream = self._streams.get(req.request_id)
                 if stream is not None:
                     stream.append(out)
                 if out.status.is_final:
                     self._results.append(out)
             self._cv.notify_all()
+
+    def _taken(self, out: GenerationOutput) -> bool:
+        for fn in self._listeners:
+            try:
+                taken = fn(out)
+            except Exception:  # NOTE: a listener's bug must not kill the engine loop
+                logger.exception("manager listener failed")
+                continue
+            if taken:
+                if out.status.is_final:
+                    self._streams.pop(out.request_id, None)
+                    self._live.discard(out.request_id)
+                return True
+        return False
 
 
 # NOTE: daemon threads never block interpreter exit; this only lets them finish their step cleanly.

@@ -35,6 +35,7 @@ class GenerationOutput:
     finish_reason: str | None = None
     error: str | None = None
     policy_version: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
 
     def is_finished(self) -> bool:
         return self.status.is_final
@@ -127,4 +128,5 @@ class Request:
             finish_reason=self.finish_reason if self.status.is_final else None,
             error=self.error,
             policy_version=self.policy_version,
+            num_cached_tokens=self.num_cached_tokens,
         )

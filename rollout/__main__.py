@@ -1,0 +1,21 @@
+"""`rollout` console script and `python -m rollout`: `rollout serve MODEL_PATH [flags]`."""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = "usage: rollout serve MODEL_PATH [flags]   (rollout serve --help for the flags)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or argv[0] != "serve":
+        print(USAGE, file=sys.stderr)
+        return 2
+    from .serve.cli import main as serve_main
+
+    return serve_main(argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""`RolloutClient`: a trainer's handle on a `rollout serve` (or `vllm serve`-style) server: RL control and
+weight pushes over `torch.distributed`.
+
+    client = RolloutClient("http://127.0.0.1:8000", api_key="KEY")
+    client.update_weights(model)           # joins a 2-rank gloo group on first use, broadcasts every tensor
+    client.generate(prompt_ids, max_tokens=64, temperature=1.0)
+
+The push follows vLLM's route names: `/init_weight_transfer_engine` (the server joins this trainer's group
+as rank 1), `/start_weight_update`, `/update_weights` (names, dtypes and shapes of a chunk, checked by the
+server before any tensor moves; then rank 0 broadcasts the chunk), `/finish_weight_update` (the server
+copies everything in at once, bumps the weight version and drops stale prefix KV). Needs `httpx`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import threading
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.distributed as dist
+
+
+class RolloutClient:
+    """HTTP client of one rollout server.
+
+    Args:
+        base_url: e.g. "http://127.0.0.1:8000".
+        api_key: the server's key (None when it has none).
+        timeout: seconds per HTTP call.
+    """
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
+        self.group: dist.ProcessGroup | None = None
+        self._store: dist.TCPStore | None = None
+
+    # ------------------------------------------------------------- plain calls
+    def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict:
+        r = self.http.post(path, json=json, params=params)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text}")
+        return r.json() if r.content else {}
+
+    def _get(self, path: str) -> dict:
+        r = self.http.get(path)
+        if r.status_code >= 400:
+            raise RuntimeError(f"{path}: HTTP {r.status_code}: {r.text}")
+        return r.json()
+
+    def health(self) -> bool:
+        return self.http.get("/health").status_code == 200
+
+    def generate(self, prompt: list[int] | list[list[int]] | str, **fields) -> dict:
+        """POST /v1/completions with token ids back (`return_token_ids`); `fields` are the request's fields."""
+        return self._post("/v1/completions", {"prompt": prompt, "return_token_ids": True, **fields})
+
+    def pause(self, mode: str = "abort") -> dict:
+        return self._post("/pause", params={"mode": mode})
+
+    def resume(self) -> dict:
+        return self._post("/resume")
+
+    def is_paused(self) -> bool:
+        return bool(self._get("/is_paused")["is_paused"])
+
+    def reset_prefix_cache(self) -> dict:
+        return self._post("/reset_prefix_cache")
+
+    def sleep(self) -> dict:
+        return self._post("/sleep")
+
+    def wake_up(self) -> dict:
+        return self._post("/wake_up")
+
+    def weight_version(self) -> int:
+        return int(self._get("/get_weight_version")["weight_version"])
+
+    def update_weights_from_disk(self, model_path: str) -> int:
+        return int(self._post("/update_weights_from_disk", {"model_path": model_path})["weight_version"])
+
+    # ------------------------------------------------------------ weight push
+    def init_weight_transfer(self, master_address: str = "127.0.0.1", master_port: int | None = None,
+                             timeout_s: float = 120.0) -> None:
+        """Form the 2-rank gloo group (this process rank 0, the server rank 1)."""
+        port = master_port or _free_port(master_address)
+        answer: dict = {}
+
+        def ask() -> None:
+            try:
+                answer["r"] = self._post("/init_weight_transfer_engine", {"init_info": {
+                    "master_address": master_address, "master_port": port, "rank_offset": 1, "world_size": 2}})
+            except Exception as e:
+                answer["e"] = e
+
+        asker = threading.Thread(target=ask, daemon=True)
+        asker.start()
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self._store = dist.TCPStore(master_address, port, 2, is_master=True, timeout=timeout)
+        self.group = dist.ProcessGroupGloo(self._store, 0, 2, timeout)
+        asker.join(timeout_s)
+        if "e" in answer:
+            raise answer["e"]
+
+    def update_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable,
+                       chunk_bytes: int = 256 * 2**20) -> int:
+        """Push every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to the server;
+        returns the server's new weight version. A tensor shared by two names (tied weights) goes once."""
+        if self.group is None:
+            self.init_weight_transfer()
+        if isinstance(model, torch.nn.Module):
+            items = model.state_dict().items()
+        elif isinstance(model, Mapping):
+            items = model.items()
+        else:
+            items = model
+        self._post("/start_weight_update", {"is_checkpoint_format": True})
+        seen: set[int] = set()
+        chunk: list[tuple[str, torch.Tensor]] = []
+        size = 0
+        for name, tensor in items:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            chunk.append((name, tensor.detach().to("cpu").contiguous()))
+            size += tensor.numel() * tensor.element_size()
+            if size >= chunk_bytes:
+                self._send(chunk)
+                chunk, size = [], 0
+        if chunk:
+            self._send(chunk)
+        return int(self._post("/finish_weight_update")["weight_version"])
+
+    def _send(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
+        # NOTE: the server checks the names and shapes and answers before it receives, so a refused chunk
+        # never leaves this side waiting in a broadcast.
+        self._post("/update_weights", {"update_info": {
+            "names": [n for n, _ in chunk],
+            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
+            "shapes": [list(t.shape) for _, t in chunk],
+        }})
+        for _, t in chunk:
+            self.group.broadcast(t, 0).wait()
+
+    def close(self) -> None:
+        self.http.close()
+        self.group = None
+        self._store = None
+
+    def __enter__(self) -> RolloutClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]

@@ -1,0 +1,136 @@
+"""`build_app`: the FastAPI app over one `RolloutEngine`: routes, API-key and body-size guard, errors.
+
+Every error is `{"error": {"message", "type", "param", "code"}}`; bad input is a 400 naming the field.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ..engine import RolloutEngine
+from . import control, openai_routes
+from .bridge import EngineBridge
+from .metrics import make_registry
+from .protocol import APIError, error_body, validation_error
+
+logger = logging.getLogger("rollout.serve")
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+OPEN_PATHS = ("/health",)
+
+
+class Guard:
+    """ASGI middleware: a Bearer key on every path but /health, and a cap on request body size.
+
+    The body is read here (up to `max_body_bytes`, else 413) and replayed to the app, so an oversized or
+    unauthorised request never reaches a handler."""
+
+    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
+        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers") or ())
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+            given = headers.get(b"authorization", b"").decode("latin-1")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                return await _reply(send, 401, error_body("invalid or missing API key (Authorization: Bearer KEY)",
+                                                          None, 401, "authentication_error"))
+        if scope["method"] not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        too_big = error_body(f"request body over {self.max_body_bytes} bytes", "body", 413)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
+            return await _reply(send, 413, too_big)
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return await _reply(send, 413, too_big)
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        body, replayed = b"".join(chunks), False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()  # NOTE: later messages (http.disconnect) still reach the app
+
+        return await self.app(scope, replay, send)
+
+
+async def _reply(send, status: int, body: dict) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
+
+
+def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "model", api_key: str | None = None,
+              max_model_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The server app over `engine` (which the caller owns and closes).
+
+    Args:
+        engine: a running `RolloutEngine`; its generation config's EOS ids end samples unless `ignore_eos`.
+        tokenizer: encodes string prompts and chat messages, decodes text (None: token ids only).
+        served_model_name: the name `/v1/models` lists and requests must use (or omit).
+        api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+        max_model_len: cap on prompt + max_tokens (None: the model's context).
+        max_body_bytes: larger request bodies get a 413.
+    """
+    app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url=None)
+    bridge = EngineBridge(engine, max_model_len)
+    app.state.bridge = bridge
+    app.state.tokenizer = tokenizer
+    app.state.served_model_name = served_model_name
+    registry = make_registry(bridge)
+    app.include_router(openai_routes.router)
+    app.include_router(control.router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = engine.manager.is_running()
+        return Response(status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        text = await asyncio.to_thread(generate_latest, registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, e: APIError) -> JSONResponse:
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError) -> JSONResponse:
+        err = validation_error(list(e.errors()))
+        return JSONResponse(err.body(), status_code=err.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException) -> JSONResponse:
+        return JSONResponse(error_body(str(e.detail), None, e.status_code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error"),
+                            status_code=500)
+
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    return app

@@ -1,0 +1,208 @@
+"""`EngineBridge`: one persistent `RolloutEngine` behind an asyncio server.
+
+Requests go to the engine's manager directly (one engine request per sample); their outputs come back
+through a manager listener, which hands each one to the asyncio queue of the HTTP request that owns it
+(`loop.call_soon_threadsafe`), so no thread waits per request. Control operations (pause, resume, weight
+updates, sleep) run on worker threads, one at a time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ..engine import RolloutEngine, _row_seed
+from ..requests import GenerationOutput
+from .protocol import APIError
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """One sample's engine parameters (already checked by the protocol models)."""
+
+    max_new_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
+    eos_token_ids: frozenset[int]
+
+
+class EngineBridge:
+    """Submits samples to the engine and delivers their outputs to asyncio queues; RL control.
+
+    Args:
+        engine: the persistent engine (its manager must be running).
+        max_model_len: context limit of prompt + completion (None: the model's own).
+    """
+
+    def __init__(self, engine: RolloutEngine, max_model_len: int | None = None) -> None:
+        self.engine = engine
+        self.manager = engine.manager
+        core = self.manager._core()
+        self.vocab_size: int = core.vocab_size
+        limits = [x for x in (core.max_context, max_model_len) if x]
+        self.max_model_len: int | None = min(limits) if limits else None
+        self.eos_ids: frozenset[int] = frozenset(core.eos_ids)
+        self._sinks: dict[str, Callable[[GenerationOutput], None]] = {}
+        self._ids = itertools.count()
+        self._control = threading.Lock()  # one pause / resume / update / sleep at a time
+        self.user_paused: str | None = None
+        self.asleep = False
+        self.counters = {"requests": 0, "samples": 0, "failed": 0}
+        self.manager.add_listener(self._take)
+
+    # ------------------------------------------------------------ requests
+    def _take(self, out: GenerationOutput) -> bool:
+        sink = self._sinks.get(out.request_id)
+        if sink is None:
+            return False
+        if out.status.is_final:
+            self._sinks.pop(out.request_id, None)
+        sink(out)
+        return True
+
+    def check_ids(self, ids: Sequence[int], param: str) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise APIError(f"{param} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}", param)
+
+    def budget(self, prompt_len: int, max_tokens: int | None, param: str) -> int:
+        """`max_tokens`, or what the context leaves when None; APIError if prompt + max_tokens is too long."""
+        if prompt_len == 0:
+            raise APIError(f"{param} is empty", param)
+        limit = self.max_model_len
+        if max_tokens is None:
+            if limit is None:
+                return 256
+            max_tokens = limit - prompt_len
+            if max_tokens < 1:
+                raise APIError(f"{param} has {prompt_len} tokens; the context is {limit}", param)
+        if limit is not None and prompt_len + max_tokens > limit:
+            raise APIError(
+                f"this model's context is {limit} tokens, but prompt ({prompt_len}) + max_tokens "
+                f"({max_tokens}) = {prompt_len + max_tokens}", "max_tokens")
+        return max_tokens
+
+    def sampling(self, req, max_new_tokens: int, sample: int) -> Sampling:
+        """Engine parameters of sample `sample` of a request (its own seed stream when seeded)."""
+        stops = frozenset(req.stop_token_ids or ())
+        if stops:
+            self.check_ids(sorted(stops), "stop_token_ids")
+        return Sampling(
+            max_new_tokens=max_new_tokens, temperature=float(req.temperature),
+            top_k=max(0, req.top_k), top_p=float(req.top_p),
+            seed=None if req.seed is None else _row_seed(req.seed, sample),
+            eos_token_ids=stops if req.ignore_eos else self.eos_ids | stops,
+        )
+
+    def submit(self, ids: list[int], sampling: Sampling, streaming: bool, queue: asyncio.Queue) -> str:
+        """Queue one sample; its outputs (partial ones too when `streaming`) go to `queue`. Returns its id."""
+        rid = f"srv-{next(self._ids)}"
+        loop = asyncio.get_running_loop()
+        self._sinks[rid] = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
+        try:
+            got = self.manager.add_request(
+                ids, request_id=rid, max_new_tokens=sampling.max_new_tokens, streaming=streaming,
+                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                seed=sampling.seed, eos_token_ids=sorted(sampling.eos_token_ids),
+            )
+        except ValueError as e:
+            self._sinks.pop(rid, None)
+            raise APIError(str(e), _param_of(str(e))) from None
+        except BaseException:
+            self._sinks.pop(rid, None)
+            raise
+        if got is None:
+            self._sinks.pop(rid, None)
+            raise APIError("the engine is not running", None, 503, "server_error")
+        self.counters["samples"] += 1
+        return rid
+
+    def cancel(self, rids: Sequence[str]) -> None:
+        for rid in rids:
+            if rid in self._sinks:  # NOTE: finished ones have left; their sink is gone
+                self.manager.cancel_request(rid)
+
+    # ------------------------------------------------------------- control
+    def pause(self, mode: str) -> None:
+        with self._control:
+            self.user_paused = mode
+            self.manager.pause(mode)
+
+    def resume(self) -> None:
+        with self._control:
+            self.user_paused = None
+            if not self.asleep:
+                self.manager.resume()
+
+    def is_paused(self) -> bool:
+        return self.manager.is_paused()
+
+    def update_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module) -> int:
+        """Copy new weights in (all or nothing for a mapping); returns the new version. Requests in flight
+        finish first under the old weights (paused with mode=keep: they stay, and go on under the new)."""
+        with self._control:
+            if self.manager._paused == "keep":
+                return self.engine.update_weights(source, in_flight="keep")
+            return self._while_paused(lambda: self.engine.update_weights(source))
+
+    def reset_prefix_cache(self) -> int:
+        with self._control:
+            return self._while_paused(self._reset)
+
+    def _reset(self) -> int:
+        with self.manager.step_lock:
+            return self.manager._core().reset_prefix_cache()
+
+    def sleep(self) -> None:
+        with self._control:
+            if self.asleep:
+                return
+            if self.manager._paused == "keep" and self.manager._core().has_work():
+                raise APIError("sleep needs no requests in flight: resume, or pause with mode=abort|wait", None, 409)
+            self.manager.pause(self.manager._paused or "wait")
+            self.engine.sleep()
+            self.asleep = True
+
+    def wake_up(self) -> None:
+        with self._control:
+            if not self.asleep:
+                return
+            self.engine.wake()
+            self.asleep = False
+            if self.user_paused is None:
+                self.manager.resume()
+
+    def _while_paused(self, fn):
+        """Run `fn` with no step under way and no new request admitted, finishing in-flight work first."""
+        own = self.manager._paused is None
+        if own:
+            self.manager.pause("wait")
+        try:
+            return fn()
+        finally:
+            if own:
+                self.manager.resume()
+
+    @property
+    def weight_version(self) -> int:
+        return self.engine.policy_version
+
+    def cache_stats(self) -> dict:
+        return self.manager.cache_stats()
+
+
+def _param_of(message: str) -> str | None:
+    """The request field an engine ValueError is about."""
+    for key, param in (("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
+                       ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
+                       ("eos", "stop_token_ids")):
+        if key in message:
+            return param
+    return None

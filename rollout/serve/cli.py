@@ -1,0 +1,108 @@
+"""`rollout serve MODEL_PATH [flags]`: load a `save_pretrained` directory and serve it (the entry point:
+the only place that reads the environment, `ROLLOUT_API_KEY`)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import ipaddress
+import logging
+import os
+
+from ..config import ContinuousBatchingConfig
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# NOTE: engine config fields the server sets itself, or that take no value from a command line.
+SKIP_FIELDS = {"return_logprobs", "varlen_compile_config", "decode_compile_config"}
+TYPES = {"int": int, "float": float, "str": str}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rollout serve", description="OpenAI-compatible rollout server with RL control")
+    p.add_argument("model_path", help="a save_pretrained directory (model and tokenizer)")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (a non-loopback one needs an API key)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="Bearer key for every route but /health (or ROLLOUT_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the path)")
+    p.add_argument("--dtype", default="auto", choices=DTYPES)
+    p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + max_tokens")
+    p.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get a 413")
+    p.add_argument("--log-level", default="info")
+    engine = p.add_argument_group("engine (ContinuousBatchingConfig fields)")
+    for f in dataclasses.fields(ContinuousBatchingConfig):
+        if f.name.startswith("_") or f.name in SKIP_FIELDS or not f.init:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = str(f.type).replace(" ", "")
+        if kind == "bool":
+            engine.add_argument(flag, action=argparse.BooleanOptionalAction, default=None)
+        elif kind.split("|")[0] in TYPES:
+            engine.add_argument(flag, type=TYPES[kind.split("|")[0]], default=None)
+    return p
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_bind(host: str, api_key: str | None) -> None:
+    """Refuse to bind a non-loopback address without an API key."""
+    if not is_loopback(host) and not api_key:
+        raise SystemExit(f"refusing to bind {host!r} without an API key: pass --api-key or set ROLLOUT_API_KEY "
+                         "(or serve on 127.0.0.1)")
+
+
+def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
+    names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+    given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    return ContinuousBatchingConfig(**given)
+
+
+def load(model_path: str, dtype: str):
+    """(model, tokenizer or None, generation config) of a `save_pretrained` directory."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    model.eval()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except Exception as e:  # NOTE: a model without a tokenizer still serves token ids
+        logging.getLogger("rollout.serve").warning("no tokenizer in %s (%s): token ids only", model_path, e)
+        tokenizer = None
+    eos: set[int] = set()
+    for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
+        eos.update([src] if isinstance(src, int) else (src or []))
+    gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=16,
+                          eos_token_id=sorted(eos) or None, pad_token_id=getattr(tokenizer, "pad_token_id", None))
+    return model, tokenizer, gc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    api_key = args.api_key or os.environ.get("ROLLOUT_API_KEY") or None
+    check_bind(args.host, api_key)
+    try:
+        import uvicorn
+
+        from .app import build_app
+    except ImportError as e:
+        raise SystemExit(f"rollout serve needs the [serve] extra (pip install 'rollout[serve]'): {e}") from None
+    from ..engine import RolloutEngine
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config(args)
+    model, tokenizer, gc = load(args.model_path, args.dtype)
+    engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
+    try:
+        app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key, args.max_model_len,
+                        args.max_body_bytes)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
+    finally:
+        engine.close()
+    return 0

@@ -1,0 +1,215 @@
+"""The OpenAI routes: `/v1/models`, `/v1/completions`, `/v1/chat/completions` (vLLM's extra fields).
+
+One handler per route; each turns the request into samples (prompt-major: choice `i * n + j` is sample
+j of prompt i), submits them all, then either collects them or streams them as server-sent events.
+A client that disconnects cancels its samples, and the engine frees their blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from .bridge import EngineBridge
+from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from .text import SampleText
+
+router = APIRouter()
+DISCONNECT_POLL_S = 0.5
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    name = request.app.state.served_model_name
+    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rollout"}]}
+
+
+@router.post("/v1/completions")
+async def completions(req: CompletionRequest, request: Request):
+    state = request.app.state
+    _check_model(req, state.served_model_name)
+    prompts = [_encode_prompt(state.tokenizer, p) for p in req.prompts()]
+    return await _serve(request, req, prompts, "prompt", chat=False)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(req: ChatCompletionRequest, request: Request):
+    state = request.app.state
+    _check_model(req, state.served_model_name)
+    if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
+        raise APIError("this model's tokenizer has no chat template", "messages")
+    kwargs = dict(req.chat_template_kwargs or {})
+    try:
+        out = state.tokenizer.apply_chat_template(
+            req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt, tokenize=True,
+            **kwargs,
+        )
+    except Exception as e:  # NOTE: a template error is the caller's input (bad messages or kwargs)
+        raise APIError(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
+    ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
+    return await _serve(request, req, [ids], "messages", chat=True)
+
+
+def _check_model(req: SamplingRequest, name: str) -> None:
+    if req.model is not None and req.model != name:
+        raise APIError(f"model {req.model!r} does not exist; this server serves {name!r}", "model", 404,
+                       "NotFoundError")
+
+
+def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise APIError("this server has no tokenizer: send token ids", "prompt")
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
+    return list(prompt)
+
+
+async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]], param: str, chat: bool):
+    state = request.app.state
+    bridge: EngineBridge = state.bridge
+    samples, plan = [], []
+    for i, ids in enumerate(prompts):
+        bridge.check_ids(ids, param)
+        budget = bridge.budget(len(ids), req.max_tokens, param)
+        for j in range(req.n):
+            samples.append(SampleText(i * req.n + j, ids, state.tokenizer, req.stop_strings, req.skip_special_tokens))
+            plan.append((ids, bridge.sampling(req, budget, j)))
+    queue: asyncio.Queue = asyncio.Queue()
+    streaming = req.stream or bool(req.stop_strings)
+    by_rid: dict[str, SampleText] = {}
+    try:
+        for sample, (ids, sampling) in zip(samples, plan, strict=True):
+            by_rid[bridge.submit(ids, sampling, streaming, queue)] = sample
+    except BaseException:
+        bridge.cancel(list(by_rid))
+        raise
+    bridge.counters["requests"] += 1
+    rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+    if req.stream:
+        events = _stream(bridge, req, by_rid, queue, rid, state.served_model_name, chat)
+        return StreamingResponse(events, media_type="text/event-stream")
+    try:
+        while not all(s.done for s in samples):
+            try:
+                out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return JSONResponse({}, status_code=499)
+                continue
+            sample = by_rid[out.request_id]
+            sample.absorb(out)
+            if sample.done and not out.status.is_final:
+                bridge.cancel([out.request_id])  # NOTE: stopped by a stop string
+    finally:
+        bridge.cancel([r for r, s in by_rid.items() if not s.done])
+    failed = [s for s in samples if s.finish_reason == "error"]
+    if failed:
+        bridge.counters["failed"] += 1
+        raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
+    body = _response(req, samples, prompts, rid, state.served_model_name, chat)
+    return JSONResponse(body)
+
+
+def _usage(samples: list[SampleText], prompts: list[list[int]], n: int) -> dict:
+    prompt_tokens = sum(len(p) for p in prompts)
+    completion = sum(len(s.tokens) for s in samples)
+    cached = sum(max(s.cached_tokens for s in samples[i * n:(i + 1) * n]) for i in range(len(prompts)))
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion, "total_tokens": prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+def _logprobs(req: SamplingRequest, sample: SampleText, tokens: list[int], lps: list[float] | None, chat: bool):
+    want = req.logprobs if chat else req.logprobs is not None
+    if not want or lps is None:
+        return None
+    strings = sample.token_strings(tokens)
+    if chat:
+        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+                            for t, lp in zip(strings, lps, strict=True)]}
+    offsets, pos = [], 0
+    for t in strings:
+        offsets.append(pos)
+        pos += len(t)
+    return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": offsets}
+
+
+def _response(req, samples: list[SampleText], prompts, rid: str, model: str, chat: bool) -> dict:
+    choices = []
+    for s in samples:
+        choice: dict = {"index": s.index, "finish_reason": s.finish_reason,
+                        "logprobs": _logprobs(req, s, s.tokens, s.logprobs, chat)}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": s.text}
+        else:
+            choice["text"] = s.text
+        if req.return_token_ids:
+            choice["token_ids"] = list(s.tokens)
+            if not chat:
+                choice["prompt_token_ids"] = list(s.prompt_ids)
+        choices.append(choice)
+    body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": choices, "usage": _usage(samples, prompts, req.n)}
+    if chat and req.return_token_ids:
+        body["prompt_token_ids"] = list(prompts[0])
+    return body
+
+
+async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, SampleText], queue: asyncio.Queue,
+                  rid: str, model: str, chat: bool) -> AsyncIterator[str]:
+    samples = sorted(by_rid.values(), key=lambda s: s.index)
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    created = int(time.time())
+
+    def event(choice: dict, **extra) -> str:
+        return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
+                                      "choices": [choice], **extra}) + "\n\n"
+
+    try:
+        if chat:
+            for s in samples:
+                first = {"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                         "finish_reason": None}
+                yield event(first, **({"prompt_token_ids": s.prompt_ids} if req.return_token_ids else {}))
+        while not all(s.done for s in samples):
+            out = await queue.get()
+            s = by_rid[out.request_id]
+            if s.done:
+                continue
+            delta = s.absorb(out)
+            if s.done and not out.status.is_final:
+                bridge.cancel([out.request_id])
+            if s.finish_reason == "error":
+                yield "data: " + json.dumps({"error": {"message": f"generation failed: {s.error}",
+                                                       "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+                continue
+            tokens, lps = s.new_tokens()
+            if not delta and not tokens and not s.done:
+                continue
+            choice: dict = {"index": s.index, "finish_reason": s.finish_reason,
+                            "logprobs": _logprobs(req, s, tokens, lps, chat)}
+            if chat:
+                choice["delta"] = {"content": delta}
+            else:
+                choice["text"] = delta
+            if req.return_token_ids:
+                choice["token_ids"] = tokens
+                if not chat and s.sent_tokens == len(tokens):
+                    choice["prompt_token_ids"] = s.prompt_ids
+            yield event(choice)
+        if req.include_usage:
+            prompts = _prompts_of(samples, req.n)
+            yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
+                                         "usage": _usage(samples, prompts, req.n)}) + "\n\n"
+        yield "data: [DONE]\n\n"
+    finally:  # NOTE: also on disconnect (the generator is cancelled / closed): free the engine's blocks
+        bridge.cancel([r for r, s in by_rid.items() if not s.done])
+
+
+def _prompts_of(samples: list[SampleText], n: int) -> list[list[int]]:
+    return [samples[i].prompt_ids for i in range(0, len(samples), n)]

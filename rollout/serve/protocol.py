@@ -1,0 +1,136 @@
+"""Request models of the OpenAI routes (vLLM's field names) and OpenAI-shaped errors.
+
+Every field is checked here, so a bad request is refused with a 400 naming the field before it reaches
+the engine. Unknown fields are ignored, as vLLM does, so clients that send extra keys keep working.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 256  # samples per prompt
+
+
+class APIError(Exception):
+    """An error answered as `{"error": {"message", "type", "param", "code"}}` with HTTP `status`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type_: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.param, self.status, self.type = message, param, status, type_
+
+    def body(self) -> dict:
+        return error_body(self.message, self.param, self.status, self.type)
+
+
+def error_body(message: str, param: str | None, status: int, type_: str = "invalid_request_error") -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": status}}
+
+
+def validation_error(errors: list[dict]) -> APIError:
+    """The first pydantic/FastAPI error as an APIError naming its top-level field."""
+    if not errors:
+        return APIError("invalid request")
+    err = errors[0]
+    loc = [p for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body")
+    param = str(loc[0]) if loc and isinstance(loc[0], str) else "body"
+    return APIError(f"{param}: {err.get('msg', 'invalid value')}", param)
+
+
+Prob = Annotated[float, Field(gt=0.0, le=1.0, allow_inf_nan=False)]
+TokenIds = Annotated[list[Annotated[int, Field(strict=True)]], Field(min_length=1)]
+
+
+class SamplingRequest(BaseModel):
+    """Fields shared by completions and chat completions."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, allow_inf_nan=False)] = 1.0
+    top_p: Prob = 1.0
+    top_k: Annotated[int, Field(ge=-1, strict=True)] = -1  # -1 or 0: off
+    seed: Annotated[int, Field(strict=True)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N, strict=True)] = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: dict[str, Any] | None = None
+    return_token_ids: bool = False
+    skip_special_tokens: bool = True
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.get("include_usage"))
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=0, strict=True)] | None = None  # 0: the sampled token's only
+    echo: bool = False
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, v: bool) -> bool:
+        if v:
+            raise ValueError("echo is not supported")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompt as a list of prompts (strings or token-id lists)."""
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if isinstance(p[0], int):
+            return [list(p)]
+        return list(p)
+
+
+class ChatCompletionRequest(SamplingRequest):
+    messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    max_completion_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=0, strict=True)] | None = None  # 0: sampled token only
+
+    @field_validator("messages")
+    @classmethod
+    def _roles(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        for i, m in enumerate(v):
+            if not isinstance(m.get("role"), str):
+                raise ValueError(f"messages[{i}] needs a string 'role'")
+        return v
+
+    @model_validator(mode="after")
+    def _alias(self) -> ChatCompletionRequest:
+        if self.max_completion_tokens is not None:
+            self.max_tokens = self.max_completion_tokens
+        return self
+
+
+class UpdateFromDiskRequest(BaseModel):
+    model_path: Annotated[str, Field(min_length=1)]
+
+
+class InitTransferRequest(BaseModel):
+    init_info: dict[str, Any]
+
+
+class UpdateWeightsRequest(BaseModel):
+    update_info: dict[str, Any]

@@ -1,0 +1,90 @@
+"""`SampleText`: one sample's tokens as text, growing chunk by chunk, cut at the first stop string.
+
+The text is the decode of all tokens so far, so the streamed deltas join to exactly the text a
+non-streamed request returns. While generation runs, a tail that could still become a stop string, or an
+incomplete multi-byte character (U+FFFD), is held back.
+"""
+
+from __future__ import annotations
+
+from ..requests import GenerationOutput
+
+FINISH_REASONS = {"cancelled": "abort"}  # vLLM's name for an aborted request
+
+
+class SampleText:
+    """State of one sample (choice) of an HTTP request.
+
+    Args:
+        index: the choice index (prompt-major: i * n + j).
+        prompt_ids: its prompt's token ids.
+        tokenizer: decodes tokens (None: text stays empty).
+        stops: stop strings; the text ends before the first one and the sample finishes with "stop".
+        skip_special_tokens: passed to `tokenizer.decode`.
+    """
+
+    def __init__(self, index: int, prompt_ids: list[int], tokenizer, stops: list[str],
+                 skip_special_tokens: bool = True) -> None:
+        self.index = index
+        self.prompt_ids = prompt_ids
+        self.tokenizer = tokenizer
+        self.stops = stops
+        self.skip = skip_special_tokens
+        self.tokens: list[int] = []
+        self.logprobs: list[float] | None = None
+        self.text = ""  # emitted so far
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.cached_tokens = 0
+        self.sent_tokens = 0  # token ids already streamed
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    def absorb(self, out: GenerationOutput) -> str:
+        """Take a (partial or final) output; returns the new text to emit (possibly empty)."""
+        if self.done:
+            return ""
+        self.tokens = list(out.generated_tokens)
+        self.logprobs = out.logprobs
+        self.cached_tokens = out.num_cached_tokens
+        final = out.status.is_final
+        full = self._decode(self.tokens)
+        cut = self._find_stop(full)
+        if cut is not None:
+            full, final = full[:cut], True
+            self.finish_reason = "stop"
+        elif final:
+            self.finish_reason = FINISH_REASONS.get(out.finish_reason, out.finish_reason)
+            self.error = out.error
+        end = len(full)
+        if not final:
+            hold = max((len(s) - 1 for s in self.stops), default=0)
+            end = max(len(self.text), len(full.rstrip("\ufffd")) - hold)
+        delta = full[len(self.text):end]
+        self.text += delta
+        return delta
+
+    def new_tokens(self) -> tuple[list[int], list[float] | None]:
+        """Token ids (and logprobs) not yet streamed."""
+        start, self.sent_tokens = self.sent_tokens, len(self.tokens)
+        lps = None if self.logprobs is None else self.logprobs[start:]
+        return self.tokens[start:], lps
+
+    def _decode(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(tokens, skip_special_tokens=self.skip)
+
+    def _find_stop(self, full: str) -> int | None:
+        if not self.stops:
+            return None
+        start = max(0, len(self.text) - max(len(s) for s in self.stops))
+        hits = [i for i in (full.find(s, start) for s in self.stops) if i >= 0]
+        return min(hits) if hits else None
+
+    def token_strings(self, tokens: list[int]) -> list[str]:
+        if self.tokenizer is None:
+            return [""] * len(tokens)
+        return [self.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
