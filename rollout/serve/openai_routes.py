@@ -58,8 +58,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
 
 def _check_model(req: SamplingRequest, name: str) -> None:
     if req.model is not None and req.model != name:
-        raise APIError(f"model {req.model!r} does not exist; this server serves {name!r}", "model", 404,
-                       "NotFoundError")
+        raise APIError(f"model {req.model!r} does not exist; this server serves {name!r}", "model")
 
 
 def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:

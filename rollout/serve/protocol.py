@@ -38,6 +38,9 @@ def validation_error(errors: list[dict]) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body")
     param = str(loc[0]) if loc and isinstance(loc[0], str) else "body"
+    if param == "prompt":
+        return APIError("prompt must be a string, a list of strings, a list of token ids (ints) or a list of "
+                        "lists of token ids", param)
     return APIError(f"{param}: {err.get('msg', 'invalid value')}", param)
 
 

@@ -1,0 +1,204 @@
+"""RL control of `rollout serve`: pause modes, weights from disk, a trainer process pushing weights over gloo
+(`RolloutClient.update_weights`), sleep / wake, and the entry point's bind check. One server per module.
+
+Run as a script (`python tests/test_serve_control.py push URL KEY SEED`) it is that trainer process."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+if __name__ != "__main__":
+    for _mod in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
+        pytest.importorskip(_mod, reason=f"rollout serve tests need {_mod} (pip install -e '.[serve,dev]')")
+
+import httpx  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).parent))
+from tiny_models import hf_greedy, make_model  # noqa: E402
+
+PROMPT = [7, 30, 41, 9, 77, 12, 5, 66, 90, 3, 21, 54, 18, 33, 71, 8, 44, 2, 99, 60]  # 20 tokens: a full page
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from serving import save_tiny, serving
+
+    with serving(save_tiny(tmp_path_factory.mktemp("tiny") / "model")) as s:
+        yield s
+
+
+def call(server, method, path, body=None, **params):
+    return httpx.request(method, server.url + path, json=body, params=params or None, timeout=120,
+                         headers={"Authorization": f"Bearer {server.key}"})
+
+
+def greedy(server, prompt=PROMPT, n=8) -> dict:
+    r = call(server, "POST", "/v1/completions", {"prompt": prompt, "max_tokens": n, "temperature": 0,
+                                                 "ignore_eos": True, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def tokens(body: dict) -> list[int]:
+    return body["choices"][0]["token_ids"]
+
+
+def version(server) -> int:
+    return call(server, "GET", "/get_weight_version").json()["weight_version"]
+
+
+def in_thread(fn):
+    box: dict = {}
+    t = threading.Thread(target=lambda: box.setdefault("out", fn()), daemon=True)
+    t.start()
+    return t, box
+
+
+def live_requests(server) -> dict:
+    return dict(server.engine.manager._core().requests)
+
+
+def test_pause_keep_holds_new_and_running_then_resume_releases(server):
+    running, run_box = in_thread(lambda: greedy(server, [4] * 10, n=600))
+    deadline = time.monotonic() + 30
+    while not any(r.generated for r in live_requests(server).values()):
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert call(server, "POST", "/pause", mode="keep").status_code == 200
+    assert call(server, "GET", "/is_paused").json() == {"is_paused": True}
+    frozen = {rid: len(r.generated) for rid, r in live_requests(server).items()}
+    new, new_box = in_thread(lambda: greedy(server))
+    time.sleep(0.5)
+    assert {rid: len(r.generated) for rid, r in live_requests(server).items()} == frozen  # no step ran
+    assert running.is_alive() and new.is_alive()
+    assert 0 < next(iter(frozen.values())) < 600
+    assert call(server, "POST", "/resume").status_code == 200
+    running.join(60)
+    new.join(60)
+    assert len(tokens(run_box["out"])) == 600 and run_box["out"]["choices"][0]["finish_reason"] == "length"
+    assert tokens(new_box["out"]) == hf_greedy(make_model("qwen3", seed=0), PROMPT, 8)
+    assert call(server, "GET", "/is_paused").json() == {"is_paused": False}
+
+
+def test_pause_abort_and_wait(server):
+    running, box = in_thread(lambda: greedy(server, [4] * 10, n=600))
+    while not live_requests(server):
+        time.sleep(0.01)
+    assert call(server, "POST", "/pause", mode="abort").status_code == 200
+    running.join(30)
+    assert box["out"]["choices"][0]["finish_reason"] == "abort" and len(tokens(box["out"])) < 600
+    held, held_box = in_thread(lambda: greedy(server))
+    time.sleep(0.3)
+    assert held.is_alive()
+    call(server, "POST", "/resume")
+    held.join(30)
+    assert len(tokens(held_box["out"])) == 8
+    running, box = in_thread(lambda: greedy(server, [4] * 10, n=60))
+    while not live_requests(server):
+        time.sleep(0.01)
+    assert call(server, "POST", "/pause", mode="wait").status_code == 200
+    assert not running.is_alive() and box["out"]["choices"][0]["finish_reason"] == "length"  # finished first
+    call(server, "POST", "/resume")
+    assert call(server, "POST", "/pause", mode="bogus").json()["error"]["param"] == "mode"
+
+
+def test_update_weights_from_disk_serves_new_policy(server, tmp_path):
+    old = greedy(server)  # NOTE: leaves PROMPT's full page in the prefix cache
+    assert tokens(old) == hf_greedy(make_model("qwen3", seed=0), PROMPT, 8)
+    assert greedy(server)["usage"]["prompt_tokens_details"]["cached_tokens"] == 16
+    v0 = version(server)
+    new_model = make_model("qwen3", seed=2)
+    new_model.save_pretrained(tmp_path / "new")
+    r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "new")})
+    assert r.status_code == 200 and r.json() == {"success": True, "weight_version": v0 + 1, "message": r.json()["message"]}
+    want = hf_greedy(new_model, PROMPT, 8)
+    assert want != tokens(old)
+    after = greedy(server)
+    assert tokens(after) == want and after["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # no stale KV
+    bad = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+    assert bad.status_code == 404 and bad.json()["error"]["param"] == "model_path"
+    make_model("gpt2", seed=3).save_pretrained(tmp_path / "other")  # another architecture's checkpoint
+    bad = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "other")})
+    assert bad.status_code == 400 and "unknown parameter names" in bad.json()["error"]["message"]
+    assert version(server) == v0 + 1 and tokens(greedy(server)) == want  # the new weights keep serving
+
+
+def test_update_while_paused_keep_applies_to_held_requests(server, tmp_path):
+    model = make_model("qwen3", seed=4)
+    model.save_pretrained(tmp_path / "m4")
+    call(server, "POST", "/pause", mode="keep")
+    held, box = in_thread(lambda: greedy(server))
+    time.sleep(0.2)
+    r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "m4")})
+    assert r.status_code == 200 and held.is_alive()
+    call(server, "POST", "/resume")
+    held.join(30)
+    assert tokens(box["out"]) == hf_greedy(model, PROMPT, 8)
+
+
+def test_trainer_process_pushes_weights_over_gloo(server):
+    v0 = version(server)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, __file__, "push", server.url, server.key, "5"], env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == f"version {v0 + 1}"
+    assert version(server) == v0 + 1
+    assert tokens(greedy(server)) == hf_greedy(make_model("qwen3", seed=5), PROMPT, 8)
+    # a push of mismatching tensors is refused before any tensor moves; the pushed weights keep serving
+    from rollout.client import RolloutClient
+
+    with RolloutClient(server.url, server.key) as client:
+        with pytest.raises(RuntimeError, match="unknown parameter name"):
+            client.update_weights(make_model("gpt2", seed=6))
+    assert version(server) == v0 + 1 and tokens(greedy(server)) == hf_greedy(make_model("qwen3", seed=5), PROMPT, 8)
+
+
+def test_sleep_holds_requests_until_wake_up(server):
+    want = tokens(greedy(server))
+    assert call(server, "POST", "/sleep").json()["is_sleeping"] is True
+    assert server.engine.manager._core().cache.nbytes == 0 or server.engine._asleep
+    held, box = in_thread(lambda: greedy(server))
+    time.sleep(0.3)
+    assert held.is_alive()
+    assert call(server, "POST", "/wake_up").json()["is_sleeping"] is False
+    held.join(30)
+    assert tokens(box["out"]) == want
+    assert call(server, "POST", "/reset_prefix_cache").json() == {"success": True}
+    assert greedy(server)["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_entry_point_refuses_public_bind_without_key(tmp_path, monkeypatch):
+    env = {k: v for k, v in os.environ.items() if k != "ROLLOUT_API_KEY"}
+    env["PYTHONPATH"] = str(REPO)
+    cmd = [sys.executable, "-m", "rollout", "serve", str(tmp_path / "none"), "--host", "0.0.0.0"]
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "refusing to bind" in out.stderr
+    from rollout.serve import cli
+
+    with pytest.raises(SystemExit, match="refusing to bind"):
+        cli.main([str(tmp_path / "none"), "--host", "10.1.2.3"])
+    # with the key from the environment it gets past the check (and fails on the missing model instead)
+    monkeypatch.setenv("ROLLOUT_API_KEY", "k")
+    with pytest.raises(OSError):
+        cli.main([str(tmp_path / "none"), "--host", "0.0.0.0"])
+
+
+def _push(url: str, key: str, seed: int) -> None:
+    """The trainer process: push a fresh policy's weights to the server, print the new version."""
+    from rollout.client import RolloutClient
+
+    with RolloutClient(url, key) as client:
+        print(f"version {client.update_weights(make_model('qwen3', seed=seed))}")
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["push"]:
+    _push(sys.argv[2], sys.argv[3], int(sys.argv[4]))
