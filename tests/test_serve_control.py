@@ -105,7 +105,9 @@ def test_pause_abort_and_wait(server):
     while not live_requests(server):
         time.sleep(0.01)
     assert call(server, "POST", "/pause", mode="wait").status_code == 200
-    assert not running.is_alive() and box["out"]["choices"][0]["finish_reason"] == "length"  # finished first
+    assert not live_requests(server)  # the running request finished before pause returned
+    running.join(30)
+    assert box["out"]["choices"][0]["finish_reason"] == "length"
     call(server, "POST", "/resume")
     assert call(server, "POST", "/pause", mode="bogus").json()["error"]["param"] == "mode"
 

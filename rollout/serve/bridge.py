@@ -30,7 +30,8 @@ class Sampling:
     top_k: int
     top_p: float
     seed: int | None
-    eos_token_ids: frozenset[int]
+    stop_token_ids: tuple[int, ...]  # besides the engine's EOS ids (none with ignore_eos)
+    ignore_eos: bool
 
 
 class EngineBridge:
@@ -48,7 +49,6 @@ class EngineBridge:
         self.vocab_size: int = core.vocab_size
         limits = [x for x in (core.max_context, max_model_len) if x]
         self.max_model_len: int | None = min(limits) if limits else None
-        self.eos_ids: frozenset[int] = frozenset(core.eos_ids)
         self._sinks: dict[str, Callable[[GenerationOutput], None]] = {}
         self._ids = itertools.count()
         self._control = threading.Lock()  # one pause / resume / update / sleep at a time
@@ -91,38 +91,45 @@ class EngineBridge:
 
     def sampling(self, req, max_new_tokens: int, sample: int) -> Sampling:
         """Engine parameters of sample `sample` of a request (its own seed stream when seeded)."""
-        stops = frozenset(req.stop_token_ids or ())
-        if stops:
-            self.check_ids(sorted(stops), "stop_token_ids")
+        stops = tuple(sorted(set(req.stop_token_ids or ())))
+        self.check_ids(stops, "stop_token_ids")
         return Sampling(
             max_new_tokens=max_new_tokens, temperature=float(req.temperature),
             top_k=max(0, req.top_k), top_p=float(req.top_p),
             seed=None if req.seed is None else _row_seed(req.seed, sample),
-            eos_token_ids=stops if req.ignore_eos else self.eos_ids | stops,
+            stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
         )
 
-    def submit(self, ids: list[int], sampling: Sampling, streaming: bool, queue: asyncio.Queue) -> str:
-        """Queue one sample; its outputs (partial ones too when `streaming`) go to `queue`. Returns its id."""
-        rid = f"srv-{next(self._ids)}"
+    def submit(self, samples: Sequence[tuple[list[int], Sampling]], streaming: bool, queue: asyncio.Queue) -> list[str]:
+        """Queue samples, all or none; their outputs (partial ones too when `streaming`) go to `queue`.
+        Returns their ids in order."""
         loop = asyncio.get_running_loop()
-        self._sinks[rid] = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)
+        core = self.manager._core()
+        reqs = []
         try:
-            got = self.manager.add_request(
-                ids, request_id=rid, max_new_tokens=sampling.max_new_tokens, streaming=streaming,
-                temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                seed=sampling.seed, eos_token_ids=sorted(sampling.eos_token_ids),
-            )
+            for ids, sp in samples:
+                reqs.append(core.make_request(
+                    ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
+                    sp.seed, sp.stop_token_ids, sp.ignore_eos,
+                ))
         except ValueError as e:
-            self._sinks.pop(rid, None)
             raise APIError(str(e), _param_of(str(e))) from None
+        sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)  # noqa: E731
+        for r in reqs:
+            self._sinks[r.request_id] = sink
+        try:
+            ok = self.manager.submit(reqs)
         except BaseException:
-            self._sinks.pop(rid, None)
+            ok = False
             raise
-        if got is None:
-            self._sinks.pop(rid, None)
+        finally:
+            if not ok:
+                for r in reqs:
+                    self._sinks.pop(r.request_id, None)
+        if not ok:
             raise APIError("the engine is not running", None, 503, "server_error")
-        self.counters["samples"] += 1
-        return rid
+        self.counters["samples"] += len(reqs)
+        return [r.request_id for r in reqs]
 
     def cancel(self, rids: Sequence[str]) -> None:
         for rid in rids:

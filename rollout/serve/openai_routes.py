@@ -81,13 +81,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
             plan.append((ids, bridge.sampling(req, budget, j)))
     queue: asyncio.Queue = asyncio.Queue()
     streaming = req.stream or bool(req.stop_strings)
-    by_rid: dict[str, SampleText] = {}
-    try:
-        for sample, (ids, sampling) in zip(samples, plan, strict=True):
-            by_rid[bridge.submit(ids, sampling, streaming, queue)] = sample
-    except BaseException:
-        bridge.cancel(list(by_rid))
-        raise
+    by_rid = dict(zip(bridge.submit(plan, streaming, queue), samples, strict=True))
     bridge.counters["requests"] += 1
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if req.stream:
