@@ -83,6 +83,24 @@ def eos_ids_of(*sources) -> frozenset[int]:
     return frozenset(int(t) for t in out)
 
 
+def _versioned_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers whose version counters reveal in-place changes (inference tensors have none)."""
+    out = []
+    for t in (*model.parameters(), *model.buffers()):
+        try:
+            _ = t._version
+        except RuntimeError:
+            continue
+        out.append(t)
+    return out
+
+
+def _weights_version(tensors: list[torch.Tensor]) -> int:
+    # NOTE: every in-place op bumps its tensor's counter and none goes down, so the sum moves iff one did.
+    # Writes through `.data` bypass the counters: those need `update_weights`.
+    return sum(t._version for t in tensors)
+
+
 def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
     if isinstance(values, int) or isinstance(values, (str, bytes)):
         raise ValueError(f"{name} must be a sequence of token ids, got {values!r}")
@@ -164,6 +182,8 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # live (not final) requests by id
         self.stats = dict.fromkeys(STAT_COUNTERS, 0)
         self._arrival = itertools.count()
+        self._weights = _versioned_tensors(self.view)
+        self._weights_seen = _weights_version(self._weights)
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
             "attention windows %s, CPU offload %d pages",
@@ -305,6 +325,8 @@ class EngineCore:
     # ---------------------------------------------------------------- step
     def step(self) -> list[Request]:
         """One engine step. Returns the requests with news (final, or a new token when streaming)."""
+        if self.scheduler.waiting:
+            self._check_weights()
         out = self.scheduler.schedule()
         if not out:
             return self._unstick()
@@ -349,10 +371,20 @@ class EngineCore:
         self.fail(req, f"request needs more KV pages than are free in a cache of {self.block_manager.num_blocks} pages")
         return [req]
 
+    def _check_weights(self) -> None:
+        """Before admitting requests: parameters changed in place since the last check (an optimizer step
+        on the trainer's own model, a `copy_` without `update_weights`) make every cached prefix stale."""
+        if _weights_version(self._weights) != self._weights_seen:
+            dropped = self.reset_prefix_cache()
+            logger.info("parameters changed in place (version counters): dropped %d cached prefix pages", dropped)
+
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (and anything that would share KV computed so far)."""
         if self.cache.lanes is not None:  # NOTE: after a weight update no KV may survive anywhere
             self.cache.lanes.forget()
+        self.scheduler.forget_prefixes()
+        self._weights_seen = _weights_version(self._weights)
         return self.block_manager.reset_prefix_cache()
 
     def release_memory(self) -> int:

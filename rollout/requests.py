@@ -85,6 +85,7 @@ class Request:
     high_water: int = 0  # most tokens ever computed (what lies below is recomputation)
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
+    stale_kv: bool = False  # its KV predates a weight change: never offered to the prefix cache
     # NOTE: pages held in the CPU offload buffer while preempted (empty unless offloading).
     offloaded: list[int] = field(default_factory=list)
 

@@ -344,7 +344,7 @@ class Scheduler:
             self.num_recycled_blocks += self.tables.recycle(req)
 
     def _cache_full_pages(self, req: Request) -> None:
-        if not self.bm.enable_prefix_caching:
+        if not self.bm.enable_prefix_caching or req.stale_kv:
             return
         full = req.num_computed_tokens // self.page_size
         hashes = self._hashes(req, full)
@@ -371,6 +371,16 @@ class Scheduler:
     def _mark_inflight(self, req: Request, hashes: list[int]) -> None:
         for h in hashes[req.num_computed_tokens // self.page_size :]:
             self.inflight.setdefault(h, req)
+
+    def forget_prefixes(self) -> None:
+        """KV computed so far is stale (new weights): no new request may read it through the in-flight
+        map or a fork, and the live requests' pages are never offered to the prefix cache."""
+        self.inflight.clear()
+        self.leaders.clear()
+        for req in self.running:
+            req.stale_kv = True
+        for req in self.waiting:
+            req.stale_kv = req.stale_kv or bool(req.offloaded)  # NOTE: parked KV; the others recompute
 
     def _drop_inflight(self, req: Request) -> None:
         for h in [h for h, r in self.inflight.items() if r is req]:
