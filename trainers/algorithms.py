@@ -6,6 +6,7 @@ on the name, so a new variant is one more entry in :data:`ALGORITHMS`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -62,7 +63,11 @@ def nonconstant_group_mask(rewards: Tensor, group_size: int) -> Tensor:
     if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
         raise ValueError(f"rewards of shape {tuple(rewards.shape)} do not split into groups of {group_size}")
     grouped = rewards.view(-1, group_size)  # [G, group_size]
-    varies = (grouped != grouped[:, :1]).any(dim=1)  # [G]
+    # NOTE: unscorable samples (NaN) are ignored: a group varies when its scored rewards differ.
+    present = ~grouped.isnan()  # [G, group_size]
+    high = torch.where(present, grouped, -math.inf).amax(dim=1)  # [G]
+    low = torch.where(present, grouped, math.inf).amin(dim=1)  # [G]
+    varies = high > low  # [G]
     return varies.repeat_interleave(group_size)  # [N]
 
 

@@ -12,21 +12,24 @@ import copy
 import functools
 import json
 import os
+import shutil
 import time
 from collections import defaultdict
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import torch
 from accelerate import Accelerator
 from torch import Tensor
 
-from rollout import RolloutBatch, RolloutEngine
+from rollout import ContinuousBatchingConfig, RolloutBatch, RolloutEngine
 from trainers.algorithms import get_algorithm
 from trainers.common import (
     AGG_DENOMINATORS,
     PromptSource,
     RLConfig,
     completion_forward,
+    disable_dropout,
     logprob_mismatch,
     lr_factor,
     minibatch_plan,
@@ -37,6 +40,7 @@ from trainers.common import (
 from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
+from trainers.rollouts import completion_id_lists, encode_prompt
 
 STATE_FILE = "trainer_state.json"
 
@@ -63,6 +67,8 @@ class RLTrainer:
         self.algorithm = get_algorithm(config.algorithm)
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
         module = self.trainable_module(model)
+        if config.disable_dropout:
+            disable_dropout(module)
         optimizer = optimizer or torch.optim.AdamW(
             [p for p in module.parameters() if p.requires_grad],
             lr=config.learning_rate,
@@ -83,6 +89,9 @@ class RLTrainer:
         acc.register_for_checkpointing(self.scheduler)
         self.policy = self.policy_module(acc.unwrap_model(self.model))  # the HF causal LM, unwrapped
         self.engine = self.build_engine()
+        self.sleeps = config.sleep_engine
+        if self.sleeps is None:  # NOTE: colocated on one GPU: the update needs the cache's memory
+            self.sleeps = self.engine.device.type == "cuda" and self.engine.device == acc.device
         self.ref_model = self.build_reference(ref_model)
         self.prompts = PromptSource(
             train_dataset,
@@ -126,21 +135,33 @@ class RLTrainer:
         """Teacher-forced `(logits [n, T+1, V], values [n, T] or None)` of a micro-batch."""
         return completion_forward(model, micro).logits, None
 
+    @property
+    def truncation(self) -> dict[str, float | int | None]:
+        """The engine's sampling filters, applied again wherever the trainer scores tokens."""
+        return {"top_k": self.config.top_k, "top_p": self.config.top_p}
+
     # ------------------------------------------------------------------------- building
     def build_engine(self) -> RolloutEngine:
         """One engine per process for the whole run, on the trainer's own weights (zero-copy) or
         on a cast copy when `engine_dtype` is set (then each sync copies and casts)."""
-        model = self.policy
-        if self.config.engine_dtype is not None:
-            model = copy.deepcopy(self.policy).to(getattr(torch, self.config.engine_dtype)).eval()
+        cfg, model = self.config, self.policy
+        if cfg.engine_dtype is not None:
+            model = copy.deepcopy(self.policy).to(getattr(torch, cfg.engine_dtype)).eval()
             model.requires_grad_(False)
-        return RolloutEngine(model, tokenizer=self.tokenizer, config=self.config.engine_config)
+        engine_config = cfg.engine_config
+        if cfg.engine_memory_fraction is not None:
+            engine_config = (engine_config or ContinuousBatchingConfig()).replace(
+                max_memory_percent=cfg.engine_memory_fraction
+            )
+        return RolloutEngine(model, tokenizer=self.tokenizer, config=engine_config)
 
     def build_reference(self, ref_model: torch.nn.Module | None) -> torch.nn.Module | None:
         """The frozen reference for KL: the one given, else a copy of the initial policy."""
         if not self.uses_reference:
             return None
         ref = ref_model if ref_model is not None else copy.deepcopy(self.policy)
+        if self.config.disable_dropout:
+            disable_dropout(ref)
         ref = ref.to(self.accelerator.device).eval()
         ref.requires_grad_(False)
         return ref
@@ -166,7 +187,10 @@ class RLTrainer:
         metrics["time_train"] += time.perf_counter() - start
         metrics["lr"] = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        metrics["time_sync"] = self.sync_weights()
+        start = time.perf_counter()
+        if self.sleeps:
+            self.engine.wake()
+        metrics["time_sync"] = self.sync_weights() + (time.perf_counter() - start)
         self.step_count += 1
         metrics = {"step": self.step_count, **reduce_metrics(self.accelerator, metrics)}
         self.metrics_logger.log(metrics)
@@ -177,7 +201,7 @@ class RLTrainer:
         cfg, acc = self.config, self.accelerator
         start = time.perf_counter()
         batch = self.engine.generate(
-            [row["prompt"] for row in rows],
+            [encode_prompt(self.tokenizer, row["prompt"], cfg.chat_template) for row in rows],
             temps=cfg.temperatures(rows),
             group_size=cfg.group_size,
             max_new_tokens=cfg.max_new_tokens,
@@ -187,6 +211,8 @@ class RLTrainer:
                 cfg.seed, self.step_count, acc.process_index, acc.num_processes, len(rows) * cfg.group_size
             ),
         ).to(acc.device)
+        if self.sleeps:  # NOTE: free the KV cache for the trainer's passes; woken before the sync
+            self.engine.sleep()
         elapsed = time.perf_counter() - start
         tokens = batch.completion_mask.sum().item()
         return batch, {
@@ -198,7 +224,8 @@ class RLTrainer:
         }
 
     def score(self, rows: list[dict], batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
-        """Rewards `[N]` of this rank's completions, plus global `reward_mean` / `reward_std`."""
+        """Rewards `[N]` of this rank's completions (NaN where no function applied), with each
+        function's mean; no collective call (ranks may score different numbers of batches)."""
         if batch.completions_text is None:
             raise ValueError("reward functions need decoded completions: pass a tokenizer")
         rewards, metrics = score_completions(
@@ -207,12 +234,26 @@ class RLTrainer:
             batch.completions_text,
             self.config.group_size,
             self.config.reward_weights,
+            completion_ids=completion_id_lists(batch),
+            finish_reasons=batch.finish_reasons,
+            trainer_state=self.trainer_state(),
         )
-        everyone = self.accelerator.gather(rewards.to(self.accelerator.device)).float()  # [N x W]
-        # NOTE: every rank gets the same global values, so the cross-rank mean leaves them as they are.
-        metrics["reward_mean"] = everyone.mean().item()
-        metrics["reward_std"] = everyone.std().item() if everyone.numel() > 1 else 0.0
         return rewards.to(self.accelerator.device), metrics
+
+    def trainer_state(self):
+        """What reward functions get as `trainer_state` (TRL's fields that apply here)."""
+        return SimpleNamespace(global_step=self.step_count, max_steps=self.config.max_steps)
+
+    def reward_stats(self, rewards: Tensor) -> dict[str, float]:
+        """Global `reward_mean` / `reward_std` over every rank's scored rows (one gather)."""
+        everyone = self.accelerator.gather(rewards.to(self.accelerator.device)).float()  # [N x W]
+        everyone = everyone[~everyone.isnan()]
+        # NOTE: every rank gets the same global values, so the cross-rank mean leaves them as they are.
+        return {
+            "reward_mean": everyone.mean().item() if everyone.numel() else float("nan"),
+            "reward_std": everyone.std().item() if everyone.numel() > 1 else 0.0,
+            "unscorable_fraction": 1.0 - everyone.numel() / max(1, rewards.numel() * self.accelerator.num_processes),
+        }
 
     @torch.no_grad()
     def recompute(self, data: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -225,7 +266,7 @@ class RLTrainer:
         for idx in torch.arange(data["completion_ids"].shape[0]).tensor_split(chunks):
             micro = {k: v[idx] for k, v in data.items()}
             logits, values = self.forward(model, micro)
-            logprobs, entropy = scored_logprobs(logits, micro, with_entropy=True)
+            logprobs, entropy = scored_logprobs(logits, micro, with_entropy=True, **self.truncation)
             parts["logprobs"].append(logprobs)
             parts["entropy"].append(entropy)
             if values is not None:
@@ -260,7 +301,7 @@ class RLTrainer:
             for micro_indices in minibatch_plan(
                 data["loss_mask"].shape[0], cfg.num_minibatches, cfg.gradient_accumulation_steps, generator
             ):
-                whole = float(denominator(data["loss_mask"][torch.cat(micro_indices)]))
+                whole = self.global_mean(float(denominator(data["loss_mask"][torch.cat(micro_indices)])))
                 acc.step = 0  # NOTE: accelerate syncs gradients on the last of our micro-batches
                 for idx in micro_indices:
                     micro = {k: v[idx] for k, v in data.items()}
@@ -276,6 +317,15 @@ class RLTrainer:
                 totals["grad_norm"] += self.clip_and_step()
                 updates += 1
         return {k: v / updates for k, v in totals.items()}
+
+    def global_mean(self, value: float) -> float:
+        """`value` averaged over the ranks. A minibatch's loss divides by this mean of the ranks'
+        denominators (e.g. token counts), so DDP's gradient average is the loss of the combined
+        batch, even when ranks hold different token counts (DAPO's dropped groups)."""
+        if self.accelerator.num_processes == 1:
+            return value
+        t = torch.tensor([value], dtype=torch.float64, device=self.accelerator.device)
+        return float(self.accelerator.reduce(t, reduction="mean").item())
 
     def clip_and_step(self) -> float:
         """Clip the all-reduced gradients, step, zero; returns the pre-clip grad norm."""
@@ -301,6 +351,9 @@ class RLTrainer:
         if self.accelerator.is_main_process:
             with open(os.path.join(path, STATE_FILE), "w") as f:
                 json.dump({"step": self.step_count}, f)
+            if self.config.save_total_limit is not None:
+                for old in checkpoints(self.config.output_dir)[: -self.config.save_total_limit]:
+                    shutil.rmtree(old, ignore_errors=True)
         self.accelerator.wait_for_everyone()
         return path
 
@@ -323,3 +376,15 @@ class RLTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def checkpoints(output_dir: str) -> list[str]:
+    """The `checkpoint-{step}` directories under `output_dir` that hold a trainer state, oldest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    found = []
+    for name in os.listdir(output_dir):
+        path = os.path.join(output_dir, name)
+        if name.startswith("checkpoint-") and name[11:].isdigit() and os.path.exists(os.path.join(path, STATE_FILE)):
+            found.append((int(name[11:]), path))
+    return [path for _, path in sorted(found)]

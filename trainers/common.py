@@ -33,7 +33,8 @@ class RLConfig:
         max_new_tokens: completion budget.
         temperature: one sampling temperature, or one per prompt slot of a step (length
             `prompts_per_step`); a dataset column "temperature" overrides both per row.
-        top_k, top_p: engine sampling filters (the parity probe assumes they are off).
+        top_k, top_p: engine sampling filters; the trainer scores tokens under the same truncated,
+            renormalised distribution the engine sampled from (parity probe and ratio alike).
         num_iterations: epochs over each rollout batch (PPO-style reuse; 1 = on-policy).
         num_minibatches: optimizer steps per epoch.
         gradient_accumulation_steps: micro-batches (forward/backward passes) per optimizer step.
@@ -47,9 +48,19 @@ class RLConfig:
         engine_config: a `rollout.ContinuousBatchingConfig` (default: the engine's own defaults).
         engine_dtype: run the engine on a cast copy of the policy ("bfloat16", ...); None shares
             the trainer's own model (zero-copy weight sync).
+        engine_memory_fraction: the share of free accelerator memory the engine's KV cache may take
+            when it is built (overrides `engine_config.max_memory_percent`; None keeps it). The
+            default leaves room for training on the same GPU; CPU caches are sized otherwise.
+        sleep_engine: release the KV cache after each rollout and take it back before the weight
+            sync, so the update has the memory; None = when the engine shares a CUDA device.
+        disable_dropout: set every dropout probability of the policy and reference to 0 (as TRL),
+            so the trainer's recomputation matches the rollout; False keeps them.
+        chat_template: apply the tokenizer's chat template to plain-text prompts too (as one user
+            message); conversational prompts (lists of messages) always go through it.
         seed: seeds prompt order, rollout sampling and minibatch shuffling.
         shuffle: shuffle the dataset each epoch.
         save_steps: checkpoint every this many steps into `output_dir/checkpoint-{step}` (0 = never).
+        save_total_limit: keep only the newest this many checkpoints (None = all).
         log_stdout, progress: a compact line per step / a tqdm bar (main process only).
     """
 
@@ -76,9 +87,14 @@ class RLConfig:
     reward_weights: Sequence[float] | None = None
     engine_config: ContinuousBatchingConfig | None = None
     engine_dtype: str | None = None
+    engine_memory_fraction: float | None = 0.3
+    sleep_engine: bool | None = None
+    disable_dropout: bool = True
+    chat_template: bool = False
     seed: int = 0
     shuffle: bool = True
     save_steps: int = 0
+    save_total_limit: int | None = None
     log_stdout: bool = True
     progress: bool = True
 
@@ -117,6 +133,14 @@ class RLConfig:
         temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
         if any(math.isnan(t) or t < 0 for t in temps):
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        if self.engine_memory_fraction is not None and not 0 < self.engine_memory_fraction <= 1:
+            raise ValueError(f"engine_memory_fraction must be in (0, 1], got {self.engine_memory_fraction}")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"save_total_limit must be >= 1 or None, got {self.save_total_limit}")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.tis_cap is not None and self.tis_cap <= 0:
             raise ValueError(f"tis_cap must be positive, got {self.tis_cap}")
         if self.engine_dtype is not None and not isinstance(
@@ -162,6 +186,12 @@ class PromptSource:
         start = (step * self.world + self.rank) * self.per_rank
         return [self._row(pos) for pos in range(start, start + self.per_rank)]
 
+    def extra_rows(self, step: int, round_: int) -> list[dict[str, Any]]:
+        """Rows for refill round `round_` (1, 2, ...) of step `step`: a seeded draw of its own,
+        so dynamic sampling stays reproducible and resumable."""
+        rng = random.Random(f"{self.seed}/{step}/{round_}/{self.rank}")
+        return [dict(self.dataset[rng.randrange(len(self.dataset))]) for _ in range(self.per_rank)]
+
     def _row(self, position: int) -> dict[str, Any]:
         epoch, index = divmod(position, len(self.dataset))
         if epoch != self._epoch:
@@ -204,10 +234,37 @@ def completion_forward(model: torch.nn.Module, data: Mapping[str, Tensor], **kwa
     )
 
 
+def truncate_logits(scaled: Tensor, tokens: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
+    """The engine's top-k then top-p filter (`rollout.sampler`) on temperature-scaled logits:
+    `[N, T, V]` with -inf outside the kept set, the sampled `tokens [N, T]` always kept."""
+    if not top_k and (top_p is None or top_p >= 1.0):
+        return scaled
+    with torch.no_grad():
+        drop = torch.zeros_like(scaled, dtype=torch.bool)  # [N, T, V]
+        if top_k:
+            kth = scaled.topk(min(top_k, scaled.shape[-1]), dim=-1).values[..., -1:]  # [N, T, 1]
+            drop |= scaled < kth
+        if top_p is not None and top_p < 1.0:
+            sorted_logits, order = scaled.masked_fill(drop, float("-inf")).sort(dim=-1, descending=True)
+            probs = sorted_logits.softmax(dim=-1)  # [N, T, V]
+            drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+            drop_sorted[..., 0] = False  # NOTE: the most likely token is always kept
+            drop |= torch.zeros_like(drop).scatter(-1, order, drop_sorted)
+        # NOTE: a sampled token is inside the engine's kept set; a last-bit tie must not drop it.
+        drop.scatter_(-1, tokens.long().unsqueeze(-1), False)
+    return scaled.masked_fill(drop, float("-inf"))
+
+
 def scored_logprobs(
-    logits: Tensor, data: Mapping[str, Tensor], with_entropy: bool = False
+    logits: Tensor,
+    data: Mapping[str, Tensor],
+    with_entropy: bool = False,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """`log_softmax(logits / T)` at the completion tokens, and optionally the per-token entropy.
+    """`log_softmax` of the sampling distribution (logits / T, then the engine's top-k / top-p
+    truncation, renormalised) at the completion tokens, and optionally the per-token entropy of
+    the untruncated `softmax(logits / T)`.
 
     Args:
         logits: `[N, T+1, V]` from `completion_forward` (the last position predicts nothing).
@@ -215,24 +272,39 @@ def scored_logprobs(
     Returns:
         `(logprobs [N, T] fp32, entropy [N, T] fp32 or None)`.
     """
-    # NOTE: the engine's processed logprobs are under the sampling temperature, so the trainer's
-    # policy is pi_T as well: the ratio and the parity probe compare like with like.
+    # NOTE: the engine's processed logprobs are under the distribution it sampled from, so the
+    # trainer's policy is that one as well: the ratio and the parity probe compare like with like.
     temps = safe_temperatures(data["temperatures"])  # [N]
     scaled = logits[:, :-1].float() / temps[:, None, None]  # [N, T, V]
-    logprobs = token_logprobs(scaled, data["completion_ids"])  # [N, T]
+    truncated = truncate_logits(scaled, data["completion_ids"], top_k, top_p)  # [N, T, V]
+    logprobs = token_logprobs(truncated, data["completion_ids"])  # [N, T]
     entropy = entropy_from_logits(scaled.detach()) if with_entropy else None  # [N, T]
     return logprobs, entropy
 
 
 @torch.no_grad()
-def reference_logprobs(model: torch.nn.Module, data: Mapping[str, Tensor], chunks: int) -> Tensor:
-    """No-grad `[N, T]` logprobs of the completions under `model` (e.g. a frozen reference)."""
+def reference_logprobs(
+    model: torch.nn.Module, data: Mapping[str, Tensor], chunks: int, **truncation
+) -> Tensor:
+    """No-grad `[N, T]` logprobs of the completions under `model` (e.g. a frozen reference);
+    `truncation` (top_k, top_p) as in `scored_logprobs`."""
     parts = []
     for idx in torch.arange(data["completion_ids"].shape[0]).tensor_split(chunks):
         micro = {k: v[idx] for k, v in data.items()}
-        logprobs, _ = scored_logprobs(completion_forward(model, micro).logits, micro)
+        logprobs, _ = scored_logprobs(completion_forward(model, micro).logits, micro, **truncation)
         parts.append(logprobs)
     return torch.cat(parts)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere in `model`: every `nn.Dropout` gets p = 0, and so does the float
+    `attention_dropout` / `attn_dropout` some attention modules pass to their kernel (as TRL)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name in ("attention_dropout", "attn_dropout", "dropout"):
+            if isinstance(getattr(module, name, None), float):
+                setattr(module, name, 0.0)
 
 
 def logprob_mismatch(rollout: Tensor, trainer: Tensor, mask: Tensor) -> dict[str, float]:
@@ -241,18 +313,6 @@ def logprob_mismatch(rollout: Tensor, trainer: Tensor, mask: Tensor) -> dict[str
     valid = mask.bool()
     worst = diff[valid].max().item() if valid.any() else 0.0
     return {"logprob_mismatch_max": worst, "logprob_mismatch_mean": masked_mean(diff, valid).item()}
-
-
-def batch_tensors(batch) -> dict[str, Tensor]:
-    """The loss-side view of a `RolloutBatch`: every tensor has the row dimension N first."""
-    return {
-        "input_ids": batch.input_ids,  # [N, P+T]
-        "attention_mask": batch.attention_mask,  # [N, P+T]
-        "completion_ids": batch.completion_ids,  # [N, T]
-        "completion_mask": batch.completion_mask.bool(),  # [N, T]
-        "rollout_logprobs": batch.logprobs,  # [N, T]
-        "temperatures": batch.temperatures,  # [N]
-    }
 
 
 # ---------------------------------------------------------------------------------- minibatches

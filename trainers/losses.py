@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 
 Metrics = dict[str, Tensor]
-Aggregation = Callable[[Tensor, Tensor], Tensor]
+Aggregation = Callable[..., Tensor]  # (per_token [N, T], mask [N, T], norm_len) -> []
 
 
 # --------------------------------------------------------------------------- reductions
@@ -43,12 +43,12 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = Non
 # --------------------------------------------------------------------------- aggregations
 
 
-def _token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
+def _token_mean(per_token: Tensor, mask: Tensor, norm_len: int | None = None) -> Tensor:
     # per_token: [N, T], mask: [N, T] -> [] ; every unmasked token weighs the same (DAPO).
     return masked_mean(per_token, mask)
 
 
-def _seq_mean_token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
+def _seq_mean_token_mean(per_token: Tensor, mask: Tensor, norm_len: int | None = None) -> Tensor:
     # per_token: [N, T], mask: [N, T] -> [] ; every sequence weighs the same (GRPO paper).
     seq_means = masked_mean(per_token, mask, dim=-1)  # [N]
     # NOTE: a sequence with no unmasked token has no mean; it is left out of the average.
@@ -56,9 +56,12 @@ def _seq_mean_token_mean(per_token: Tensor, mask: Tensor) -> Tensor:
     return masked_mean(seq_means, has_tokens)
 
 
-def _seq_mean_token_sum_norm(per_token: Tensor, mask: Tensor) -> Tensor:
-    # per_token: [N, T], mask: [N, T] -> [] ; constant normaliser T, no length bias (Dr. GRPO).
-    seq_sums = masked_sum(per_token, mask, dim=-1) / per_token.shape[-1]  # [N]
+def _seq_mean_token_sum_norm(per_token: Tensor, mask: Tensor, norm_len: int | None = None) -> Tensor:
+    # per_token: [N, T], mask: [N, T] -> [] ; constant normaliser, no length bias (Dr. GRPO).
+    # NOTE: the trainers pass the generation budget; the padded T (the fallback) depends on the
+    # longest row of the batch, so a row's gradient would change with the other rows' lengths.
+    norm = per_token.shape[-1] if norm_len is None else norm_len
+    seq_sums = masked_sum(per_token, mask, dim=-1) / norm  # [N]
     return seq_sums.mean()
 
 
@@ -69,13 +72,19 @@ AGGREGATIONS: dict[str, Aggregation] = {
 }
 
 
-def aggregate(per_token: Tensor, mask: Tensor, agg: str = "token_mean") -> Tensor:
-    """Reduce a per-token ``[N, T]`` quantity to a 0-d tensor with the named aggregation."""
+def aggregate(
+    per_token: Tensor, mask: Tensor, agg: str = "token_mean", norm_len: int | None = None
+) -> Tensor:
+    """Reduce a per-token ``[N, T]`` quantity to a 0-d tensor with the named aggregation.
+
+    ``norm_len`` is the constant divisor of ``"seq_mean_token_sum_norm"`` (default: the padded T)."""
     try:
         fn = AGGREGATIONS[agg]
     except KeyError:
         raise ValueError(f"unknown agg {agg!r}; valid: {sorted(AGGREGATIONS)}") from None
-    return fn(per_token, mask)
+    if norm_len is not None and norm_len < 1:
+        raise ValueError(f"norm_len must be a positive int, got {norm_len}")
+    return fn(per_token, mask, norm_len)
 
 
 # --------------------------------------------------------------------------- advantages
@@ -93,7 +102,8 @@ def group_advantages(
         group_size: completions per prompt.
         scale: ``"std"`` divides by the group's unbiased std + ``eps``; ``None`` does not (Dr. GRPO).
     Returns:
-        ``[N]`` advantages ``r - mean(group)`` (optionally scaled), float.
+        ``[N]`` advantages ``r - mean(group)`` (optionally scaled), float; NaN rewards (unscorable
+        samples) are left out of their group's statistics and get 0.
     """
     if scale not in ADVANTAGE_SCALES:
         raise ValueError(f"unknown scale {scale!r}; valid: {list(ADVANTAGE_SCALES)}")
@@ -103,11 +113,16 @@ def group_advantages(
         raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
     rewards = rewards if rewards.is_floating_point() else rewards.float()
     grouped = rewards.view(-1, group_size)  # [G, group_size]
-    centred = grouped - grouped.mean(dim=1, keepdim=True)  # [G, group_size]
+    # NOTE: NaN marks an unscorable sample (every reward function returned None): it is left out of
+    # its group's mean and std and gets advantage 0, as in TRL. Without NaN this is the plain formula.
+    present = ~grouped.isnan()  # [G, group_size]
+    count = present.sum(dim=1, keepdim=True)  # [G, 1]
+    mean = grouped.nansum(dim=1, keepdim=True) / count.clamp_min(1)  # [G, 1]
+    centred = torch.where(present, grouped - mean, 0.0)  # [G, group_size]
     if scale == "std":
-        # NOTE: the unbiased std of a single sample is NaN; its centred reward is 0 anyway.
-        std = grouped.std(dim=1, keepdim=True) if group_size > 1 else torch.zeros_like(centred)
-        centred = centred / (std + eps)
+        # NOTE: the unbiased std of a single sample is undefined; its centred reward is 0 anyway.
+        var = centred.square().sum(dim=1, keepdim=True) / (count - 1).clamp_min(1)  # [G, 1]
+        centred = centred / (var.sqrt() + eps)
     return centred.reshape(-1)  # [N]
 
 
@@ -233,6 +248,7 @@ def clipped_policy_loss(
     clip_high: float = 0.2,
     agg: str = "token_mean",
     tis_weights: Tensor | None = None,
+    norm_len: int | None = None,
 ) -> tuple[Tensor, Metrics]:
     """PPO clipped surrogate ``-min(r*A, clip(r, 1-clip_low, 1+clip_high)*A)``, ``r = exp(lp - old)``.
 
@@ -242,6 +258,8 @@ def clipped_policy_loss(
         advantages: ``[N]`` (broadcast over tokens) or ``[N, T]``.
         mask: ``[N, T]`` response tokens that count.
         agg: a key of :data:`AGGREGATIONS`.
+        norm_len: the constant length ``"seq_mean_token_sum_norm"`` divides by (the trainers pass
+            ``max_new_tokens``); default the padded length T.
         tis_weights: optional ``[N, T]`` per-token weights (see :func:`truncated_importance_weights`).
     Returns:
         ``(loss [], metrics)`` with detached 0-d ``clip_fraction``, ``clip_low_fraction``,
@@ -259,7 +277,7 @@ def clipped_policy_loss(
     per_token = -torch.minimum(unclipped, clipped)  # [N, T]
     if tis_weights is not None:
         per_token = per_token * tis_weights.detach()
-    loss = aggregate(per_token, valid, agg)
+    loss = aggregate(per_token, valid, agg, norm_len)
 
     with torch.no_grad():
         low = (ratio < 1.0 - clip_low) & (adv < 0)  # [N, T]

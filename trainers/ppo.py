@@ -20,13 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from trainers.base import RLTrainer
-from trainers.common import (
-    RLConfig,
-    batch_tensors,
-    completion_forward,
-    reference_logprobs,
-    scored_logprobs,
-)
+from trainers.common import RLConfig, completion_forward, reference_logprobs, scored_logprobs
 from trainers.losses import (
     clipped_policy_loss,
     gae,
@@ -34,6 +28,7 @@ from trainers.losses import (
     masked_mean,
     value_loss,
 )
+from trainers.rollouts import batch_tensors
 
 
 @dataclass
@@ -141,9 +136,13 @@ class PPOTrainer(RLTrainer):
         batch, metrics = self.generate(rows)
         start = time.perf_counter()
         data = batch_tensors(batch)
-        mask = data["completion_mask"]  # [N, T]
-        data["loss_mask"] = mask
         scores, reward_metrics = self.score(rows, batch)  # [N]
+        reward_metrics.update(self.reward_stats(scores))
+        # NOTE: a row no reward function scored (all None) is left out of the loss, as in TRL.
+        scorable = ~scores.isnan()  # [N]
+        scores = scores.nan_to_num(0.0)
+        mask = data["completion_mask"] & scorable[:, None]  # [N, T]
+        data["loss_mask"] = mask
         # 2. the trainer's own logprobs and values before the update
         own = self.recompute_old(data, metrics)
         data["old_values"] = own["values"]  # [N, T]
@@ -153,7 +152,7 @@ class PPOTrainer(RLTrainer):
         token_rewards[torch.arange(len(last), device=last.device), last] = scores.to(token_rewards.dtype)
         if self.ref_model is not None:
             chunks = cfg.num_minibatches * cfg.gradient_accumulation_steps
-            ref = reference_logprobs(self.ref_model, data, chunks)  # [N, T]
+            ref = reference_logprobs(self.ref_model, data, chunks, **self.truncation)  # [N, T]
             token_rewards -= cfg.kl_coef * torch.where(mask, own["logprobs"] - ref, 0.0)
             metrics["kl"] = masked_mean(kl_k3(own["logprobs"], ref, mask), mask).item()
         # 4. GAE over the generated tokens
@@ -167,7 +166,7 @@ class PPOTrainer(RLTrainer):
     def loss(self, micro: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped surrogate (token mean) + vf_coef x clipped value loss on one micro-batch."""
         logits, values = self.forward(self.model, micro)  # [n, T+1, V], [n, T]
-        logprobs, _ = scored_logprobs(logits, micro)  # [n, T]
+        logprobs, _ = scored_logprobs(logits, micro, **self.truncation)  # [n, T]
         mask = micro["loss_mask"]
         policy_loss, stats = clipped_policy_loss(
             logprobs,

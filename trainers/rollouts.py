@@ -1,0 +1,100 @@
+"""Rollout plumbing of the trainers: prompts to token ids (chat templates included), and merging
+or selecting rows of `RolloutBatch`es (DAPO's dynamic sampling refills a batch from several rounds).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from rollout import RolloutBatch
+from trainers.rewards import is_conversational
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant turn."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError(
+            "a conversational prompt (or chat_template=True) needs a tokenizer with a chat template"
+        )
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+
+
+def encode_prompt(tokenizer, prompt: Any, chat_template: bool = False) -> Any:
+    """What the engine gets for one dataset prompt: chat rows (a list of messages) and, with
+    `chat_template`, plain strings (as one user message) become template ids; other strings and
+    token-id lists pass through (the engine tokenizes strings itself)."""
+    if is_conversational(prompt):
+        return chat_ids(tokenizer, list(prompt))
+    if chat_template and isinstance(prompt, str):
+        return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    return prompt
+
+
+def merge_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
+    """Rows of several batches in order, re-padded (prompts left, completions right) to the widest."""
+    if len(batches) == 1:
+        return batches[0]
+    p = max(b.prompt_ids.shape[1] for b in batches)
+    t = max(b.completion_ids.shape[1] for b in batches)
+
+    def left(x: Tensor, width: int, value: float) -> Tensor:  # [n, w] -> [n, width]
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x: Tensor, width: int, value: float) -> Tensor:  # [n, w] -> [n, width]
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    offsets = torch.tensor([0] + [int(b.group_ids.max()) + 1 if len(b) else 0 for b in batches[:-1]])
+    offsets = offsets.cumsum(0)
+    texts = [b.completions_text for b in batches]
+    return RolloutBatch(
+        prompt_ids=torch.cat([left(b.prompt_ids, p, pad_id) for b in batches]),
+        prompt_mask=torch.cat([left(b.prompt_mask, p, 0) for b in batches]),
+        completion_ids=torch.cat([right(b.completion_ids, t, pad_id) for b in batches]),
+        completion_mask=torch.cat([right(b.completion_mask, t, 0) for b in batches]),
+        logprobs=torch.cat([right(b.logprobs, t, 0.0) for b in batches]),
+        group_ids=torch.cat([b.group_ids + int(o) for b, o in zip(batches, offsets, strict=True)]),
+        temperatures=torch.cat([b.temperatures for b in batches]),
+        finish_reasons=[r for b in batches for r in b.finish_reasons],
+        policy_version=min(b.policy_version for b in batches),
+        completions_text=None if any(x is None for x in texts) else [s for x in texts for s in x],
+    )
+
+
+def take_rows(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
+    """The rows `index [n]` of a batch (group ids renumbered 0..)."""
+    rows = index.tolist()
+    _, group_ids = torch.unique_consecutive(batch.group_ids[index], return_inverse=True)
+    return RolloutBatch(
+        prompt_ids=batch.prompt_ids[index],
+        prompt_mask=batch.prompt_mask[index],
+        completion_ids=batch.completion_ids[index],
+        completion_mask=batch.completion_mask[index],
+        logprobs=batch.logprobs[index],
+        group_ids=group_ids,
+        temperatures=batch.temperatures[index],
+        finish_reasons=[batch.finish_reasons[i] for i in rows],
+        policy_version=batch.policy_version,
+        completions_text=None if batch.completions_text is None else [batch.completions_text[i] for i in rows],
+    )
+
+
+def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
+    """The loss-side view of a `RolloutBatch`: every tensor has the row dimension N first."""
+    return {
+        "input_ids": batch.input_ids,  # [N, P+T]
+        "attention_mask": batch.attention_mask,  # [N, P+T]
+        "completion_ids": batch.completion_ids,  # [N, T]
+        "completion_mask": batch.completion_mask.bool(),  # [N, T]
+        "rollout_logprobs": batch.logprobs,  # [N, T]
+        "temperatures": batch.temperatures,  # [N]
+    }
+
+
+def completion_id_lists(batch: RolloutBatch) -> list[list[int]]:
+    """The generated ids of each row, unpadded (what reward functions get as `completion_ids`)."""
+    return [ids[mask.bool()].tolist() for ids, mask in zip(batch.completion_ids, batch.completion_mask, strict=True)]
