@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset, load_dataset, load_from_disk
 
+from trainers.base import checkpoints
 from trainers.tasks import (
     AdditionTask,
     addition_reward,
@@ -25,14 +26,77 @@ from trainers.tasks import (
     make_addition_tokenizer,
     sft_warm_start,
 )
+from trainers.verifiers import math_reward
 
 # ------------------------------------------------------------------------------------ accelerate
 
 
-def make_accelerator(**kwargs) -> Accelerator:
+def make_accelerator(bf16: bool = False, report_to: Sequence[str] | None = None, **kwargs) -> Accelerator:
     """An `Accelerator` that really runs several ranks on CPU: without `cpu=True`, a
-    `--multi_gpu --num_processes 2` launch on a machine with no CUDA gives two lone processes."""
-    return Accelerator(cpu=not torch.cuda.is_available(), **kwargs)
+    `--multi_gpu --num_processes 2` launch on a machine with no CUDA gives two lone processes.
+
+    `bf16` trains under bf16 autocast (weights and optimizer stay fp32); `report_to` names
+    accelerate trackers ("tensorboard", "wandb", "trackio", ...), each installed separately."""
+    return Accelerator(
+        cpu=not torch.cuda.is_available(),
+        mixed_precision="bf16" if bf16 else "no",
+        log_with=list(report_to) if report_to else None,
+        **kwargs,
+    )
+
+
+def add_run_args(p) -> None:
+    """The flags the recipes share for real models, real datasets and long runs."""
+    p.add_argument("--dataset_config", default=None, help="dataset config name, e.g. 'main' for openai/gsm8k")
+    p.add_argument("--prompt_column", default="prompt", help="the column holding prompts (text or chat messages)")
+    p.add_argument("--answer_column", default="answer", help="the column the reward reads as `answer`")
+    p.add_argument("--chat_template", action="store_true", help="apply the tokenizer's chat template to text prompts")
+    p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
+    p.add_argument("--gradient_checkpointing", action="store_true")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--engine_memory_fraction", type=float, default=0.3,
+                   help="share of free GPU memory the engine's KV cache takes (colocated with training)")
+    p.add_argument("--save_steps", type=int, default=0, help="checkpoint every N steps (0 = never)")
+    p.add_argument("--save_total_limit", type=int, default=None, help="keep only the newest N checkpoints")
+    p.add_argument("--resume_from_checkpoint", default=None, help="a checkpoint dir, or 'latest' in output_dir")
+    p.add_argument("--report_to", nargs="*", default=None, help="accelerate trackers: tensorboard wandb trackio ...")
+
+
+def trainer_run_kwargs(args) -> dict:
+    """The `RLConfig` fields set by `add_run_args` flags."""
+    return dict(
+        chat_template=args.chat_template,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        engine_memory_fraction=args.engine_memory_fraction,
+        save_steps=args.save_steps,
+        save_total_limit=args.save_total_limit,
+    )
+
+
+def resolve_checkpoint(output_dir: str, spec: str | None) -> str | None:
+    """`--resume_from_checkpoint`: None, a checkpoint directory, or "latest" (the newest
+    `checkpoint-N` under `output_dir`, None when there is none yet)."""
+    if spec is None:
+        return None
+    if spec == "latest":
+        found = checkpoints(output_dir)
+        return found[-1] if found else None
+    if not os.path.isdir(spec):
+        raise ValueError(f"--resume_from_checkpoint: {spec} is not a directory")
+    return spec
+
+
+def checkpoint_step(path: str) -> int:
+    with open(os.path.join(path, "trainer_state.json")) as f:
+        return int(json.load(f)["step"])
+
+
+def read_metrics(output_dir: str) -> list[dict]:
+    path = os.path.join(output_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 # --------------------------------------------------------------------------------------- rewards
@@ -51,6 +115,7 @@ def exact_match_reward(
 REWARDS: dict[str, Callable[..., Sequence[float]]] = {
     "addition": addition_reward,  # exact verifier with per-digit partial credit (trainers.tasks)
     "exact_match": exact_match_reward,
+    "math": math_reward,  # final answer (#### N, \\boxed{}, last number) of both sides (trainers.verifiers)
 }
 
 
@@ -67,9 +132,16 @@ def get_reward(name: str) -> Callable[..., Sequence[float]]:
 DATA_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
-def load_prompts(spec: str, split: str = "train") -> Dataset:
+def load_prompts(
+    spec: str,
+    split: str = "train",
+    config_name: str | None = None,
+    prompt_column: str = "prompt",
+    answer_column: str = "answer",
+) -> Dataset:
     """A `datasets.Dataset` from a local file (json / jsonl / parquet / csv), a `save_to_disk`
-    directory, a directory of such files, or a hub id. It must have a "prompt" column."""
+    directory, a directory of such files, or a hub id (with its `config_name`, e.g. "main").
+    `prompt_column` is renamed "prompt" and `answer_column` "answer" (what the rewards read)."""
     if os.path.isdir(spec) and os.path.exists(os.path.join(spec, "dataset_info.json")):
         data = load_from_disk(spec)
         if hasattr(data, "keys"):  # a saved DatasetDict
@@ -80,9 +152,19 @@ def load_prompts(spec: str, split: str = "train") -> Dataset:
             raise ValueError(f"{spec}: unsupported file type {suffix!r}; use one of {sorted(DATA_BUILDERS)}")
         data = load_dataset(DATA_BUILDERS[suffix], data_files=spec, split="train")
     else:  # a directory of data files or a hub id
-        data = load_dataset(spec, split=split)
+        data = load_dataset(spec, config_name, split=split)
+    for column, target in ((prompt_column, "prompt"), (answer_column, "answer")):
+        if column == target:
+            continue
+        if column not in data.column_names:
+            raise ValueError(f"{spec}: no column {column!r} ({target}_column); has {data.column_names}")
+        if target in data.column_names:
+            data = data.remove_columns(target)
+        data = data.rename_column(column, target)
     if "prompt" not in data.column_names:
-        raise ValueError(f"{spec}: the dataset needs a 'prompt' column, has {data.column_names}")
+        raise ValueError(
+            f"{spec}: the dataset needs a 'prompt' column (or --prompt_column), has {data.column_names}"
+        )
     return data
 
 
@@ -162,8 +244,12 @@ def load_policy_and_prompts(
     warm_start_s = time.perf_counter() - start
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if getattr(args, "gradient_checkpointing", False):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.dataset:
-        dataset = load_prompts(args.dataset, args.dataset_split)
+        dataset = load_prompts(
+            args.dataset, args.dataset_split, args.dataset_config, args.prompt_column, args.answer_column
+        )
     else:
         dataset = AdditionTask(num_digits=3).to_dataset(train_prompts, seed=1000 + args.seed)
     return model_path, tokenizer, model, dataset, warm_start_s
@@ -172,13 +258,18 @@ def load_policy_and_prompts(
 # -------------------------------------------------------------------------------------- outputs
 
 
-def fresh_output_dir(accelerator: Accelerator, output_dir: str) -> None:
-    """Create `output_dir`, dropping the metrics of an earlier run (the trainer appends)."""
+def fresh_output_dir(accelerator: Accelerator, output_dir: str, resume_step: int | None = None) -> None:
+    """Create `output_dir`. A new run drops the metrics of an earlier one (the trainer appends); a
+    resumed run keeps them up to its checkpoint's step (later records are redone)."""
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         metrics = os.path.join(output_dir, "metrics.jsonl")
-        if os.path.exists(metrics):
-            os.remove(metrics)
+        if resume_step is None:
+            if os.path.exists(metrics):
+                os.remove(metrics)
+        else:
+            kept = [r for r in read_metrics(output_dir) if r["step"] <= resume_step]
+            write_jsonl(kept, metrics)
     accelerator.wait_for_everyone()
 
 
@@ -198,6 +289,7 @@ def plot_rewards(history: Sequence[dict], path: str, title: str = "reward") -> s
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    history = [h for h in history if h.get("reward_mean") is not None]
     steps = [h["step"] for h in history]
     rewards = [h["reward_mean"] for h in history]
     fig, ax = plt.subplots(figsize=(6, 3.6), dpi=100)
@@ -216,7 +308,7 @@ def plot_rewards(history: Sequence[dict], path: str, title: str = "reward") -> s
 
 def summarize(history: Sequence[dict], wall_time: float, **extra) -> dict:
     """First-5 / last-5 mean reward, steps, wall time and rollout throughput of a run."""
-    rewards = [h["reward_mean"] for h in history]
+    rewards = [h["reward_mean"] for h in history if h.get("reward_mean") is not None]
     gen_time = sum(h.get("time_generate", 0.0) for h in history)
     tokens = sum(h.get("rollout_tokens_per_s", 0.0) * h.get("time_generate", 0.0) for h in history)
     first5 = statistics.mean(rewards[:5]) if rewards else math.nan

@@ -7,8 +7,12 @@ correct when its reward is 1), and report pass@k for each k <= n with the unbias
 mean response length. Outputs in OUTPUT_DIR: a table on stdout, sweep.csv (one row per cell)
 and passk.png (pass@k vs temperature, one line per checkpoint, one panel per k).
 
-Resumable: cells already in sweep.csv (keyed by checkpoint x temperature x n) are skipped, so an
-interrupted or extended sweep only runs what is missing.
+Resumable: cells already in sweep.csv (keyed by checkpoint x temperature x n x dataset x reward x
+max_new_tokens) are skipped, so an interrupted or extended sweep only runs what is missing.
+
+Several processes (`accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/eval_sweep.py`)
+split the prompts of every cell: each rank generates its contiguous share with its own engine, and
+the main process gathers the rewards and writes the one CSV.
 
 Defaults: the checkpoints the GRPO demo saved (runs/grpo/init = the warm start, runs/grpo/final
 = after GRPO; if neither exists the warm-started model is built here instead), and the embedded
@@ -38,13 +42,16 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
-from _common import REWARDS, build_warm_start, get_reward, load_prompts, write_jsonl
+from _common import REWARDS, build_warm_start, get_reward, load_prompts, make_accelerator, write_jsonl
+from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
 from trainers.passk import pass_at_k_array
+from trainers.rewards import score_completions
+from trainers.rollouts import encode_prompt
 from trainers.tasks import AdditionTask
 
 # ----------------------------------------------------------------------------------- config
@@ -56,7 +63,7 @@ NUM_TEST = 200  # embedded test problems
 TEST_SEED = 777  # the embedded test split (training prompts use seeds 1000+)
 MAX_NEW_TOKENS = 6
 PAGE_SIZE = 16  # KV page size in tokens (the engine default, 256, suits long completions)
-KEY_FIELDS = ("checkpoint", "temperature", "n")
+KEY_FIELDS = ("checkpoint", "temperature", "n", "dataset", "reward", "max_new_tokens")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -64,6 +71,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoints", nargs="+", default=None, help="local paths or hub ids")
     p.add_argument("--dataset", default=None, help="json/jsonl/parquet/csv, save_to_disk dir or hub id")
     p.add_argument("--dataset_split", default="test")
+    p.add_argument("--dataset_config", default=None)
+    p.add_argument("--prompt_column", default="prompt")
+    p.add_argument("--answer_column", default="answer")
+    p.add_argument("--chat_template", action="store_true", help="apply the chat template to text prompts")
     p.add_argument("--num_prompts", type=int, default=NUM_TEST, help="use the first N rows")
     p.add_argument("--reward", default="addition", choices=sorted(REWARDS))
     p.add_argument("--temperatures", nargs="+", type=float, default=list(TEMPERATURES))
@@ -95,8 +106,20 @@ def cell_metrics(rewards: Sequence[float], lengths: Sequence[int], n: int, ks: I
 # ---------------------------------------------------------------------------------- the CSV
 
 
-def cell_key(checkpoint: str, temperature: float, n: int) -> tuple[str, float, int]:
-    return (os.path.normpath(checkpoint), round(float(temperature), 6), int(n))
+def cell_key(
+    checkpoint: str, temperature: float, n: int, dataset: str = "", reward: str = "", max_new_tokens: int = 0
+) -> tuple[str, float, int, str, str, int]:
+    """What makes two cells the same measurement (paths normalised, floats rounded)."""
+    data = os.path.normpath(dataset) if dataset else ""
+    return (os.path.normpath(checkpoint), round(float(temperature), 6), int(n), data, reward, int(max_new_tokens))
+
+
+def row_key(row: dict) -> tuple:
+    """`cell_key` of a CSV row."""
+    return cell_key(
+        row["checkpoint"], row["temperature"], row["n"],
+        row.get("dataset") or "", row.get("reward") or "", int(row.get("max_new_tokens") or 0),
+    )
 
 
 def read_rows(path: str) -> list[dict]:
@@ -106,9 +129,20 @@ def read_rows(path: str) -> list[dict]:
         return list(csv.DictReader(f))
 
 
-def done_cells(path: str) -> set[tuple[str, float, int]]:
+def done_cells(path: str) -> set[tuple]:
     """Keys of the cells already in the CSV at `path` (empty if it does not exist)."""
-    return {cell_key(r["checkpoint"], r["temperature"], r["n"]) for r in read_rows(path)}
+    return {row_key(r) for r in read_rows(path)}
+
+
+def retire_old_csv(path: str) -> None:
+    """A CSV written before the key grew (no dataset / reward / max_new_tokens columns) cannot
+    say which measurement its rows are: move it aside to `path.old` and start a new one."""
+    if os.path.exists(path) and os.path.getsize(path):
+        with open(path, newline="") as f:
+            header = next(csv.reader(f), [])
+        if not set(KEY_FIELDS) <= set(header):
+            os.replace(path, path + ".old")
+            print(f"NOTE: {path} lacks the columns {KEY_FIELDS}; moved to {path}.old")
 
 
 def append_row(path: str, row: dict, fields: Sequence[str]) -> None:
@@ -184,9 +218,10 @@ def plot_passk(rows: list[dict], ks: Sequence[int], path: str) -> str:
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     hf_logging.disable_progress_bar()  # NOTE: per-checkpoint loading bars would break up the sweep's bar
+    accelerator = make_accelerator()
+    rank, world, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
     os.makedirs(args.output_dir, exist_ok=True)
     csv_path = os.path.join(args.output_dir, "sweep.csv")
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     reward_fn = get_reward(args.reward)
 
     # 1. checkpoints: the given ones, else the GRPO demo's, else a warm start built here
@@ -200,36 +235,49 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 f"(run `accelerate launch recipes/grpo.py` first); evaluating the embedded "
                 f"warm-started model instead, built into {fallback}"
             )
-            if not os.path.exists(os.path.join(fallback, "config.json")):
+            if main_process and not os.path.exists(os.path.join(fallback, "config.json")):
                 build_warm_start(fallback, seed=args.seed)
             checkpoints = [fallback]
 
-    # 2. prompts and references, through `datasets`
+    # 2. prompts and references, through `datasets`; this rank's contiguous share
     if args.dataset:
         data_path = args.dataset
     else:
-        rows = AdditionTask(num_digits=3).sample(args.num_prompts, seed=TEST_SEED)
-        data_path = write_jsonl(rows, os.path.join(args.output_dir, "test.jsonl"))
-    dataset = load_prompts(data_path, args.dataset_split)
+        data_path = os.path.join(args.output_dir, "test.jsonl")
+        if main_process:
+            write_jsonl(AdditionTask(num_digits=3).sample(args.num_prompts, seed=TEST_SEED), data_path)
+    accelerator.wait_for_everyone()
+    dataset = load_prompts(
+        data_path, args.dataset_split, args.dataset_config, args.prompt_column, args.answer_column
+    )
     dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
-    prompts = dataset["prompt"]
-    columns = {c: dataset[c] for c in dataset.column_names if c != "prompt"}
+    share = np.array_split(np.arange(len(dataset)), world)[rank].tolist()
+    rows = [dict(dataset[i]) for i in share]
     ks = sorted(set(args.ks))
     fields = [*KEY_FIELDS, "prompts", "reward_mean", "response_length", *(f"pass@{k}" for k in ks)]
-    fields += ["seconds", "tokens_per_s", "dataset"]
+    fields += ["seconds", "tokens_per_s"]
+    tag = dict(dataset=data_path, reward=args.reward, max_new_tokens=args.max_new_tokens)
 
     # 3. the sweep, skipping finished cells
+    if main_process:
+        retire_old_csv(csv_path)
+    accelerator.wait_for_everyone()
     cells = [(c, t, n) for c in checkpoints for t in args.temperatures for n in sorted(set(args.samples))]
     done = done_cells(csv_path)
-    todo = [cell for cell in cells if cell_key(*cell) not in done]
-    print(f"{len(cells)} cells, {len(cells) - len(todo)} already in {csv_path}, {len(todo)} to run")
+    accelerator.wait_for_everyone()  # NOTE: every rank decides on the same CSV before any row is added
+    todo = [cell for cell in cells if cell_key(*cell, **tag) not in done]
+    if main_process:
+        print(f"{len(cells)} cells, {len(cells) - len(todo)} already in {csv_path}, {len(todo)} to run")
     bar = tqdm(
-        total=len(cells), initial=len(cells) - len(todo), desc="sweep", unit="cell", dynamic_ncols=True
+        total=len(cells), initial=len(cells) - len(todo), desc="sweep", unit="cell", dynamic_ncols=True,
+        disable=not main_process,
     )
     for checkpoint in dict.fromkeys(c for c, _, _ in todo):
         tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).to(device).eval()
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+        model = model.to(accelerator.device).eval()
         config = ContinuousBatchingConfig(page_size=args.page_size)
+        prompts = [encode_prompt(tokenizer, r["prompt"], args.chat_template) for r in rows]
         with RolloutEngine(model, tokenizer=tokenizer, config=config) as engine:
             for _, temperature, n in [cell for cell in todo if cell[0] == checkpoint]:
                 start = time.perf_counter()
@@ -238,32 +286,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     temps=temperature,
                     group_size=n,
                     max_new_tokens=args.max_new_tokens,
-                    seed=args.seed,
-                )
+                    seed=args.seed + 1_000_003 * rank,
+                ) if rows else None
                 seconds = time.perf_counter() - start
-                # every reward column repeated n times, aligned with the grouped samples
-                expanded = {c: [v for v in values for _ in range(n)] for c, values in columns.items()}
-                rewards = reward_fn(
-                    [p for p in prompts for _ in range(n)], batch.completions_text, **expanded
-                )
-                lengths = batch.completion_lengths.tolist()
-                row = {"checkpoint": checkpoint, "temperature": temperature, "n": n}
-                row.update(cell_metrics(rewards, lengths, n, ks))
-                row.update(seconds=round(seconds, 3), tokens_per_s=round(sum(lengths) / seconds, 1))
-                row["dataset"] = data_path
-                append_row(csv_path, row, fields)
-                shown = {f"pass@{ks[0]}": f"{row[f'pass@{ks[0]}']:.3f}"} if ks[0] <= n else {}
-                bar.set_postfix(ckpt=os.path.basename(checkpoint), T=temperature, n=n, **shown)
+                local_rewards, local_lengths = [], []
+                if batch is not None:
+                    # NOTE: reward functions are called as TRL calls them (by keyword, None allowed)
+                    scores, _ = score_completions([reward_fn], rows, batch.completions_text, n)
+                    local_rewards = scores.nan_to_num(0.0).tolist()
+                    local_lengths = batch.completion_lengths.tolist()
+                rewards, lengths = gather_object(local_rewards), gather_object(local_lengths)
+                seconds = max(gather_object([seconds]))
+                if main_process:
+                    row = {"checkpoint": checkpoint, "temperature": temperature, "n": n, **tag}
+                    row.update(cell_metrics(rewards, lengths, n, ks))
+                    row.update(seconds=round(seconds, 3), tokens_per_s=round(sum(lengths) / seconds, 1))
+                    append_row(csv_path, row, fields)
+                    shown = {f"pass@{ks[0]}": f"{row[f'pass@{ks[0]}']:.3f}"} if ks[0] <= n else {}
+                    bar.set_postfix(ckpt=os.path.basename(checkpoint), T=temperature, n=n, **shown)
                 bar.update(1)
         del model
     bar.close()
+    accelerator.wait_for_everyone()
 
     # 4. report every requested cell (fresh or read back)
-    wanted = {cell_key(*cell) for cell in cells}
-    rows = [r for r in read_rows(csv_path) if cell_key(r["checkpoint"], r["temperature"], r["n"]) in wanted]
-    print_table(rows, ks)
-    png = plot_passk(rows, ks, os.path.join(args.output_dir, "passk.png"))
-    print(f"wrote {csv_path} and {png}")
+    wanted = {cell_key(*cell, **tag) for cell in cells}
+    rows = [r for r in read_rows(csv_path) if row_key(r) in wanted]
+    if main_process:
+        print_table(rows, ks)
+        png = plot_passk(rows, ks, os.path.join(args.output_dir, "passk.png"))
+        print(f"wrote {csv_path} and {png}")
+    accelerator.end_training()
     return rows
 
 

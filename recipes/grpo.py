@@ -24,8 +24,19 @@ Launch (a tqdm bar shows the reward; the default takes MEASURED on 2 CPU cores):
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match \\
         --max_new_tokens 256 --lr 1e-6 --output_dir runs/grpo_qwen
 
-`--dataset` is a local json/jsonl/parquet/csv file, a `save_to_disk` directory or a hub id with a
-"prompt" column plus the columns the reward reads (`answer` for both built-in rewards).
+A real model on a real dataset (GSM8K: `question` / `answer` "... #### 72", scored by the final
+number; `--chat_template` wraps each question as a user message of the model's chat template):
+    accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \
+        --model Qwen/Qwen2.5-0.5B-Instruct --dataset openai/gsm8k --dataset_config main \
+        --prompt_column question --answer_column answer --reward math --chat_template \
+        --max_new_tokens 512 --lr 1e-6 --bf16 --gradient_checkpointing --gradient_accumulation_steps 4 \
+        --save_steps 50 --save_total_limit 2 --report_to tensorboard --output_dir runs/grpo_gsm8k
+    (rerun with --resume_from_checkpoint latest to continue; metrics.jsonl is appended)
+
+`--dataset` is a local json/jsonl/parquet/csv file, a `save_to_disk` directory or a hub id; its
+prompt column holds text or chat messages (a list of {"role", "content"} dicts, always templated),
+and the other columns reach the reward (`answer` for the built-in rewards). Rewards are TRL-style
+functions (`trainers.rewards`).
 """
 
 # ruff: noqa: E402
@@ -43,12 +54,17 @@ import time
 
 from _common import (
     REWARDS,
+    add_run_args,
+    checkpoint_step,
     fresh_output_dir,
     get_reward,
     load_policy_and_prompts,
     make_accelerator,
     plot_rewards,
+    read_metrics,
+    resolve_checkpoint,
     summarize,
+    trainer_run_kwargs,
     write_json,
 )
 from accelerate.utils import set_seed
@@ -92,20 +108,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minibatches", type=int, default=MINIBATCHES, help="optimizer steps per pass")
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS)
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL weight to the initial policy")
+    p.add_argument("--top_k", type=int, default=None, help="sampling top-k (the trainer scores under it too)")
+    p.add_argument("--top_p", type=float, default=None, help="sampling top-p (the trainer scores under it too)")
+    p.add_argument("--max_resample_rounds", type=int, default=0, help="dapo: rounds to refill dropped groups")
+    p.add_argument("--overlong_buffer", type=int, default=0, help="soft overlong penalty buffer (tokens)")
+    p.add_argument("--overlong_filter", action="store_true", help="leave truncated completions out of the loss")
     p.add_argument("--engine_dtype", default=None, help="run the engine on a cast copy, e.g. bfloat16")
     p.add_argument("--sft_target", type=float, default=WARM_START["target_exact"])
     p.add_argument("--sft_steps", type=int, default=WARM_START["max_sft_steps"])
     p.add_argument("--sft_seed", type=int, default=WARM_START["seed"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/grpo")
+    add_run_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(bf16=args.bf16, report_to=args.report_to)
     set_seed(args.seed)
-    fresh_output_dir(accelerator, args.output_dir)
+    resume = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None)
+    if args.report_to:
+        accelerator.init_trackers("rollout-grpo", config=vars(args))
     start = time.perf_counter()
 
     # 1-2. the policy (a hub / local checkpoint, or the embedded model warm-started and saved here)
@@ -130,14 +155,23 @@ def main(argv: list[str] | None = None) -> dict:
         num_iterations=args.iterations,
         num_minibatches=args.minibatches,
         beta=args.beta,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_resample_rounds=args.max_resample_rounds,
+        overlong_buffer=args.overlong_buffer,
+        overlong_filter=args.overlong_filter,
         engine_dtype=args.engine_dtype,
         engine_config=None if args.model else EMBEDDED_ENGINE,
         seed=args.seed,
         log_stdout=False,  # the tqdm bar shows the reward; metrics.jsonl has everything
+        **trainer_run_kwargs(args),
     )
     trainer = GRPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config, accelerator=accelerator)
     with trainer:
-        history = trainer.train()
+        if resume:
+            trainer.load_checkpoint(resume)
+        trainer.train()
+    history = read_metrics(args.output_dir) if accelerator.is_main_process else []
     wall = time.perf_counter() - start
 
     # 4. outputs: final checkpoint, plot, summary

@@ -35,12 +35,17 @@ import time
 import torch
 from _common import (
     REWARDS,
+    add_run_args,
+    checkpoint_step,
     fresh_output_dir,
     get_reward,
     load_policy_and_prompts,
     make_accelerator,
     plot_rewards,
+    read_metrics,
+    resolve_checkpoint,
     summarize,
+    trainer_run_kwargs,
     write_json,
 )
 from accelerate.utils import set_seed
@@ -83,14 +88,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft_steps", type=int, default=WARM_START["max_sft_steps"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/ppo")
+    add_run_args(p)
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
-    accelerator = make_accelerator()
+    accelerator = make_accelerator(bf16=args.bf16, report_to=args.report_to)
     set_seed(args.seed)
-    fresh_output_dir(accelerator, args.output_dir)
+    resume = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
+    fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None)
+    if args.report_to:
+        accelerator.init_trackers("rollout-ppo", config=vars(args))
     start = time.perf_counter()
 
     # 1-2. the policy (a hub / local checkpoint, or the embedded model warm-started and saved here)
@@ -116,10 +125,14 @@ def main(argv: list[str] | None = None) -> dict:
         engine_config=None if args.model else EMBEDDED_ENGINE,
         seed=args.seed,
         log_stdout=False,
+        **trainer_run_kwargs(args),
     )
     trainer = PPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config, accelerator=accelerator)
     with trainer:
-        history = trainer.train()
+        if resume:  # NOTE: the value head is part of the prepared model, so its state comes back too
+            trainer.load_checkpoint(resume)
+        trainer.train()
+    history = read_metrics(args.output_dir) if accelerator.is_main_process else []
     wall = time.perf_counter() - start
 
     # 4. outputs: final policy (+ value head), plot, summary
