@@ -41,9 +41,8 @@ def make_chat_tokenizer() -> PreTrainedTokenizerFast:
     return tokenizer
 
 
-def save_tiny_chat_model(path: str, seed: int = 0) -> str:
-    """Save a random Qwen3 (hidden 32, 1 layer) and the chat tokenizer to `path`."""
-    tokenizer = make_chat_tokenizer()
+def make_tiny_chat_model(tokenizer, seed: int = 0) -> Qwen3ForCausalLM:
+    """A random Qwen3 (hidden 32, 1 layer) over the chat tokenizer's vocabulary."""
     config = Qwen3Config(
         vocab_size=len(tokenizer),
         hidden_size=32,
@@ -62,6 +61,13 @@ def save_tiny_chat_model(path: str, seed: int = 0) -> str:
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)
     torch.random.set_rng_state(generator_state)  # NOTE: leave the caller's global RNG as it was
+    return model
+
+
+def save_tiny_chat_model(path: str, seed: int = 0) -> str:
+    """Save `make_tiny_chat_model` and the chat tokenizer to `path`."""
+    tokenizer = make_chat_tokenizer()
+    model = make_tiny_chat_model(tokenizer, seed)
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path

@@ -1,7 +1,10 @@
-"""Data-parallel GRPO on two CPU ranks (gloo) through `accelerate launch`."""
+"""Data parallelism on two CPU ranks (gloo) through `accelerate launch`: an update on two ranks
+equals one process's update on the combined batch (GRPO, DAPO, PPO); real runs keep the ranks
+(value head included) identical while they roll out different prompts; eval_sweep splits prompts."""
 
 from __future__ import annotations
 
+import csv
 import json
 import os
 import socket
@@ -9,8 +12,16 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+from accelerate import Accelerator
+
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "ddp_worker.py"
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "recipes"))
+
+import ddp_worker  # noqa: E402
 
 
 def free_port() -> int:
@@ -19,43 +30,86 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_two_ranks_stay_identical_while_rolling_out_different_prompts(tmp_path):
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(free_port()),
-        str(WORKER),
-        "--out",
-        str(tmp_path),
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    from trainers.tasks import build_tiny_model, make_addition_tokenizer
 
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    path = tmp_path_factory.mktemp("ckpt") / "tiny"
+    tokenizer = make_addition_tokenizer()
+    build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, tiny_checkpoint):
+    """The single-process references, then one two-rank launch of the worker."""
+    out = tmp_path_factory.mktemp("ddp")
+    accelerator = Accelerator(cpu=True)
+    references = {}
+    for algorithm in ddp_worker.ALGORITHMS:
+        trainer = ddp_worker.build(algorithm, accelerator, str(out / "single"), prompts_per_step=4)
+        init = ddp_worker.trained_state(trainer)
+        data, metrics = trainer.collect()
+        torch.save({"data": data, "init": init}, out / f"{algorithm}.pt")
+        trainer.optimize(data)
+        references[algorithm] = (init, ddp_worker.trained_state(trainer), data)
+        trainer.close()
+    sweep_args = ["--checkpoints", tiny_checkpoint, "--num_prompts", "6", "--temperatures", "0", "1.0",
+                  "--samples", "2", "--ks", "1", "2", "--max_new_tokens", "3"]
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_port", str(free_port()), str(WORKER), "--out", str(out),
+        "--sweep", *sweep_args, "--output_dir", str(out / "sweep"),
+    ]
+    # NOTE: the C++ decode kernels are not what this checks; SDPA spares each rank their load.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="",
+               ROLLOUT_CPU_KERNELS="0")
+    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return out, references, sweep_args
+
+
+@pytest.mark.parametrize("algorithm", ddp_worker.ALGORITHMS)
+def test_two_ranks_update_like_one_process_on_the_combined_batch(launched, algorithm):
+    out, references, _ = launched
+    init, single, data = references[algorithm]
+    ddp = torch.load(out / f"{algorithm}_ddp.pt")
+    assert max((single[k] - init[k]).abs().max().item() for k in init) > 1e-4  # a real update
+    assert max((ddp[k] - single[k]).abs().max().item() for k in single) < 1e-6
+    if algorithm == "dapo":
+        # rank 1's half holds only constant groups: its token count is 0, rank 0's is not, so a
+        # rank-local token mean would have doubled rank 0's share of the step.
+        n = data["loss_mask"].shape[0] // 2
+        assert data["loss_mask"][:n].sum() > 0 and data["loss_mask"][n:].sum() == 0
+
+
+def test_real_runs_keep_ranks_identical_while_rolling_out_different_prompts(launched):
+    out, _, _ = launched
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world"] for r in ranks] == [2, 2]
-    zero, one = ranks[0]["records"], ranks[1]["records"]
-    assert [r["step"] for r in zero] == [r["step"] for r in one] == [0, 1, 2, 3]
-    # Built from different seeds, DDP's broadcast makes the ranks equal before the first step ...
-    assert zero[0]["hash"] == one[0]["hash"]
-    for a, b in zip(zero[1:], one[1:], strict=True):
-        # ... each rank rolls out its own shard, and all-reduced gradients keep them equal after.
-        assert set(a["prompts"]).isdisjoint(b["prompts"]), "both ranks rolled out the same prompts"
-        assert a["hash"] == b["hash"], f"parameters differ across ranks after step {a['step']}"
-        assert a["metrics"] == b["metrics"], "metrics must be reduced across ranks"
-        assert a["metrics"]["logprob_mismatch_max"] <= 1e-4
-    hashes = [r["hash"] for r in zero]
-    assert len(set(hashes)) == len(hashes), "a step left the parameters unchanged"
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3]  # the main process logs once
+    for algorithm in ("grpo", "ppo"):
+        zero = [r for r in ranks[0]["records"] if r["algorithm"] == algorithm]
+        one = [r for r in ranks[1]["records"] if r["algorithm"] == algorithm]
+        assert [r["step"] for r in zero] == [r["step"] for r in one] == [0, 1, 2]
+        for a, b in zip(zero[1:], one[1:], strict=True):
+            assert set(a["prompts"]).isdisjoint(b["prompts"]), "both ranks rolled out the same prompts"
+            # all-reduced gradients keep every trained tensor equal (PPO: the value head too)
+            assert a["hash"] == b["hash"], f"{algorithm}: ranks differ after step {a['step']}"
+            assert a["mismatch"] <= 1e-4
+        lines = (out / algorithm / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2]  # the main process logs once
+
+
+def test_eval_sweep_splits_prompts_across_ranks_into_one_csv(launched, tmp_path):
+    import eval_sweep
+
+    out, _, sweep_args = launched
+    with open(out / "sweep" / "sweep.csv", newline="") as f:
+        two = list(csv.DictReader(f))
+    assert [(r["temperature"], r["n"], r["prompts"]) for r in two] == [("0.0", "2", "6"), ("1.0", "2", "6")]
+    one = eval_sweep.main([*sweep_args, "--output_dir", str(tmp_path)])
+    # greedy: the same completions whichever rank generates them
+    for key in ("reward_mean", "response_length", "pass@1", "pass@2"):
+        assert float(two[0][key]) == pytest.approx(float(one[0][key])), key

@@ -523,3 +523,48 @@ def test_trainers_package_exports_lazily_without_torch():
     assert trainers.get_algorithm is get_algorithm
     with pytest.raises(AttributeError):
         _ = trainers.not_a_thing
+
+
+# ------------------------------------------------------------------- Dr. GRPO's constant length
+
+
+def test_dr_grpo_norm_len_is_a_constant_divisor():
+    logprobs, old, adv, mask = hand_case()
+    loss, _ = clipped_policy_loss(logprobs, old, adv, mask, agg="seq_mean_token_sum_norm", norm_len=10)
+    close(loss, 2.9 / 20)  # mean(-2.7 / 10, 5.6 / 10)
+    with pytest.raises(ValueError, match="norm_len"):
+        clipped_policy_loss(logprobs, old, adv, mask, agg="seq_mean_token_sum_norm", norm_len=0)
+
+
+def test_dr_grpo_row_gradient_does_not_depend_on_the_other_rows_lengths():
+    """Padding the batch wider (a longer other row) must leave row 0's gradient alone with norm_len;
+    without it (divisor = padded T) the gradient shrinks as the batch gets wider."""
+
+    def row0_grad(width: int, norm_len: int | None) -> torch.Tensor:
+        logprobs = torch.zeros(2, width, dtype=F64, requires_grad=True)
+        mask = torch.zeros(2, width, dtype=torch.bool)
+        mask[0, :2] = True
+        mask[1, :width] = True  # the other row fills the padded width
+        loss, _ = clipped_policy_loss(
+            logprobs, torch.zeros_like(logprobs), t([1.0, -1.0]), mask, agg="seq_mean_token_sum_norm",
+            norm_len=norm_len,
+        )
+        loss.backward()
+        return logprobs.grad[0, :2]
+
+    close(row0_grad(3, 16), row0_grad(9, 16).tolist())
+    close(row0_grad(3, 16), [-1.0 / 32, -1.0 / 32])  # -A / (N x norm_len)
+    assert not torch.allclose(row0_grad(3, None), row0_grad(9, None))
+
+
+# ------------------------------------------------------------------ unscorable rows (TRL's None)
+
+
+def test_group_advantages_leave_nan_rewards_out_and_give_them_zero():
+    rewards = t([1.0, math.nan, 3.0, 0.0, 0.0, 1.0])
+    adv = group_advantages(rewards, 3, scale="std", eps=0.0)
+    # group 0: present [1, 3], mean 2, unbiased std sqrt(2); group 1: [0, 0, 1], mean 1/3, std 1/sqrt(3)
+    close(adv, [-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), -1 / 3 * math.sqrt(3), -1 / 3 * math.sqrt(3), 2 / 3 * math.sqrt(3)])
+    close(group_advantages(rewards, 3, scale=None), [-1.0, 0.0, 1.0, -1 / 3, -1 / 3, 2 / 3])
+    # a constant group with a NaN carries no signal for DAPO either
+    assert nonconstant_group_mask(t([2.0, math.nan, 2.0, 0.0, 1.0, math.nan]), 3).tolist() == [False] * 3 + [True] * 3
