@@ -179,7 +179,57 @@ def test_grpo_short_run_writes_outputs(tmp_path, keep_rng):
     summary = grpo.main([*args, "--output_dir", str(out)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
-    assert all(0.0 <= r["reward_mean"] <= 1.0 for r in records)
+    # one reward function at weight 1: the step reward is that function's mean
+    assert all(r["reward_mean"] == pytest.approx(r["reward/addition_reward"]) for r in records)
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2 == summary["steps"]
     assert (out / "final" / "config.json").exists() and (out / "init" / "warm_start.json").exists()
+
+
+def test_grpo_recipe_on_a_chat_model_and_a_gsm8k_file_resumes(tmp_path, keep_rng, monkeypatch):
+    """`--model DIR` (a saved tiny model whose tokenizer has a chat template) and
+    `--dataset tests/data/gsm8k_tiny.jsonl --prompt_column question --answer_column answer
+    --reward math --chat_template`, end to end; then `--resume_from_checkpoint latest`."""
+    from chat_model import save_tiny_chat_model
+
+    import trainers.rollouts as rollouts
+
+    grpo = load_recipe("grpo")
+    recipe_common = sys.modules["_common"]  # NOTE: the module the recipe itself imported
+    model_dir = save_tiny_chat_model(str(tmp_path / "tiny_chat"))
+    calls, templated = [], []
+    real_reward, real_chat_ids = recipe_common.REWARDS["math"], rollouts.chat_ids
+
+    def math_reward(completions, answer, **kwargs):
+        scores = real_reward(completions=completions, answer=answer)
+        calls.append({"prompts": kwargs["prompts"], "answer": answer, "scores": scores,
+                      "reasons": kwargs["finish_reasons"], "ids": kwargs["completion_ids"]})
+        return scores
+
+    def chat_ids(tokenizer, messages):
+        templated.append(messages)
+        return real_chat_ids(tokenizer, messages)
+
+    monkeypatch.setitem(recipe_common.REWARDS, "math", math_reward)
+    monkeypatch.setattr(rollouts, "chat_ids", chat_ids)
+    data = Path(__file__).parent / "data" / "gsm8k_tiny.jsonl"
+    out = tmp_path / "run"
+    args = ["--model", model_dir, "--dataset", str(data), "--prompt_column", "question", "--answer_column", "answer",
+            "--reward", "math", "--chat_template", "--prompts_per_step", "2", "--group_size", "2",
+            "--max_new_tokens", "8", "--gradient_accumulation_steps", "2", "--save_steps", "1",
+            "--save_total_limit", "1", "--output_dir", str(out)]
+    grpo.main([*args, "--steps", "2"])
+    questions = {json.loads(line)["question"] for line in data.read_text().splitlines()}
+    assert len(calls) == 2 and all(set(c["prompts"]) <= questions for c in calls)
+    assert all(a.rstrip().split("####")[-1].strip().isdigit() for c in calls for a in c["answer"])
+    assert all(len(ids) <= 8 and r in ("stop", "length") for c in calls for ids, r in zip(c["ids"], c["reasons"], strict=True))
+    assert templated and templated[0] == [{"role": "user", "content": calls[0]["prompts"][0]}]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["reward_mean"] for r in records] == pytest.approx([sum(c["scores"]) / 4 for c in calls])
+    assert [p.name for p in out.glob("checkpoint-*")] == ["checkpoint-2"]  # save_total_limit 1
+
+    grpo.main([*args, "--steps", "3", "--resume_from_checkpoint", "latest"])
+    resumed = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == records  # appended, not wiped
+    assert resumed[2]["policy_version"] == 2
+    assert json.loads((out / "summary.json").read_text())["steps"] == 3
