@@ -233,3 +233,44 @@ def test_grpo_recipe_on_a_chat_model_and_a_gsm8k_file_resumes(tmp_path, keep_rng
     assert [r["step"] for r in resumed] == [1, 2, 3] and resumed[:2] == records  # appended, not wiped
     assert resumed[2]["policy_version"] == 2
     assert json.loads((out / "summary.json").read_text())["steps"] == 3
+
+
+def test_report_to_feeds_accelerate_trackers(tmp_path):
+    """`--report_to` builds the accelerator with `log_with`: every step's metrics reach the trackers."""
+    from accelerate.tracking import GeneralTracker
+
+    from rollout import ContinuousBatchingConfig
+    from trainers import GRPOConfig, GRPOTrainer
+    from trainers.tasks import AdditionTask, addition_reward, build_tiny_model, make_addition_tokenizer
+
+    class Recorder(GeneralTracker):
+        name, requires_logging_directory, main_process_only = "recorder", False, True
+
+        def __init__(self):
+            super().__init__()
+            self.records = []
+
+        @property
+        def tracker(self):
+            return self.records
+
+        def store_init_configuration(self, values):
+            self.records.append(("config", values))
+
+        def log(self, values, step=None, **kwargs):
+            self.records.append((step, dict(values)))
+
+    recorder = Recorder()
+    accelerator = common.make_accelerator(report_to=[recorder])
+    accelerator.init_trackers("test", config={"lr": 1e-3})
+    tokenizer = make_addition_tokenizer()
+    config = GRPOConfig(output_dir=str(tmp_path), max_steps=1, prompts_per_step=2, group_size=2, max_new_tokens=4,
+                        log_stdout=False, progress=False,
+                        engine_config=ContinuousBatchingConfig(page_size=4, num_blocks=64, max_batch_tokens=256))
+    model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2)
+    with GRPOTrainer(model, tokenizer, addition_reward, AdditionTask().to_dataset(8), config,
+                     accelerator=accelerator) as trainer:
+        metrics = trainer.step()
+    accelerator.end_training()
+    assert recorder.records[0] == ("config", {"lr": 1e-3})
+    assert recorder.records[1][0] == 1 and recorder.records[1][1]["reward_mean"] == metrics["reward_mean"]
