@@ -7,21 +7,35 @@ torch's CPU SDPA with one query row per request runs at a third to a half of the
 (PROFILE.md); these kernels stream each request's K and V once for all the query heads that share
 them, at each row's own length, so no row is padded.
 
-The source is `rollout/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native` the first
-time a CPU engine with lanes starts on a machine (about 30 s; torch caches the build under
-`TORCH_EXTENSIONS_DIR`, default `~/.cache/torch_extensions`); the name of the build carries a hash
-of the CPU flags, the torch version and the source, so a shared home directory never hands one
-machine another's binary, and a new version of the source is a new build. No compiler, no ninja, or a failed build: one warning, and decode attention stays on torch's
-SDPA over lanes. `ROLLOUT_CPU_KERNELS=0` skips the kernels (and the build) altogether.
+The source is `rollout/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native -fopenmp`
+the first time a CPU engine starts on a machine (about 30 s; cached under `TORCH_EXTENSIONS_DIR`,
+default `~/.cache/torch_extensions`); the name of the build carries a hash of the CPU flags, the torch
+version, the flags and the source, so a shared home directory never hands one machine another's
+binary, and a new version of the source is a new build. `-fopenmp` makes ATen's inline `parallel_for`
+inside the kernels use torch's intra-op threads (it links the OpenMP runtime torch already loaded);
+every entry point releases the GIL while it runs.
+
+Loading and building (several processes may start at once, e.g. DDP ranks):
+- a finished build (the library plus the `rollout.ok` marker written after it loaded) is imported
+  directly, without any lock, so a lock left behind by a killed process never blocks it;
+- otherwise one process builds under an `flock` on `rollout.lock` in the build directory (the kernel
+  frees it when its holder dies), waiting at most `BUILD_LOCK_TIMEOUT_S`; under that lock, torch's own
+  `lock` file, if a killed build left one, is stale and removed first;
+- no compiler, no ninja, a failed build or a lock held past the timeout: one warning, and decode
+  attention stays on torch's SDPA. `ROLLOUT_CPU_KERNELS=0` skips the kernels (and the build) altogether.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -29,7 +43,11 @@ import torch
 logger = logging.getLogger("rollout")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+LDFLAGS = ["-fopenmp"]
+BUILD_LOCK_TIMEOUT_S = 300.0  # most seconds to wait for another process's build
+DONE_MARKER = "rollout.ok"  # written once a build has loaded: the library in that directory is whole
+LOCK_FILE = "rollout.lock"
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -50,7 +68,7 @@ def _cpu_tag() -> str:
                     break
     except OSError:
         pass
-    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS)}".encode() + SOURCE.read_bytes()
+    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS + LDFLAGS)}".encode() + SOURCE.read_bytes()
     return hashlib.sha1(key).hexdigest()[:12]
 
 
@@ -66,21 +84,83 @@ def _ensure_ninja() -> None:
         pass
 
 
-def _build():
+def build_name() -> str:
+    return f"rollout_cpu_{_cpu_tag()}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch's loader keeps the build `name` (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions)."""
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    return Path(cpp_extension._get_build_directory(name, False))  # NOTE: private, stable since torch 1.x
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cached(directory: Path, name: str):
+    """The finished build in `directory`, imported, or None."""
+    lib = directory / f"{name}.so"
+    if (directory / DONE_MARKER).exists() and lib.exists():
+        return _import(lib, name)
+    return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout: float):
+    """An exclusive `flock` on `path` (released by the kernel if the holder dies); TimeoutError after `timeout` s."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process has held the build lock {path} for {timeout:.0f} s"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # NOTE: closing the descriptor drops the lock
+
+
+def _compile(name: str, directory: Path):
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     _ensure_ninja()
-    name = f"rollout_cpu_{_cpu_tag()}"
-    try:  # NOTE: only to say why the first engine takes longer; a private helper, so optional
-        cached = any(Path(cpp_extension._get_build_directory(name, False)).glob("*.so"))
-    except Exception:
-        cached = False
-    if not cached:
-        logger.warning(
-            "rollout: compiling the CPU decode-attention kernel (once per machine, about 30 s; "
-            "ROLLOUT_CPU_KERNELS=0 skips it)"
-        )
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, verbose=False)
+    logger.warning(
+        "rollout: compiling the CPU decode-attention kernel (once per machine, about 30 s; "
+        "ROLLOUT_CPU_KERNELS=0 skips it)"
+    )
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
+                              build_directory=str(directory), verbose=False)
+
+
+def _build(timeout: float | None = None):
+    """The cached build, else a build under the lock (see module doc)."""
+    name = build_name()
+    directory = build_directory(name)
+    module = _cached(directory, name)
+    if module is not None:
+        return module
+    directory.mkdir(parents=True, exist_ok=True)
+    with _file_lock(directory / LOCK_FILE, BUILD_LOCK_TIMEOUT_S if timeout is None else timeout):
+        module = _cached(directory, name)  # NOTE: built by the process we waited for
+        if module is not None:
+            return module
+        # NOTE: under our lock no rollout process is building here: torch's baton is a killed build's.
+        (directory / "lock").unlink(missing_ok=True)
+        (directory / DONE_MARKER).unlink(missing_ok=True)
+        module = _compile(name, directory)
+        (directory / DONE_MARKER).write_text(f"{name}\n")
+        return module
 
 
 def _module():
@@ -104,6 +184,12 @@ def decode_attention():
     """`decode_attention(q, k, v, lane, len, scale, softcap, out)` over decode lanes, or None."""
     module = _module()
     return None if module is None else module.decode_attention
+
+
+def parallel_threads():
+    """`parallel_threads(items)`: threads an ATen `parallel_for` inside the kernels runs on, or None."""
+    module = _module()
+    return None if module is None else module.parallel_threads
 
 
 def paged_decode_attention():

@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <set>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -355,7 +356,22 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   }
 }
 
+// How many threads an at::parallel_for over `items` items runs on in this build: 1 unless the file was
+// compiled with OpenMP (ATen's parallel_for is inline; without -fopenmp it is a plain loop).
+int64_t parallel_threads(int64_t items) {
+  std::vector<int64_t> tid(std::max<int64_t>(items, 1), 0);
+  at::parallel_for(0, items, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) tid[i] = at::get_thread_num();
+  });
+  return static_cast<int64_t>(std::set<int64_t>(tid.begin(), tid.end()).size());
+}
+
+// Every entry point releases the GIL: the arguments are converted first, and no Python object is
+// touched inside (the caller's other Python threads run during the call).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention, "decode attention over lanes (fp32, CPU)");
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (fp32, CPU)");
+  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
+  m.def("decode_attention", &decode_attention, "decode attention over lanes (fp32, CPU)", release());
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (fp32, CPU)",
+        release());
+  m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for runs on (tests)", release());
 }
