@@ -1,20 +1,17 @@
-"""Decode attention on lanes: torch SDPA (what runs without the kernel) vs rollout's C++ kernel.
+"""Decode attention over the paged cache: rollout's C++ kernel vs gather + SDPA (the no-compiler path), per thread count.
 
 Shapes of one layer of the 5M Qwen3-arch model by default (4 query heads, 2 KV heads, head size 64):
-`--rows` decode rows whose lanes (`[lanes, Hkv, lane_len, D]`, fp32, rows in shuffled lanes) hold
-`--kv` keys each. Two variants, results checked close (they are not bitwise equal):
+`--rows` decode rows, each reading `--kv` keys (drawn in a range) through a block table of scattered
+16-token pages of a head-major cache `[Hkv, slots, D]`. Two variants, results checked close:
 
-  sdpa    what `rollout.attention` does without the kernel: the lanes of the rows read as one padded
-          view (the rows in lanes 0..n-1, in order: the best case, after compaction), a key-padding
-          mask, `F.scaled_dot_product_attention(..., enable_gqa=True)`
-  kernel  `rollout.cpu_kernels.decode_attention`: every lane read in place at its own length
+  gather  what `rollout.attention` does without the kernel: `index_select` of each row's slots into
+          `[B, Hkv, Lmax, D]`, a key-padding mask, `F.scaled_dot_product_attention(..., enable_gqa=True)`
+  kernel  `rollout.cpu_kernels.paged_decode_attention`: every row read in place at its own length
 
-Each is timed warm (the same call repeated: K/V in cache) and cold (a 256 MB write between calls
-evicts the caches, as in a real step where the lanes of 4+ layers and the weights do not fit in L3).
-Times are per call, median of `--reps`, CPU time of this thread. GB/s counts the K/V bytes the rows
-need (no padding), so it compares directly with a plain streaming read (`torch.sum` of a 256 MB fp32 tensor).
+Each variant is timed at every thread count of `--threads` (wall clock, median of `--reps` calls, warm:
+the same call repeated), interleaved. GB/s counts the K/V bytes the rows need (no padding).
 
-    python benchmarks/decode_kernel.py [--rows 16] [--kv 300 540] [--heads 4 --kv-heads 2 --head-dim 64]
+    python benchmarks/decode_kernel.py [--rows 64] [--kv 300 540] [--threads 1 2] [--dtype fp32]
 """
 
 from __future__ import annotations
@@ -32,73 +29,70 @@ import torch.nn.functional as F  # noqa: E402
 
 from rollout import cpu_kernels  # noqa: E402
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", type=int, default=16)
+    p.add_argument("--rows", type=int, default=64)
     p.add_argument("--kv", type=int, nargs=2, default=(300, 540), help="range of the rows' KV lengths")
     p.add_argument("--heads", type=int, default=4)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32")
     p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    kernel = cpu_kernels.decode_attention()
+    kernel = cpu_kernels.paged_decode_attention()
     if kernel is None:
         sys.exit("the kernel is not available here (no compiler, or ROLLOUT_CPU_KERNELS=0)")
     g = torch.Generator().manual_seed(0)
-    n, H, Hkv, D = a.rows, a.heads, a.kv_heads, a.head_dim
-    lane_len = -(-(a.kv[1] + 1) // 256) * 256
-    num_lanes = max(64, 2 * n)
-    lk = torch.randn(num_lanes, Hkv, lane_len, D, generator=g)
-    lv = torch.randn(num_lanes, Hkv, lane_len, D, generator=g)
-    q = torch.randn(n, H, D, generator=g)
+    n, H, Hkv, D, ps = a.rows, a.heads, a.kv_heads, a.head_dim, 16
+    dtype = DTYPES[a.dtype]
     lens = torch.randint(a.kv[0], a.kv[1] + 1, (n,), generator=g)
+    width = -(-int(lens.max()) // ps)
+    blocks = n * width + 1
+    k = torch.randn(Hkv, blocks * ps, D, generator=g).to(dtype)
+    v = torch.randn(Hkv, blocks * ps, D, generator=g).to(dtype)
+    table = torch.randperm(blocks, generator=g)[: n * width].view(n, width).to(torch.int32)  # scattered pages
+    row, start, end = torch.arange(n), torch.zeros(n, dtype=torch.long), lens.clone()
+    q = torch.randn(n, H, D, generator=g)
     lmax = int(lens.max())
-    mask = (torch.arange(lmax)[None, :] < lens[:, None])[:, None, None, :]
-    shuffled = torch.randperm(num_lanes, generator=g)[:n]
-    # NOTE: the kernel reads the rows from shuffled lanes of its own tensors; SDPA gets the same contents
-    # in lanes 0..n-1 (its best case)
-    kk, kv = torch.randn_like(lk), torch.randn_like(lv)
-    kk[shuffled], kv[shuffled] = lk[:n], lv[:n]
-    out = torch.empty(n, H, D)
+    j = torch.arange(lmax)
+    pos = torch.minimum(j[None, :], lens[:, None] - 1)  # [n, Lmax]
+    slots = (table.long().gather(1, pos // ps) * ps + pos % ps).reshape(-1)
+    mask = (j[None, :] < lens[:, None])[:, None, None, :]
 
-    def sdpa():
-        return F.scaled_dot_product_attention(q[:, :, None], lk[:n, :, :lmax], lv[:n, :, :lmax], attn_mask=mask,
-                                              scale=D**-0.5, enable_gqa=H != Hkv)[:, :, 0]
-
-    def kern():
-        kernel(q, kk, kv, shuffled, lens, D**-0.5, 0.0, out)
+    def run_kernel():
+        out = torch.empty_like(q)
+        kernel(q, k, v, table, row, start, end, ps, D**-0.5, 0.0, out)
         return out
 
-    torch.testing.assert_close(kern(), sdpa(), atol=1e-5, rtol=1e-5)
-    big = torch.empty(256 << 20, dtype=torch.uint8)
-    need = int(lens.sum()) * Hkv * D * 4 * 2
-    times = {name: ([], []) for name in ("sdpa", "kernel")}
-    for rep in range(a.reps):
-        for name, fn in (("sdpa", sdpa), ("kernel", kern)):
-            big.fill_(rep)  # NOTE: evicts L1-L3
-            c0 = time.thread_time()
-            fn()
-            times[name][0].append(time.thread_time() - c0)
-            c0 = time.thread_time()
-            for _ in range(5):
+    def run_gather():
+        kk = k.index_select(1, slots).view(Hkv, n, lmax, D).transpose(0, 1).float()
+        vv = v.index_select(1, slots).view(Hkv, n, lmax, D).transpose(0, 1).float()
+        o = F.scaled_dot_product_attention(q[:, :, None], kk, vv, attn_mask=mask, scale=D**-0.5, enable_gqa=True)
+        return o[:, :, 0]
+
+    torch.testing.assert_close(run_kernel(), run_gather(), atol=1e-4, rtol=1e-4)
+    nbytes = 2 * int(lens.sum()) * Hkv * D * k.element_size()
+    times: dict[tuple[str, int], list[float]] = {}
+    for _ in range(a.reps):
+        for t in a.threads:
+            torch.set_num_threads(t)
+            for name, fn in (("kernel", run_kernel), ("gather", run_gather)):
+                t0 = time.perf_counter()
                 fn()
-            times[name][1].append((time.thread_time() - c0) / 5)
-    stream = []
-    for _ in range(5):
-        c0 = time.thread_time()
-        big.view(torch.float32).sum()
-        stream.append(big.numel() / (time.thread_time() - c0) / 1e9)
-    print(f"{n} decode rows, KV {int(lens.min())}-{lmax} (padding to Lmax {1 - int(lens.sum()) / (n * lmax):.0%}), "
-          f"{H} heads / {Hkv} KV heads x {D}, {need / 1e6:.1f} MB of K+V needed; {a.threads} thread(s)")
-    print(f"plain streaming read (sum of 256 MB fp32): {statistics.median(stream):.1f} GB/s")
-    med = {k: (statistics.median(c), statistics.median(w)) for k, (c, w) in times.items()}
-    for name, (cold, warm) in med.items():
-        print(f"  {name:7s} cold {cold * 1e3:6.3f} ms ({need / cold / 1e9:5.1f} GB/s)   "
-              f"warm {warm * 1e3:6.3f} ms ({need / warm / 1e9:5.1f} GB/s)")
-    print(f"kernel speed-up: cold {med['sdpa'][0] / med['kernel'][0]:.2f}x, warm {med['sdpa'][1] / med['kernel'][1]:.2f}x")
+                times.setdefault((name, t), []).append(time.perf_counter() - t0)
+    print(f"rows {n}, KV {a.kv[0]}-{a.kv[1]} ({a.dtype}), H {H}, Hkv {Hkv}, D {D}; {nbytes / 1e6:.1f} MB of K/V per call; "
+          f"load average {os.getloadavg()[0]:.2f}")
+    print("| variant | threads | ms per call | GB/s | vs 1 thread |")
+    print("|---|---|---|---|---|")
+    for name in ("kernel", "gather"):
+        base = statistics.median(times[(name, a.threads[0])])
+        for t in a.threads:
+            ms = statistics.median(times[(name, t)])
+            print(f"| {name} | {t} | {ms * 1e3:.2f} | {nbytes / ms / 1e9:.1f} | {base / ms:.2f}x |")
 
 
 if __name__ == "__main__":

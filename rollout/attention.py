@@ -4,10 +4,10 @@ Every step is one packed forward over `[1, T]` tokens. The per-step `AttentionMe
 attention function through the model's forward kwargs (`rollout_meta=`), never a module global.
 Cost grows with the sum over requests of (query tokens x that request's KV length):
 
-- on CPU, decode rows (one query token each) are attended by the C++ kernels of `rollout.cpu_kernels`:
-  in place over the paged cache (fp32 and bf16 caches), or over decode lanes (`rollout.lanes`; fp16),
-  or by SDPA over lane buckets when the kernels cannot be built;
-- other decode rows are batched in buckets of similar KV length: their KV is
+- on CPU, decode rows (one query token each) are attended in place over the paged cache by the C++
+  kernel of `rollout.cpu_kernels` (fp32, bf16 and fp16 caches), through the block tables;
+- other decode rows (no compiler, `ROLLOUT_CPU_KERNELS=0`, an accelerator) are batched in buckets of
+  similar KV length: their KV is
   gathered by slot index from the head-major cache `[Hkv, slots, D]` into `[B, Hkv, Lmax, D]` and
   attended with a key-padding mask;
 - prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step
@@ -71,7 +71,8 @@ class PagedDecode:
     """Decode rows attended in place over the paged cache by `rollout.cpu_kernels.paged_decode_attention`."""
 
     rows: torch.Tensor  # [n] packed rows of the queries
-    table: torch.Tensor  # [n, P] block table of each row's request
+    table: torch.Tensor  # [R, P] block tables (int32 or int64)
+    row: torch.Tensor  # [n] row of `table` of each query's request
     start: torch.Tensor  # [n] first position read (> 0 once a sliding window has moved on)
     end: torch.Tensor  # [n] one past the last position read (the row's own, just written)
 
@@ -87,7 +88,6 @@ class GroupMetadata:
     window: int | None  # the layers' sliding window, None for full attention
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     buckets: list[DecodeBucket] = field(default_factory=list)
-    lanes: object | None = None  # rollout.lanes.LaneBatch: decode rows served from lanes
     paged: PagedDecode | None = None  # decode rows read in place by the paged kernel
     segments: list[Segment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
@@ -190,13 +190,13 @@ def paged_attention_forward(
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
     upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
-    if group.paged is not None:  # NOTE: bf16 K/V are widened in the kernel
+    if group.paged is not None:  # NOTE: half-precision K/V are widened in the kernel
         pd = group.paged
-        _kernel_rows(meta.cache.paged_kernel, pd.rows, q_rows, out, k_cache, v_cache, pd.table, pd.start, pd.end,
-                     meta.cache.page_size, scale, softcap)
-
-    if group.lanes is not None:
-        _attend_lanes(group.lanes, meta.cache.lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap)
+        q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
+        o = torch.empty_like(q)
+        meta.cache.paged_kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
+                                scale, float(softcap or 0.0), o)
+        out.index_copy_(0, pd.rows, o.to(out.dtype))
 
     for bucket in group.buckets:
         q = q_rows.index_select(0, bucket.rows)[:, :, None, :]  # [B, H, 1, D]
@@ -222,59 +222,6 @@ def paged_attention_forward(
         o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     return out[None], None
-
-
-def _kernel_rows(kernel, rows: torch.Tensor, q_rows: torch.Tensor, out: torch.Tensor, *args) -> None:
-    """Decode rows `rows` through a `rollout.cpu_kernels` op: fp32 queries in, `out[rows]` written.
-
-    `args` are the op's arguments between the queries and the output, ending with (scale, softcap)."""
-    *args, scale, softcap = args
-    q = q_rows.index_select(0, rows).float()  # [n, H, D]
-    o = torch.empty_like(q)
-    kernel(q, *args, scale, float(softcap or 0.0), o)
-    out.index_copy_(0, rows, o.to(out.dtype))
-
-
-def _attend_lanes(lb, lanes, layer, key, k_cache, v_cache, value, q_rows, out, scale, softcap) -> None:
-    """Decode rows served from lanes (see `rollout.lanes`): fill, append this step's K/V, attend on a view."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[3]
-    lk, lv = lanes.layer(layer, num_kv_heads, head_dim)  # [NL, Hkv, Lcap, D]
-    # NOTE: writes go through the flat [NL * Hkv * Lcap, D] view: one index_copy_ per tensor.
-    flat_k, flat_v = lk.view(-1, head_dim), lv.view(-1, head_dim)
-    idx = lb.flat.get((num_kv_heads, lk.shape[2]))
-    if idx is None:  # NOTE: the same for every layer of the step: built by the first one
-        heads = torch.arange(num_kv_heads, device=lk.device)[:, None]  # [Hkv, 1]
-        lane_len = lk.shape[2]
-        write = ((lb.lanes[None, :] * num_kv_heads + heads) * lane_len + lb.pos[None, :]).reshape(-1)  # [Hkv * n]
-        fill = None
-        if lb.fill_slots is not None:
-            fill = ((lb.fill_lanes[None, :] * num_kv_heads + heads) * lane_len + lb.fill_pos[None, :]).reshape(-1)
-        idx = lb.flat[(num_kv_heads, lane_len)] = (write, fill)
-    write, fill = idx
-    if fill is not None:
-        flat_k.index_copy_(0, fill, k_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lk.dtype))
-        flat_v.index_copy_(0, fill, v_cache.index_select(1, lb.fill_slots).reshape(-1, head_dim).to(lv.dtype))
-    flat_k.index_copy_(0, write, key[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lk.dtype))
-    flat_v.index_copy_(0, write, value[0].index_select(1, lb.rows).reshape(-1, head_dim).to(lv.dtype))
-    if lanes.kernel is not None:  # NOTE: rollout.cpu_kernels: every lane read in place at its own length
-        _kernel_rows(lanes.kernel, lb.rows, q_rows, out, lk, lv, lb.lanes, lb.kv_len, scale, softcap)
-        return
-    for bk in lb.buckets:
-        q = q_rows.index_select(0, bk.rows).to(lk.dtype)  # [n, H, D]
-        if bk.view:
-            k = lk[bk.lo : bk.hi, :, : bk.lmax]  # NOTE: a view: no gather
-            v = lv[bk.lo : bk.hi, :, : bk.lmax]
-            if bk.index is not None:  # NOTE: holes in the range: their queries are zeros, outputs dropped
-                qq = q.new_zeros(bk.hi - bk.lo, q.shape[1], head_dim)
-                qq[bk.index] = q
-                q = qq
-        else:
-            k = lk[:, :, : bk.lmax].index_select(0, bk.index)  # whole lane prefixes
-            v = lv[:, :, : bk.lmax].index_select(0, bk.index)
-        o = _attend(q[:, :, None, :], k, v, bk.mask, scale, softcap, is_causal=False)[:, :, 0, :]
-        if bk.view and bk.index is not None:
-            o = o.index_select(0, bk.index)
-        out.index_copy_(0, bk.rows, o.to(out.dtype))
 
 
 def null_mask(*args, **kwargs) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import os
 from collections.abc import Sequence
 
 import torch
@@ -20,12 +19,10 @@ from .config import ContinuousBatchingConfig
 from .kv_cache import (
     KVShape,
     PagedKVCache,
-    cpu_budget,
     kv_shape_from_config,
     plan_cache,
     step_bytes_per_token,
 )
-from .lanes import DecodeLanes
 from .offload import CpuOffloadBuffer, plan_offload
 from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
@@ -152,20 +149,10 @@ class EngineCore:
         )
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
-        # NOTE: on CPU decode attention runs in rollout.cpu_kernels: in place over the pages (fp32, bf16),
-        # else over decode lanes (fp16, ROLLOUT_PAGED_KERNEL=0), else SDPA (no compiler).
-        paged = None
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16):
-            paged = cpu_kernels.paged_decode_attention()
-        if paged is not None and os.environ.get("ROLLOUT_PAGED_KERNEL", "1") != "0":
-            self.cache.paged_kernel = paged
-        elif self.device.type == "cpu" and None in self.windows and os.environ.get("ROLLOUT_DECODE_LANES", "1") != "0":
-            # NOTE: decode attention reads a per-request contiguous copy of the KV (see rollout.lanes).
-            lane_dtype = torch.float32 if self.dtype in (torch.bfloat16, torch.float16) else self.dtype
-            full = KVShape(groups.count(self.windows.index(None)), per_layer.num_kv_heads, per_layer.head_dim,
-                           lane_dtype)
-            self.cache.lanes = DecodeLanes(cpu_budget(), full.bytes_per_token, lane_dtype, self.device)
-            self.cache.lanes.kernel = cpu_kernels.decode_attention()  # NOTE: None: SDPA over lane buckets
+        # NOTE: on CPU decode rows are attended in place over the pages by rollout.cpu_kernels (fp32, bf16,
+        # fp16); without a compiler (or on an accelerator) they take the gather + SDPA buckets.
+        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16, torch.float16):
+            self.cache.paged_kernel = cpu_kernels.paged_decode_attention()
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
@@ -381,8 +368,6 @@ class EngineCore:
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page (and anything that would share KV computed so far)."""
-        if self.cache.lanes is not None:  # NOTE: after a weight update no KV may survive anywhere
-            self.cache.lanes.forget()
         self.scheduler.forget_prefixes()
         self._weights_seen = _weights_version(self._weights)
         return self.block_manager.reset_prefix_cache()
@@ -392,7 +377,7 @@ class EngineCore:
         if self.has_work():
             raise RuntimeError("release_memory needs an idle engine")
         self.reset_prefix_cache()
-        return self.cache.release()  # NOTE: the decode lanes' tensors included
+        return self.cache.release()
 
     def restore_memory(self) -> int:
         return self.cache.reallocate()
@@ -413,7 +398,6 @@ class EngineCore:
             "peak_used_blocks": self.scheduler.peak_used_blocks,
             "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "kv_bytes": self.cache.nbytes,
-            "lane_bytes": self.cache.lanes.nbytes if self.cache.lanes is not None else 0,
             "max_batch_tokens": self.max_batch_tokens,
             **self.stats,
         }

@@ -1,11 +1,11 @@
-"""Optional C++ kernels for the CPU decode path, built once per machine by torch's JIT extension loader.
+"""Optional C++ kernel for the CPU decode path, built once per machine by torch's JIT extension loader.
 
-Decode attention, one query token per request, in two addressings: `paged_decode_attention` reads
-the paged cache in place through block tables (the default for fp32 and bf16 caches), and
-`decode_attention` reads decode lanes (`rollout.lanes`; fp16 caches, `ROLLOUT_PAGED_KERNEL=0`).
-torch's CPU SDPA with one query row per request runs at a third to a half of the memory bandwidth
-(PROFILE.md); these kernels stream each request's K and V once for all the query heads that share
-them, at each row's own length, so no row is padded.
+`paged_decode_attention` attends decode rows (one query token per request) in place over the paged
+cache through block tables, for fp32, bf16 and fp16 caches. torch's CPU SDPA with one query row per
+request runs at a third to a half of the memory bandwidth (PROFILE.md); this kernel streams each
+request's K and V once for all the query heads that share them, at each row's own length, so no row
+is padded. Without it (no compiler, `ROLLOUT_CPU_KERNELS=0`) decode rows take the gather + SDPA path
+of `rollout.attention`.
 
 The source is `rollout/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native -fopenmp`
 the first time a CPU engine starts on a machine (about 30 s; cached under `TORCH_EXTENSIONS_DIR`,
@@ -180,12 +180,6 @@ def _module():
         return _state["module"]
 
 
-def decode_attention():
-    """`decode_attention(q, k, v, lane, len, scale, softcap, out)` over decode lanes, or None."""
-    module = _module()
-    return None if module is None else module.decode_attention
-
-
 def parallel_threads():
     """`parallel_threads(items)`: threads an ATen `parallel_for` inside the kernels runs on, or None."""
     module = _module()
@@ -193,7 +187,7 @@ def parallel_threads():
 
 
 def paged_decode_attention():
-    """`paged_decode_attention(q, k_cache, v_cache, table, start, end, page_size, scale, softcap, out)`
-    over the paged cache (fp32), or None."""
+    """`paged_decode_attention(q, k_cache, v_cache, table, row, start, end, page_size, scale, softcap, out)`
+    over the paged cache (fp32, bf16 or fp16), or None."""
     module = _module()
     return None if module is None else module.paged_decode_attention

@@ -159,7 +159,6 @@ class PagedKVCache:
         self._layer_ids: dict[int, int] = {}  # id(module) -> layer, for modules without `layer_idx`
         self._specs: set[tuple[int, int, int]] = set()  # storages seen, kept across release
         self.offload = None  # CpuOffloadBuffer, when CPU offload is on (see rollout.offload)
-        self.lanes = None  # DecodeLanes, when decode lanes are on (see rollout.lanes)
         self.paged_kernel = None  # rollout.cpu_kernels.paged_decode_attention, when decode rows use it
 
     def layer_index(self, module: torch.nn.Module) -> int:
@@ -189,17 +188,14 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the paged K/V tensors (decode lanes are counted apart: `lanes.nbytes`)."""
+        """Bytes of the paged K/V tensors."""
         return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
 
     def release(self) -> int:
-        """Free the tensors (they are allocated again at the next forward); returns the bytes freed,
-        decode lanes included."""
-        freed = self.nbytes + (self.lanes.nbytes if self.lanes is not None else 0)
+        """Free the tensors (they are allocated again at the next forward); returns the bytes freed."""
+        freed = self.nbytes
         self.keys.clear()
         self.values.clear()
-        if self.lanes is not None:
-            self.lanes.reset()
         if self.offload is not None:
             self.offload.release()
         return freed

@@ -20,11 +20,9 @@ from .attention import (
     GroupMetadata,
     PagedDecode,
     Segment,
-    key_padding_mask,
     register,
 )
 from .kv_cache import PagedKVCache
-from .lanes import DecodeLanes, LaneBatch, LaneBucket
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("rollout")
@@ -110,12 +108,9 @@ class ModelRunner:
         dev = self.device
         step = _StepIndex(starts, lens, dev)
         groups = []
-        lanes = self.cache.lanes
         for g, window in enumerate(self.windows):
             tables = [s.tables[g] for s in out.scheduled]
-            use = lanes if window is None else None
-            groups.append(_build_group(window, tables, step, self.page_size, use, out.scheduled,
-                                       paged=self.cache.paged_kernel is not None))
+            groups.append(_build_group(window, tables, step, self.page_size, paged=self.cache.paged_kernel is not None))
         kwargs = {
             "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
             "position_ids": step.positions[None],  # [1, T]
@@ -138,14 +133,9 @@ class ModelRunner:
         meta = kwargs["rollout_meta"]
         if not self.verified:
             meta.layers_seen = set()
-        try:
-            logits = self.model(**kwargs).logits[0]  # [R, V]
-            if not self.verified:
-                self._verify(meta.layers_seen)
-        except BaseException:
-            if self.cache.lanes is not None:  # NOTE: some layers may have written their lanes, some not
-                self.cache.lanes.forget()
-            raise
+        logits = self.model(**kwargs).logits[0]  # [R, V]
+        if not self.verified:
+            self._verify(meta.layers_seen)
         if not sampled:
             logits = logits[:0]
         return logits.float(), sampled
@@ -169,9 +159,6 @@ class ModelRunner:
 # when the next row would read less than half of the bucket's longest KV (and it has enough rows).
 MAX_DECODE_BUCKETS = 4
 MIN_BUCKET_ROWS = 8
-# NOTE: lanes are reordered (see DecodeLanes.compact) once the views would read this much more KV
-# than the rows need (holes left by finished requests, newcomers out of length order).
-COMPACT_WASTE = 1.25
 
 
 class _StepIndex:
@@ -207,10 +194,9 @@ def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps:
 
 
 def _build_group(
-    window: int | None, tables: list[list[int]], step: _StepIndex, ps: int,
-    lanes: DecodeLanes | None = None, scheduled: list | None = None, paged: bool = False,
+    window: int | None, tables: list[list[int]], step: _StepIndex, ps: int, paged: bool = False,
 ) -> GroupMetadata:
-    """Slots, decode lanes and buckets, and prompt segments of one layer group, computed with tensor ops."""
+    """Slots, decode rows (paged kernel or buckets) and prompt segments of one layer group."""
     dev = step.device
     width = max(len(t) for t in tables)
     table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)  # [B, P]
@@ -231,10 +217,8 @@ def _build_group(
         reqs = torch.tensor([c[1] for c in decode], device=dev)
         lo = torch.tensor([c[2] for c in decode], device=dev)
         g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
-                              table.index_select(0, reqs), lo, lo + torch.tensor([c[0] for c in decode], device=dev))
+                              table, reqs, lo, lo + torch.tensor([c[0] for c in decode], device=dev))
         decode = []
-    if decode and lanes is not None:
-        decode = _plan_lanes(g, lanes, decode, table, step, ps, scheduled)
     if decode:
         decode.sort(reverse=True)
         for chunk in _bucket(decode):
@@ -249,77 +233,6 @@ def _build_group(
             g.buckets.append(DecodeBucket(rows, _slots(table, reqs[:, None], pos, ps), kv_len,
                                           padded=chunk[-1][0] < lmax))
     return g
-
-
-def _plan_lanes(
-    g: GroupMetadata, lanes: DecodeLanes, decode: list[tuple[int, int, int]], table: torch.Tensor,
-    step: _StepIndex, ps: int, scheduled: list,
-) -> list[tuple[int, int, int]]:
-    """Serve what decode rows it can from lanes (sets `g.lanes`); returns the rows left to gather."""
-    dev = step.device
-    reqs = [c[1] for c in decode]
-    starts = [step.starts_list[b] for b in reqs]
-    served, lane_ids, fill = lanes.plan([scheduled[b].request for b in reqs], starts)
-    if not served:
-        return decode
-    rows_l = [step.first_row[reqs[i]] for i in served]
-    pos_l = [starts[i] for i in served]
-    if lanes.kernel is not None:
-        batch = LaneBatch(torch.tensor(rows_l, device=dev), torch.tensor(lane_ids, device=dev),
-                          torch.tensor(pos_l, device=dev), [])
-        batch.kv_len = batch.pos + 1
-    else:
-        batch = _lane_buckets(lanes, rows_l, lane_ids, pos_l, dev)
-        lane_ids = batch.lanes.tolist()
-    if fill:
-        # NOTE: a (re)filled lane gets positions 0 .. pos - 1 from the pages; the new token is written after.
-        f_req = torch.tensor([reqs[served[i]] for i in fill], device=dev)
-        f_len = torch.tensor([pos_l[i] for i in fill], device=dev)
-        f_lane = torch.tensor([lane_ids[i] for i in fill], device=dev)
-        owner, p, _ = _ragged(f_len)
-        batch.fill_lanes, batch.fill_pos = f_lane[owner], p
-        batch.fill_slots = _slots(table, f_req[owner], p, ps)
-    g.lanes = batch
-    done = set(served)
-    return [c for i, c in enumerate(decode) if i not in done]
-
-
-def _lane_buckets(lanes: DecodeLanes, rows_l: list[int], lane_ids: list[int], pos_l: list[int],
-                  dev: torch.device) -> LaneBatch:
-    """Lane rows for SDPA: buckets of similar length read as views; compacts the lanes when views waste."""
-    ranked = sorted(zip((p + 1 for p in pos_l), lane_ids, rows_l, strict=True), reverse=True)
-    buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
-    read = sum((b.hi - b.lo if b.view else b.rows.numel()) * b.lmax for b in buckets)
-    need = sum(b.rows.numel() * b.lmax for b in buckets)
-    if any(not b.view for b in buckets) or read > COMPACT_WASTE * need:
-        new = lanes.compact([c[1] for c in ranked])
-        lane_ids = [new[lane] for lane in lane_ids]
-        ranked = [(kv, new[lane], row) for kv, lane, row in ranked]
-        buckets = [_lane_bucket(chunk, dev) for chunk in _bucket(ranked)]
-    return LaneBatch(torch.tensor(rows_l, device=dev), torch.tensor(lane_ids, device=dev),
-                     torch.tensor(pos_l, device=dev), buckets)
-
-
-def _lane_bucket(chunk: list[tuple[int, int, int]], dev: torch.device) -> LaneBucket:
-    """One lane bucket from `(kv_len, lane, row)` rows: a view when the lanes are nearly contiguous."""
-    chunk = sorted(chunk, key=lambda c: c[1])
-    kv = [c[0] for c in chunk]
-    lanes = [c[1] for c in chunk]
-    lmax, n = max(kv), len(chunk)
-    lo, hi = lanes[0], lanes[-1] + 1
-    rows = torch.tensor([c[2] for c in chunk], device=dev)
-    lane_t = torch.tensor(lanes, device=dev)
-    kv_t = torch.tensor(kv, device=dev)
-    if hi - lo <= 2 * n + 2:  # NOTE: reading a hole costs less than copying a row
-        exact = hi - lo == n
-        mask = None
-        if not exact or min(kv) < lmax:
-            full = torch.ones(hi - lo, dtype=torch.long, device=dev)  # NOTE: a hole reads one (stale) key
-            full[lane_t - lo] = kv_t
-            mask = key_padding_mask(full, lmax)
-        return LaneBucket(rows, lmax, lo, hi, True, None if exact else lane_t - lo, mask)
-    mask = None if min(kv) == lmax else key_padding_mask(kv_t, lmax)
-    return LaneBucket(rows, lmax, lo, hi, False, lane_t, mask)
 
 
 def _bucket(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:

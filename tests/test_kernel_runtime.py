@@ -62,7 +62,7 @@ def _long_call(module):
         out = torch.empty_like(q)
 
         def call(q=q, table=table, start=start, end=end, out=out):
-            module.paged_decode_attention(q, k, v, table, start, end, ps, 0.125, 0.0, out)
+            module.paged_decode_attention(q, k, v, table, torch.arange(len(start)), start, end, ps, 0.125, 0.0, out)
 
         t0 = time.perf_counter()
         call()

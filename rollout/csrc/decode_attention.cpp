@@ -1,4 +1,4 @@
-// Decode attention over contiguous per-request KV rows ("lanes"), for CPUs.
+// Decode attention over the paged KV cache, for CPUs.
 //
 // One query token per request. For each (request, KV head) the keys and the values are streamed
 // once from memory for all the query heads that share that KV head (GQA), so the cost is one read
@@ -7,10 +7,12 @@
 // Head sizes 64 and 128 with 1, 2 or 4 query heads per KV head have register-resident specialisations;
 // anything else takes a generic loop.
 //
-// Layouts (fp32, contiguous):
-//   q    [n, H, D]             one query per request
-//   k, v [NL, Hkv, Lcap, D]    lanes; request i reads lane lane[i], positions 0 .. len[i] - 1
-//   out  [n, H, D]
+// Layouts (contiguous):
+//   q     [n, H, D] fp32        one query per request
+//   k, v  [Hkv, slots, D]       the paged cache, head-major, slot = block * page_size + offset;
+//                               fp32, bf16 or fp16 (half precision widened to fp32 as it is read)
+//   table [n, P] int64          block table of each request; it reads positions start[i] .. end[i] - 1
+//   out   [n, H, D] fp32
 // softcap > 0 applies Gemma 2's cap * tanh(score / cap) to the scaled scores.
 // The result equals softmax(q K^T * scale) V up to float rounding (not bitwise equal to torch's SDPA).
 #include <torch/extension.h>
@@ -43,7 +45,7 @@ inline float exp_nonpos(float x) {
   return p * scale;
 }
 
-// K/V elements: fp32 as they are, bf16 (stored as uint16) widened to fp32 (exact: bf16 is the top half).
+// K/V elements: fp32 as they are, bf16 (stored as uint16) and fp16 (_Float16) widened to fp32 (both exact).
 inline float load(float x) { return x; }
 inline float load(uint16_t x) {
   const uint32_t bits = static_cast<uint32_t>(x) << 16;
@@ -51,6 +53,7 @@ inline float load(uint16_t x) {
   std::memcpy(&f, &bits, sizeof(f));
   return f;
 }
+inline float load(_Float16 x) { return static_cast<float>(x); }
 
 }  // namespace
 
@@ -75,8 +78,7 @@ inline void softmax_rows(float* s, int64_t G, int64_t L, float cap, float* r) {
   }
 }
 
-// The keys (and values) of one (request, KV head) as runs of contiguous rows: one run for a lane,
-// one run per page for the paged cache.
+// The keys (and values) of one (request, KV head) as runs of contiguous rows: one run per page.
 template <typename T>
 struct Runs {
   const T* const* k;  // [n] first key row of each run
@@ -229,130 +231,114 @@ void attend(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L,
   }
 }
 
-// Layout checks both entry points share (each checks its dtypes first).
-void check_common(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                  const char* name) {
-  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(), name,
-              ": contiguous tensors only");
-  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && v.sizes() == k.sizes(), name, ": shapes disagree");
-  TORCH_CHECK(q.size(2) <= 1024, name, ": head size above 1024");
+void check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
+  TORCH_CHECK(q.is_contiguous() && k.is_contiguous() && v.is_contiguous() && out.is_contiguous(),
+              "paged_decode_attention: contiguous tensors only");
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && v.sizes() == k.sizes(), "paged_decode_attention: shapes disagree");
+  TORCH_CHECK(q.size(2) <= 1024, "paged_decode_attention: head size above 1024");
 }
 
-// Lanes: k, v [NL, Hkv, Lcap, D]; request i reads lane lane[i], positions 0 .. len[i] - 1.
-void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& lane,
-                      const at::Tensor& len, double scale, double softcap, at::Tensor& out) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat &&
-                  out.scalar_type() == at::kFloat,
-              "decode_attention: fp32 only");
-  check_common(q, k, v, out, "decode_attention");
-  TORCH_CHECK(k.dim() == 4, "decode_attention: lanes must be [lanes, Hkv, lane_len, D]");
-  TORCH_CHECK(lane.scalar_type() == at::kLong && len.scalar_type() == at::kLong, "decode_attention: int64 indices");
-  const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t NL = k.size(0), Hkv = k.size(1), Lcap = k.size(2);
-  TORCH_CHECK(k.size(3) == D && H % Hkv == 0, "decode_attention: shapes disagree");
-  TORCH_CHECK(lane.numel() == n && len.numel() == n, "decode_attention: one lane and one length per query");
-  const int64_t G = H / Hkv;
-  const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  const int64_t* lanep = lane.data_ptr<int64_t>();
-  const int64_t* lenp = len.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(lanep[i] >= 0 && lanep[i] < NL && lenp[i] >= 1 && lenp[i] <= Lcap,
-                "decode_attention: lane or length out of range");
-  }
-  const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> s;  // [G, L] scores, then probabilities
-    std::vector<float> acc(D);
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t i = item / Hkv, h = item % Hkv;
-      const int64_t L = lenp[i];
-      const int64_t base = (lanep[i] * Hkv + h) * Lcap * D;
-      if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
-      const float* kr = kp + base;
-      const float* vr = vp + base;
-      const Runs<float> runs{&kr, &vr, &L, 1};
-      const int64_t qo = (i * H + h * G) * D;
-      attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data());
-    }
-  });
-}
-
-// Paged cache: k, v [Hkv, slots, D] (head-major, slot = block * page_size + offset); request i reads
-// positions start[i] .. end[i] - 1 through its block table table[i] ([n, P], block ids).
-// K/V are fp32 or bf16 (widened to fp32 as they are read); q and out are fp32.
-template <typename T>
+// Paged cache: k, v [Hkv, slots, D] (head-major, slot = block * page_size + offset); query i reads
+// positions start[i] .. end[i] - 1 through row row[i] of the block table table ([R, P] block ids, int32
+// or int64: the engine's persistent table, or one row per query).
+// K/V are fp32, bf16 or fp16 (widened to fp32 as they are read); q and out are fp32.
+// Work items (query, KV head) go round-robin to torch's threads, so rows of unequal length spread evenly.
+template <typename T, typename I>
 void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc, float cap,
-                at::Tensor& out) {
-  TORCH_CHECK(k.dim() == 3, "paged_decode_attention: the cache must be [Hkv, slots, D]");
-  TORCH_CHECK(table.scalar_type() == at::kLong && start.scalar_type() == at::kLong && end.scalar_type() == at::kLong &&
-                  table.dim() == 2 && table.is_contiguous(),
-              "paged_decode_attention: int64 block table [n, P] and positions");
+                const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc,
+                float cap, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
-  const int64_t Hkv = k.size(0), S = k.size(1), P = table.size(1);
-  TORCH_CHECK(k.size(2) == D && H % Hkv == 0, "paged_decode_attention: shapes disagree");
-  TORCH_CHECK(table.size(0) == n && start.numel() == n && end.numel() == n,
-              "paged_decode_attention: one table row and one start and end per query");
-  TORCH_CHECK(page_size >= 1 && S % page_size == 0, "paged_decode_attention: bad page size");
+  const int64_t Hkv = k.size(0), S = k.size(1), R = table.size(0), P = table.size(1);
   const int64_t G = H / Hkv, blocks = S / page_size;
-  const int64_t* tp = table.data_ptr<int64_t>();
+  const I* tp = table.data_ptr<I>();
+  const int64_t* rp = row.data_ptr<int64_t>();
   const int64_t* sp = start.data_ptr<int64_t>();
   const int64_t* ep = end.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(rp[i] >= 0 && rp[i] < R, "paged_decode_attention: table row out of range");
     TORCH_CHECK(sp[i] >= 0 && ep[i] > sp[i] && ep[i] <= P * page_size,
                 "paged_decode_attention: positions out of range");
+    const I* t = tp + rp[i] * P;
     for (int64_t p = sp[i] / page_size; p <= (ep[i] - 1) / page_size; ++p) {
-      TORCH_CHECK(tp[i * P + p] >= 0 && tp[i * P + p] < blocks, "paged_decode_attention: block id out of range");
+      TORCH_CHECK(t[p] >= 0 && t[p] < blocks, "paged_decode_attention: block id out of range");
     }
   }
   const float* qp = q.data_ptr<float>();
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, n * Hkv, 1, [&](int64_t begin, int64_t stop) {
+  const int64_t items = n * Hkv;
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
     std::vector<float> s;
     std::vector<float> acc(D);
     std::vector<const T*> kr, vr;
     std::vector<int64_t> lens;
-    for (int64_t item = begin; item < stop; ++item) {
-      const int64_t i = item / Hkv, h = item % Hkv;
-      const int64_t lo = sp[i], hi = ep[i], L = hi - lo;
-      kr.clear();
-      vr.clear();
-      lens.clear();
-      for (int64_t pos = lo; pos < hi;) {
-        const int64_t page = pos / page_size, offset = pos % page_size;
-        const int64_t cnt = std::min(page_size - offset, hi - pos);
-        const int64_t row = (h * S + tp[i * P + page] * page_size + offset) * D;
-        kr.push_back(kp + row);
-        vr.push_back(vp + row);
-        lens.push_back(cnt);
-        pos += cnt;
+    for (int64_t w = first; w < last; ++w) {
+      for (int64_t item = w; item < items; item += workers) {
+        const int64_t i = item / Hkv, h = item % Hkv;
+        const int64_t lo = sp[i], hi = ep[i], L = hi - lo;
+        const I* t = tp + rp[i] * P;
+        kr.clear();
+        vr.clear();
+        lens.clear();
+        for (int64_t pos = lo; pos < hi;) {
+          const int64_t page = pos / page_size, offset = pos % page_size;
+          const int64_t cnt = std::min(page_size - offset, hi - pos);
+          const int64_t slot_row = (h * S + static_cast<int64_t>(t[page]) * page_size + offset) * D;
+          kr.push_back(kp + slot_row);
+          vr.push_back(vp + slot_row);
+          lens.push_back(cnt);
+          pos += cnt;
+        }
+        if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
+        const Runs<T> runs{kr.data(), vr.data(), lens.data(), static_cast<int64_t>(lens.size())};
+        const int64_t qo = (i * H + h * G) * D;
+        attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data());
       }
-      if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
-      const Runs<T> runs{kr.data(), vr.data(), lens.data(), static_cast<int64_t>(lens.size())};
-      const int64_t qo = (i * H + h * G) * D;
-      attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data());
     }
   });
 }
 
+template <typename T>
+void paged_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                    const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc,
+                    float cap, at::Tensor& out) {
+  if (table.scalar_type() == at::kInt) {
+    paged_impl<T, int32_t>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+  } else {
+    paged_impl<T, int64_t>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+  }
+}
+
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                            const at::Tensor& start, const at::Tensor& end, int64_t page_size, double scale,
-                            double softcap, at::Tensor& out) {
+                            const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
+                            double scale, double softcap, at::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_decode_attention: fp32 queries and output only");
-  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
-              "paged_decode_attention: fp32 or bf16 cache only");
-  check_common(q, k, v, out, "paged_decode_attention");
+  const auto kt = k.scalar_type();
+  TORCH_CHECK(v.scalar_type() == kt && (kt == at::kFloat || kt == at::kBFloat16 || kt == at::kHalf),
+              "paged_decode_attention: fp32, bf16 or fp16 cache only");
+  check_layout(q, k, v, out);
+  TORCH_CHECK(k.dim() == 3, "paged_decode_attention: the cache must be [Hkv, slots, D]");
+  TORCH_CHECK((table.scalar_type() == at::kInt || table.scalar_type() == at::kLong) && table.dim() == 2 &&
+                  table.is_contiguous(),
+              "paged_decode_attention: int32 or int64 block table [R, P]");
+  TORCH_CHECK(row.scalar_type() == at::kLong && start.scalar_type() == at::kLong && end.scalar_type() == at::kLong &&
+                  row.is_contiguous() && start.is_contiguous() && end.is_contiguous(),
+              "paged_decode_attention: int64 rows and positions");
+  const int64_t n = q.size(0);
+  TORCH_CHECK(k.size(2) == q.size(2) && q.size(1) % k.size(0) == 0, "paged_decode_attention: shapes disagree");
+  TORCH_CHECK(row.numel() == n && start.numel() == n && end.numel() == n,
+              "paged_decode_attention: one table row and one start and end per query");
+  TORCH_CHECK(page_size >= 1 && k.size(1) % page_size == 0, "paged_decode_attention: bad page size");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
-  if (k.scalar_type() == at::kFloat) {
-    paged_impl<float>(q, k, v, table, start, end, page_size, sc, cap, out);
+  if (kt == at::kFloat) {
+    paged_dispatch<float>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+  } else if (kt == at::kBFloat16) {
+    paged_dispatch<uint16_t>(q, k, v, table, row, start, end, page_size, sc, cap, out);
   } else {
-    paged_impl<uint16_t>(q, k, v, table, start, end, page_size, sc, cap, out);
+    paged_dispatch<_Float16>(q, k, v, table, row, start, end, page_size, sc, cap, out);
   }
 }
 
@@ -370,8 +356,7 @@ int64_t parallel_threads(int64_t items) {
 // touched inside (the caller's other Python threads run during the call).
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("decode_attention", &decode_attention, "decode attention over lanes (fp32, CPU)", release());
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (fp32, CPU)",
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (CPU)",
         release());
   m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for runs on (tests)", release());
 }
