@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -123,7 +124,7 @@ class EngineCore:
         config: ContinuousBatchingConfig | None = None,
     ) -> None:
         self.config = config = config or ContinuousBatchingConfig()
-        self.model = model
+        self._model_ref = weakref.ref(model)  # NOTE: weak: a persistent manager must not keep its model alive
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         config.log_unavailable_features(torch.cuda.is_available())
@@ -183,7 +184,8 @@ class EngineCore:
         """Defaults for new requests (a later call's config is honoured, never frozen at the first)."""
         # NOTE: an explicit config is taken as is (eos_token_id=None means no EOS); without one, the
         # model's own generation config supplies the defaults.
-        gc = gc or getattr(self.model, "generation_config", None) or GenerationConfig()
+        model = self._model_ref() or self.view
+        gc = gc or getattr(model, "generation_config", None) or GenerationConfig()
         self.generation_config = gc
         self.eos_ids = eos_ids_of(gc)
         if gc.do_sample:

@@ -46,10 +46,14 @@ class ContinuousBatchingManager:
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
     ) -> None:
-        self.model = model
+        # NOTE: the model is held weakly: a persistent manager is kept alive by its model (see
+        # `_PERSISTENT`), so a strong reference back would keep both forever.
+        self._model_ref = weakref.ref(model)
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self.core: EngineCore | None = EngineCore(model, generation_config, self.config)
         self._cv = threading.Condition()
+        # NOTE: a manager dropped without destroy() wakes its thread, which then ends (see `_engine_loop`).
+        weakref.finalize(self, _notify, self._cv)
         self.step_lock = threading.RLock()  # held by the loop during a step; others may pause it
         self._inbox: deque[tuple[str, object]] = deque()
         self._results: deque[GenerationOutput] = deque()
@@ -64,6 +68,11 @@ class ContinuousBatchingManager:
         self._listeners: list[Callable[[GenerationOutput], bool]] = []
         _LIVE_MANAGERS.add(self)
 
+    @property
+    def model(self) -> torch.nn.Module | None:
+        """The model this manager serves (None once the caller has dropped it)."""
+        return self._model_ref()
+
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
         """Start (or restart) the background loop."""
@@ -77,7 +86,10 @@ class ContinuousBatchingManager:
             self._thread.join()
         self._stop_mode = None
         self._accepting = True
-        self._thread = threading.Thread(target=self._loop, name="rollout-engine", daemon=True)
+        # NOTE: the thread holds the manager only weakly between rounds: a manager nobody references is
+        # garbage, and its finalizer ends the thread (the KV cache goes with the core).
+        self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._cv),
+                                        name="rollout-engine", daemon=True)
         self._thread.start()
 
     def is_running(self) -> bool:
@@ -300,37 +312,40 @@ class ContinuousBatchingManager:
         return self.core
 
     # ------------------------------------------------------------------- loop
-    def _loop(self) -> None:
+    def _idle(self) -> bool:
+        """Nothing to do until notified (called under `_cv`)."""
+        return (not self._inbox and not (self._core().has_work() and self._paused != "keep")
+                and self._stop_mode is None)
+
+    def _run_once(self) -> bool:
+        """One round of the engine loop: apply the queued commands, run a step; False once it must end."""
         core = self._core()
-        while True:
+        with self._cv:
+            if self._stop_mode is not None and self._held:  # NOTE: a stop ends the pause
+                self._paused = None
+                self._inbox.extendleft(("add", r) for r in reversed(self._held))
+                self._held.clear()
+            commands = list(self._inbox)
+            self._inbox.clear()
+            stop_mode = self._stop_mode
+            paused = self._paused if stop_mode is None else None
+        with self.step_lock:
+            news = self._apply(core, commands, paused)
+            if stop_mode == "hard":
+                news += core.fail_all(HARD_STOP_ERROR)
+            elif core.has_work() and paused != "keep":
+                try:
+                    news += core.step()
+                except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
+                    logger.exception("engine loop error; failing all live requests")
+                    news += core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
+        self._publish(news)
+        if stop_mode is not None and not core.has_work():
             with self._cv:
-                while (not self._inbox and not (core.has_work() and self._paused != "keep")
-                       and self._stop_mode is None):
-                    self._cv.wait()
-                if self._stop_mode is not None and self._held:  # NOTE: a stop ends the pause
-                    self._paused = None
-                    self._inbox.extendleft(("add", r) for r in reversed(self._held))
-                    self._held.clear()
-                commands = list(self._inbox)
-                self._inbox.clear()
-                stop_mode = self._stop_mode
-                paused = self._paused if stop_mode is None else None
-            with self.step_lock:
-                news = self._apply(core, commands, paused)
-                if stop_mode == "hard":
-                    news += core.fail_all(HARD_STOP_ERROR)
-                elif core.has_work() and paused != "keep":
-                    try:
-                        news += core.step()
-                    except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
-                        logger.exception("engine loop error; failing all live requests")
-                        news += core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
-            self._publish(news)
-            if stop_mode is not None and not core.has_work():
-                with self._cv:
-                    if not self._inbox:
-                        self._cv.notify_all()
-                        return
+                if not self._inbox:
+                    self._cv.notify_all()
+                    return False
+        return True
 
     def _apply(self, core: EngineCore, commands: list[tuple[str, object]], paused: str | None) -> list[Request]:
         news: list[Request] = []
@@ -390,6 +405,34 @@ class ContinuousBatchingManager:
                     self._live.discard(out.request_id)
                 return True
         return False
+
+
+# NOTE: a safety net only: every wake-up that matters (submissions, stops, the manager's finalizer) notifies.
+IDLE_RECHECK_S = 30.0
+
+
+def _engine_loop(ref: weakref.ref[ContinuousBatchingManager], cv: threading.Condition) -> None:
+    """The engine thread. It holds the manager only while it works on it; idle, it waits on the condition
+    variable holding nothing but `ref`, so an unreferenced manager is collected and its finalizer's
+    notify ends the thread."""
+    while True:
+        manager = ref()
+        if manager is None:
+            return
+        with cv:
+            if manager._idle():
+                del manager
+                if ref() is not None:  # NOTE: collected just now (in this thread): no notify will come
+                    cv.wait(IDLE_RECHECK_S)
+                continue
+        if not manager._run_once():
+            return
+        del manager
+
+
+def _notify(cv: threading.Condition) -> None:
+    with cv:
+        cv.notify_all()
 
 
 # NOTE: daemon threads never block interpreter exit; this only lets them finish their step cleanly.
