@@ -115,7 +115,8 @@ class AttentionMetadata:
     """Per-step inputs of the paged attention (built by the runner, shared by every layer)."""
 
     cache: object  # PagedKVCache
-    groups: list[GroupMetadata]  # indexed by `cache.group_of(layer)`
+    groups: list  # indexed by `cache.group_of(layer)`: the backend's group metadata (has .window, .slot_mapping)
+    backend: object = None  # rollout.backends.AttentionBackend: runs `attend` for every layer
     layers_seen: set[int] | None = None  # when set, each layer that runs adds its index (first-step check)
 
 
@@ -183,8 +184,26 @@ def paged_attention_forward(
     k_cache, v_cache = meta.cache.layer(layer, num_kv_heads, head_dim)  # [Hkv, S, D] head-major
     k_cache.index_copy_(1, group.slot_mapping, key[0].to(k_cache.dtype))
     v_cache.index_copy_(1, group.slot_mapping, value[0].to(v_cache.dtype))
-
     scale = scaling if scaling is not None else head_dim**-0.5
+    out = meta.backend.attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap)  # [T, H, D]
+    return out[None], None
+
+
+def gather_attend(
+    meta: AttentionMetadata,
+    group: GroupMetadata,
+    layer: int,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    k_cache: torch.Tensor,  # [Hkv, S, D]
+    v_cache: torch.Tensor,  # [Hkv, S, D]
+    scale: float,
+    softcap: float | None,
+    kernel=None,  # rollout.cpu_kernels.paged_decode_attention, for `group.paged` rows
+) -> torch.Tensor:  # [T, H, D]
+    """The `cpu` and `sdpa` backends' attention: kernel rows, decode buckets, then prompt segments."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[3]
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
     out = torch.empty_like(q_rows)  # [T, H, D]
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
@@ -194,8 +213,8 @@ def paged_attention_forward(
         pd = group.paged
         q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
         o = torch.empty_like(q)
-        meta.cache.paged_kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
-                                scale, float(softcap or 0.0), o)
+        kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
+               scale, float(softcap or 0.0), o)
         out.index_copy_(0, pd.rows, o.to(out.dtype))
 
     for bucket in group.buckets:
@@ -221,7 +240,7 @@ def paged_attention_forward(
         mask = group.segment_mask(i, seg)
         o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
-    return out[None], None
+    return out
 
 
 def null_mask(*args, **kwargs) -> None:

@@ -12,6 +12,7 @@ logger = logging.getLogger("rollout")
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
+ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.backends implements each
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 
@@ -35,6 +36,9 @@ class ContinuousBatchingConfig:
         per_request_processors: honour per-request temperature / top_k / top_p.
         cpu_offload_space: GiB of host memory to park evicted pages in (0 disables; None sizes it from
             `cpu_offload_space_safety_threshold` of available RAM).
+        attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, "flash" else "flex"
+            on CUDA), "cpu" (C++ kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled
+            FlexAttention over the paged cache), "flash" (flash-attn, CUDA). See `rollout.backends`.
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         default_compile_level, varlen_compile_config, decode_compile_config, max_blocks_per_request,
         cpu_group_timeout, auto_switch_to_flash: accepted for API compatibility with transformers;
@@ -64,6 +68,7 @@ class ContinuousBatchingConfig:
     max_blocks_per_request: int | None = None
     cpu_group_timeout: float = 600.0
     auto_switch_to_flash: bool = True
+    attn_backend: str = "auto"
     _gpu_notes_logged: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -77,6 +82,8 @@ class ContinuousBatchingConfig:
         if self.safety_margin is None:
             self.safety_margin = DEFAULT_SAFETY_MARGIN[self.scheduler_type]
         _check_float(self, "safety_margin", low=0.0, high=1.0, high_open=True)
+        if self.attn_backend not in ATTN_BACKENDS:
+            raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {self.attn_backend!r}")
         if self.logprobs_mode not in LOGPROBS_MODES:
             raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES}, got {self.logprobs_mode!r}")
         for name in (

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from . import cpu_kernels
+from .backends import create as create_backend
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
 from .kv_cache import (
@@ -143,24 +143,23 @@ class EngineCore:
             step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
         )
         self.page_size = config.page_size
-        self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype, groups)
+        self.backend = create_backend(config.attn_backend, self.device, self.dtype, page_size=config.page_size,
+                                      num_blocks=num_blocks, max_batch_tokens=self.max_batch_tokens)
+        self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype, groups,
+                                  zeroed=self.backend.reads_unwritten_slots)
         offload_pages = plan_offload(
             config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
             config.page_size * shape.bytes_per_token,
         )
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
-        # NOTE: on CPU decode rows are attended in place over the pages by rollout.cpu_kernels (fp32, bf16,
-        # fp16); without a compiler (or on an accelerator) they take the gather + SDPA buckets.
-        if self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16, torch.float16):
-            self.cache.paged_kernel = cpu_kernels.paged_decode_attention()
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
             config.scheduler_type, config.safety_margin, fork_prompts=sharing,
             windows=self.windows, offloader=self.cache.offload,
         )
-        self.runner = ModelRunner(self.view, self.cache, self.windows)
+        self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend)
         self.sampler = Sampler(self.device)
         self.set_generation_config(generation_config)
         tc = text_config(model)

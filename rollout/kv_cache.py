@@ -136,6 +136,8 @@ class PagedKVCache:
         num_blocks, page_size: the pool's pages.
         device, dtype: where and how the KV lives.
         layer_groups: the group (index into the scheduler's windows) of each layer; None = one group.
+        zeroed: allocate zeros instead of uninitialised memory, for attention backends that multiply
+            unwritten slots by zero weights (`flex`: garbage NaN * 0 would be NaN).
     """
 
     def __init__(
@@ -145,12 +147,14 @@ class PagedKVCache:
         device: torch.device,
         dtype: torch.dtype,
         layer_groups: Sequence[int] | None = None,
+        zeroed: bool = False,
     ) -> None:
         self.num_blocks = num_blocks
         self.page_size = page_size
         self.num_slots = num_blocks * page_size
         self.device = device
         self.dtype = dtype
+        self.zeroed = zeroed
         self.layer_groups = list(layer_groups or [])
         self._storage_of = storage_layout(self.layer_groups)
         # NOTE: keyed by (storage, num_kv_heads, head_dim): layers of different shapes never share.
@@ -159,7 +163,6 @@ class PagedKVCache:
         self._layer_ids: dict[int, int] = {}  # id(module) -> layer, for modules without `layer_idx`
         self._specs: set[tuple[int, int, int]] = set()  # storages seen, kept across release
         self.offload = None  # CpuOffloadBuffer, when CPU offload is on (see rollout.offload)
-        self.paged_kernel = None  # rollout.cpu_kernels.paged_decode_attention, when decode rows use it
 
     def layer_index(self, module: torch.nn.Module) -> int:
         return self._layer_ids.setdefault(id(module), len(self._layer_ids))
@@ -179,11 +182,13 @@ class PagedKVCache:
         k = self.keys.get(key)
         if k is None:
             self._specs.add(key)
-            # NOTE: empty, not zeros: attention only ever reads slots it has written (padding of a
-            # gather repeats a slot of the same request), so memory is touched only as pages are used.
+            # NOTE: empty, not zeros, unless asked: the gather backends only ever read slots they have
+            # written (padding of a gather repeats a slot of the same request), so memory is touched
+            # only as pages are used.
             shape = (key[1], self.num_slots, key[2])
-            k = self.keys[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
-            self.values[key] = torch.empty(shape, device=self.device, dtype=self.dtype)
+            new = torch.zeros if self.zeroed else torch.empty
+            k = self.keys[key] = new(shape, device=self.device, dtype=self.dtype)
+            self.values[key] = new(shape, device=self.device, dtype=self.dtype)
         return k, self.values[key]
 
     @property

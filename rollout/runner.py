@@ -9,6 +9,7 @@ own module keeps its attention implementation, its train/eval mode and `requires
 from __future__ import annotations
 
 import copy
+import itertools
 import logging
 
 import torch
@@ -22,6 +23,8 @@ from .attention import (
     Segment,
     register,
 )
+from .backends import AttentionBackend
+from .backends import create as create_backend
 from .kv_cache import PagedKVCache
 from .scheduler import SchedulerOutput
 
@@ -75,14 +78,17 @@ class ModelRunner:
             scheduler's block tables; default one full-attention group.
         num_layers: attention layers the model announces; the first step checks that our attention ran
             in each of them (default: the cache's layers).
+        backend: the attention backend (`rollout.backends`): builds each group's metadata and attends;
+            default the portable `sdpa`.
     """
 
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None,
-        num_layers: int | None = None,
+        num_layers: int | None = None, backend: AttentionBackend | None = None,
     ) -> None:
         self.model = model
         self.cache = cache
+        self.backend = backend or create_backend("sdpa", cache.device, cache.dtype)
         self.windows = windows or [None]  # attention window of each layer group
         self.num_layers = len(cache.layer_groups) if num_layers is None else num_layers
         self.verified = False  # NOTE: set once a step saw our attention run in every layer
@@ -107,16 +113,14 @@ class ModelRunner:
                 sampled.append(i)
         dev = self.device
         step = _StepIndex(starts, lens, dev)
-        groups = []
-        for g, window in enumerate(self.windows):
-            tables = [s.tables[g] for s in out.scheduled]
-            groups.append(_build_group(window, tables, step, self.page_size, paged=self.cache.paged_kernel is not None))
+        groups = [self.backend.build_group(window, [s.tables[g] for s in out.scheduled], step, self.page_size)
+                  for g, window in enumerate(self.windows)]
         kwargs = {
             "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
             "position_ids": step.positions[None],  # [1, T]
             "logits_to_keep": torch.tensor(keep, dtype=torch.long, device=dev),  # [R]
             "use_cache": False,
-            "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups),
+            "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
         }
         return kwargs, sampled
 
@@ -175,15 +179,16 @@ class _StepIndex:
             self.first_row = list(range(total))
             self.positions = self.starts
             return
-        self.request_of_token, offsets, first_row = _ragged(torch.tensor(lens, device=device))  # [T], [T], [B]
-        self.first_row = first_row.tolist()
+        # NOTE: sizes and first rows from the host lists: no device-to-host read (a sync on CUDA)
+        self.request_of_token, offsets, _ = _ragged(torch.tensor(lens, device=device), total)  # [T], [T]
+        self.first_row = list(itertools.accumulate([0, *lens[:-1]]))
         self.positions = self.starts[self.request_of_token] + offsets  # [T]
 
 
-def _ragged(lens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For runs of `lens` [B] items laid end to end: (run of each item [N], its offset in the run [N],
-    first item of each run [B])."""
-    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens)
+def _ragged(lens: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For runs of `lens` [B] items laid end to end (`total` of them, when known on the host): (run of
+    each item [N], its offset in the run [N], first item of each run [B])."""
+    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
     first = torch.cumsum(lens, 0) - lens
     return owner, torch.arange(owner.numel(), device=lens.device) - first[owner], first
 

@@ -1,9 +1,14 @@
 """Greedy outputs of the engine are token-identical to `model.generate`, one prompt at a time.
 
-Six architectures (RoPE, GQA, sliding windows shorter than the prompts, logit softcapping, learned
-positions, partial rotary), prompts of 3-80 tokens, several sharing a 40-token prefix, with a
+Seven architectures (RoPE, GQA, sliding windows shorter than the prompts, logit softcapping, learned
+positions, partial rotary, fused QKV), prompts of 3-80 tokens, several sharing a 40-token prefix, with a
 48-token step budget and 16-token pages, so long prompts are prefilled in chunks, chunks straddle
 pages, and prefix-cache hits (where the model has no sliding window) feed later requests.
+
+Every attention backend runs the matrix (`attn_backend`: "cpu", "sdpa", "flex"). The flex kernel
+compiles once per head layout (~10-40 s on 2 cores): the default suite runs it on the four
+architectures that share test_flex_backend's layout (4 heads, 2 KV heads, head size 16), the rest
+is `slow`.
 """
 
 from __future__ import annotations
@@ -19,7 +24,18 @@ from transformers import GenerationConfig
 from rollout import ContinuousBatchingConfig, RequestStatus, generate_batch
 from rollout.core import EngineCore
 
-ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gpt2", "gpt_neox"]
+ARCHS = ["llama", "qwen3", "mistral", "gemma2", "gpt2", "gpt_neox", "phi3"]
+FLEX_FAST = ("llama", "qwen3", "mistral", "gemma2")  # NOTE: one compiled flex kernel layout (and its softcap twin)
+
+
+def backend_matrix(archs: list[str], flex_fast: tuple[str, ...] = FLEX_FAST) -> list:
+    """(arch, backend) params: every backend on every arch; flex outside `flex_fast` marked slow."""
+    out = []
+    for arch in archs:
+        for backend in ("cpu", "sdpa", "flex"):
+            marks = [pytest.mark.slow] if backend == "flex" and arch not in flex_fast else []
+            out.append(pytest.param(arch, backend, marks=marks, id=f"{arch}-{backend}"))
+    return out
 MAX_NEW = 6
 BUDGET = 48
 PS = 16
@@ -85,10 +101,10 @@ def run_engine(core: EngineCore, prompts: list[list[int]], max_new_tokens: int =
     return reqs, chunks, step_tokens
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_greedy_matches_hf_generate_with_chunked_prefill(arch):
+@pytest.mark.parametrize("arch, backend", backend_matrix(ARCHS))
+def test_greedy_matches_hf_generate_with_chunked_prefill(arch, backend):
     model, expected = reference(arch)
-    cbc = ContinuousBatchingConfig(page_size=PS, max_batch_tokens=BUDGET, num_blocks=128)
+    cbc = ContinuousBatchingConfig(page_size=PS, max_batch_tokens=BUDGET, num_blocks=128, attn_backend=backend)
     core = EngineCore(model, GREEDY_GC, cbc)
     reqs, chunks, step_tokens = run_engine(core, PROMPTS)
 
@@ -111,12 +127,13 @@ def test_greedy_matches_hf_generate_with_chunked_prefill(arch):
     assert stats["computed_prompt_tokens"] + stats["cached_prompt_tokens"] == sum(map(len, PROMPTS))
 
 
+@pytest.mark.parametrize("backend", ["cpu", "sdpa", "flex"])
 @pytest.mark.parametrize(
     "arch, policy, sharing",
     # NOTE: Mistral's sliding window turns prefix caching off: there preemption means recomputation
     [("llama", "fifo", True), ("llama", "prefill_first", False), ("mistral", "prefill_first", True)],
 )
-def test_greedy_matches_hf_generate_under_preemption(arch, policy, sharing):
+def test_greedy_matches_hf_generate_under_preemption(arch, policy, sharing, backend):
     """A pool of 7 pages (the longest request needs 6): requests are preempted and resumed."""
     model, expected = reference(arch)
     cbc = ContinuousBatchingConfig(
@@ -125,6 +142,7 @@ def test_greedy_matches_hf_generate_under_preemption(arch, policy, sharing):
         num_blocks=7,
         scheduler_type=policy,
         allow_block_sharing=sharing,
+        attn_backend=backend,
     )
     core = EngineCore(model, GREEDY_GC, cbc)
     reqs, _, _ = run_engine(core, PROMPTS)

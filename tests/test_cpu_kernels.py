@@ -189,7 +189,7 @@ def test_env_switch_turns_the_kernel_off(monkeypatch):
     monkeypatch.setenv("ROLLOUT_CPU_KERNELS", "0")
     assert cpu_kernels.paged_decode_attention() is None
     core = EngineCore(make_model("qwen3"), GREEDY, ContinuousBatchingConfig())
-    assert core.cache.paged_kernel is None  # NOTE: decode rows take the gather + SDPA buckets
+    assert core.backend.name == "sdpa"  # NOTE: "auto" falls back: decode rows take the gather + SDPA buckets
     assert len(_decode(core).generated) == 20
 
 
@@ -205,7 +205,7 @@ def test_a_failed_build_warns_once_and_falls_back_to_sdpa(monkeypatch, caplog):
     warnings = [r.getMessage() for r in caplog.records if "decode-attention kernel unavailable" in r.getMessage()]
     assert len(warnings) == 1 and "command not found" in warnings[0]
     core = EngineCore(make_model("qwen3"), GREEDY, ContinuousBatchingConfig())
-    assert core.cache.paged_kernel is None  # the engine still runs, on the gather + SDPA buckets
+    assert core.backend.name == "sdpa"  # the engine still runs, on the gather + SDPA buckets
     assert len(_decode(core, 4).generated) == 4
 
 
@@ -213,10 +213,10 @@ def test_a_failed_build_warns_once_and_falls_back_to_sdpa(monkeypatch, caplog):
 def test_engine_decodes_through_the_paged_kernel(paged, dtype):
     """Every CPU dtype decodes in place over the pages; the kernel is the one that ran (counted)."""
     core = EngineCore(make_model("qwen3", dtype=dtype), GREEDY, ContinuousBatchingConfig(page_size=16))
-    assert core.cache.paged_kernel is not None
+    assert core.backend.name == "cpu" and core.backend.kernel is not None
     calls = []
-    kernel = core.cache.paged_kernel
-    core.cache.paged_kernel = lambda *a: (calls.append(1), kernel(*a))
+    kernel = core.backend.kernel
+    core.backend.kernel = lambda *a: (calls.append(1), kernel(*a))
     assert len(_decode(core).generated) == 20
     assert len(calls) >= 19 * core.model.config.num_hidden_layers
 
@@ -240,7 +240,7 @@ def test_mixed_workload_matches_generate_with_arrivals(monkeypatch, kernel):
     prompts, max_new = mixed_workload()
     late = list(zip(*mixed_workload(seed=1, n=6), strict=True))
     core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, num_blocks=512))
-    assert (core.cache.paged_kernel is not None) == (kernel == "1") or not HAVE_COMPILER
+    assert (core.backend.name == "cpu") == (kernel == "1") or not HAVE_COMPILER
     reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))]
     late_reqs = [core.make_request(p, request_id=f"late{i}", max_new_tokens=n) for i, (p, n) in enumerate(late)]
     for r in reqs:

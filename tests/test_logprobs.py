@@ -75,10 +75,11 @@ def request_specs(prompts):
     return specs
 
 
-def run(mode: str, specs):
+def run(mode: str, specs, backend: str = "auto"):
     model, _ = model_and_prompts()
     cbc = ContinuousBatchingConfig(
-        page_size=16, num_blocks=256, max_batch_tokens=256, return_logprobs=True, logprobs_mode=mode
+        page_size=16, num_blocks=256, max_batch_tokens=256, return_logprobs=True, logprobs_mode=mode,
+        attn_backend=backend,
     )
     core = EngineCore(model, GC, cbc)
     reqs = []
@@ -107,11 +108,12 @@ def check(model, spec, out, mode: str) -> None:
         assert out.logprobs[pos] == pytest.approx(expected, abs=ATOL), (spec[1:], pos)
 
 
-@pytest.mark.parametrize("mode", ["raw", "processed"])
-def test_logprobs_match_teacher_forcing(mode):
+@pytest.mark.parametrize("mode, backend", [("raw", "auto"), ("processed", "auto"), ("processed", "sdpa"),
+                                           ("processed", "flex")])
+def test_logprobs_match_teacher_forcing(mode, backend):
     _, prompts = model_and_prompts()
     specs = request_specs(prompts)
-    model, outs = run(mode, specs)
+    model, outs = run(mode, specs, backend)
     for spec, out in zip(specs, outs, strict=True):
         check(model, spec, out, mode)
 

@@ -74,9 +74,10 @@ def test_preemption_by_recompute_is_exact():
     assert stats["free_blocks"] == 24
 
 
-def test_cpu_offload_resumes_without_recompute():
+@pytest.mark.parametrize("backend", ["auto", "sdpa", "flex"])
+def test_cpu_offload_resumes_without_recompute(backend):
     model, ref = pressure_reference()
-    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=24, cpu_offload_space=0.25)
+    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=24, cpu_offload_space=0.25, attn_backend=backend)
     out, stats, core = run(model, PRESSURE_PROMPTS, PRESSURE_NEW, cfg)
     print(f"\noffload: preemptions={stats['preemptions']} offloaded_blocks={stats['offloaded_blocks']} "
           f"restored_blocks={stats['restored_blocks']}")
@@ -137,10 +138,11 @@ def test_gemma2_hybrid_is_exact_and_its_sliding_group_recycles():
     assert stats["peak_used_blocks"] <= sum(-(-(len(p) + 50) // PS) + 2 for p in prompts)
 
 
-@pytest.mark.parametrize("offload", [0.0, 0.25])
-def test_gemma2_under_pressure_is_exact(offload):
+@pytest.mark.parametrize("offload, backend", [(0.0, "auto"), (0.25, "auto"), (0.25, "sdpa"), (0.25, "flex")])
+def test_gemma2_under_pressure_is_exact(offload, backend):
     model, prompts, ref = gemma_reference()
-    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=14, max_batch_tokens=48, cpu_offload_space=offload)
+    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=14, max_batch_tokens=48, cpu_offload_space=offload,
+                                   attn_backend=backend)
     out, stats, _ = run(model, prompts, 50, cfg)
     assert out == ref
     assert stats["preemptions"] > 0
@@ -149,11 +151,14 @@ def test_gemma2_under_pressure_is_exact(offload):
         assert stats["restored_blocks"] == stats["offloaded_blocks"]
 
 
-def test_mistral_many_requests_with_offload_is_exact():
+@pytest.mark.parametrize("backend", ["auto", pytest.param("sdpa", marks=pytest.mark.slow),
+                                     pytest.param("flex", marks=pytest.mark.slow)])
+def test_mistral_many_requests_with_offload_is_exact(backend):
     model = make_model("mistral", sliding_window=24)
     prompts = random_prompts(4, 20, 60, seed=5)
     ref = [hf_greedy(model, p, 40) for p in prompts]
-    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=7, max_batch_tokens=64, cpu_offload_space=0.25)
+    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=7, max_batch_tokens=64, cpu_offload_space=0.25,
+                                   attn_backend=backend)
     out, stats, _ = run(model, prompts, 40, cfg)
     assert out == ref
     assert stats["preemptions"] > 0 and stats["offloaded_blocks"] > 0 and stats["recomputed_tokens"] == 0

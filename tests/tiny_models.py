@@ -14,6 +14,7 @@ from transformers import (
     GPTNeoXConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     Qwen3Config,
 )
 
@@ -53,6 +54,12 @@ def _gpt_neox() -> GPTNeoXConfig:
                          rotary_pct=0.5, max_position_embeddings=1024, **COMMON)
 
 
+def _phi3() -> Phi3Config:
+    return Phi3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2, **COMMON)
+
+
 CONFIGS = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -60,6 +67,7 @@ CONFIGS = {
     "gemma2": _gemma2,
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
+    "phi3": _phi3,
 }
 
 

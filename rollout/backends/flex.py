@@ -27,6 +27,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 # pages (masked per row), so a small tile keeps decode rows from reading each other's pages.
 Q_BLOCK = 16
 FREED = -1  # a table entry with no page (rollout.block_manager.FREED, or padding)
+# NOTE: smallest static sizes of the mask mod's tables (rows, flattened block tables, pages): a new
+# size is a new compile, so they start large enough for the default engine (8192 tokens a step).
+ROW_FLOOR, TABLE_FLOOR, PAGE_FLOOR = 8192, 16384, 65536
 
 
 @dataclass(slots=True)
@@ -43,7 +46,7 @@ class FlexMetadata:
     pos: torch.Tensor  # [row_capacity] int32: position of each query row (-1 past the step's rows)
     lo: torch.Tensor  # [row_capacity] int32: first position the row may read (its window's start)
     tables: torch.Tensor  # [table_capacity] int32: the block tables [R, P] flattened, FREED where no page
-    logical: torch.Tensor  # [num_blocks + 1] int32: logical page index of each page read this step
+    logical: torch.Tensor  # [page_capacity] int32: logical page index of each page read this step, else -1
     num_rows: int  # T: the step's query rows (max(T, 2) are passed to the kernel)
     q_block: int  # query rows per tile
 
@@ -66,8 +69,8 @@ def build_flex_metadata(
 ) -> FlexMetadata:
     """Block mask and mask-mod tables of one layer group; tensor ops only (no host synchronisation).
 
-    `row_capacity` (default: a power of two >= T) is the static size of the per-row tables; an
-    engine passes its `max_batch_tokens` so every step shares one compiled kernel.
+    `row_capacity` (an engine passes its `max_batch_tokens`) bounds the rows of every step, so every
+    step shares one compiled kernel (see ROW_FLOOR).
 
     NOTE: a page read this step sits at one logical index in every table that reads it: shared
     prefix pages are content-addressed by position, copies-on-write keep the index, and a page a
@@ -78,7 +81,7 @@ def build_flex_metadata(
     r, p = table.shape
     table = table.to(torch.int32)
     rows = max(num_rows, 2)  # NOTE: FlexAttention's compiled kernel would specialise on sizes 0/1
-    row_capacity = max(row_capacity or capacity(rows, 256), rows)
+    row_capacity = capacity(max(row_capacity or 0, rows), ROW_FLOOR)
     req = torch.repeat_interleave(torch.arange(r, device=dev), lens.long(), output_size=num_rows)  # [T]
     first = torch.cumsum(lens, 0) - lens  # [R]
     pos = starts[req] + torch.arange(num_rows, device=dev) - first[req]  # [T]
@@ -102,7 +105,7 @@ def build_flex_metadata(
     first_lo = lo[first]  # [R]
     end = starts + lens  # [R]
     live = (j[None, :] >= (first_lo // ps)[:, None]) & (j[None, :] * ps < end[:, None]) & (table >= 0)  # [R, P]
-    logical = torch.full((num_blocks + 1,), -1, dtype=torch.int32, device=dev)
+    logical = torch.full((capacity(num_blocks + 1, PAGE_FLOOR),), -1, dtype=torch.int32, device=dev)
     dst = torch.where(live, table.long(), num_blocks).reshape(-1)  # NOTE: slot num_blocks collects the rest
     logical.scatter_(0, dst, j.to(torch.int32).expand(r, p).reshape(-1))
     logical[num_blocks] = -1
@@ -112,7 +115,7 @@ def build_flex_metadata(
         base=_fill(req.to(torch.int32) * p, row_capacity, 0),
         pos=_fill(pos.to(torch.int32), row_capacity, -1),  # NOTE: padding rows see no key (pos < lo)
         lo=_fill(lo.to(torch.int32), row_capacity, 0),
-        tables=_fill(table.reshape(-1), capacity(r * p, 4096), FREED),
+        tables=_fill(table.reshape(-1), capacity(r * p, TABLE_FLOOR), FREED),
         logical=logical,
         num_rows=num_rows,
         q_block=q_block,
@@ -135,12 +138,16 @@ def flex_paged_attention(
     """Attend every query row of the step over the paged cache in one compiled FlexAttention call."""
     t = meta.num_rows
     q = query if t >= 2 else torch.cat([query, query], 2)  # NOTE: see build_flex_metadata
-    fn = _kernel(page_size, meta.q_block, float(softcap) if softcap else 0.0)
-    for x in (q, meta.kv_num_blocks, meta.kv_indices):
-        torch._dynamo.maybe_mark_dynamic(x, 2)
     if k_cache.dtype != q.dtype:  # NOTE: the CPU kernel needs one dtype for q, k and v
         q = q.to(k_cache.dtype)
-    out = fn(q, k_cache[None], v_cache[None], meta.kv_num_blocks, meta.kv_indices, meta.base, meta.pos,
+    fn = _kernel(page_size, meta.q_block, float(softcap) if softcap else 0.0)
+    # NOTE: dynamic: the step's rows and tiles, and the cache's size (engines of any size share a
+    # kernel); the mask mod's tables have static capacities (see FlexMetadata).
+    k, v = k_cache[None], v_cache[None]
+    for x in (q, meta.kv_num_blocks, meta.kv_indices, k, v):
+        torch._dynamo.maybe_mark_dynamic(x, 2)
+    torch._dynamo.maybe_mark_dynamic(meta.kv_indices, 3)
+    out = fn(q, k, v, meta.kv_num_blocks, meta.kv_indices, meta.base, meta.pos,
              meta.lo, meta.tables, meta.logical)
     return out[:, :, :t].to(query.dtype)
 
@@ -180,3 +187,63 @@ def _renamed(fn, name: str):
     constants (the softcap) would turn symbolic when another's are seen, which the kernel refuses."""
     code = fn.__code__.replace(co_name=name, co_qualname=name)
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+@dataclass(slots=True)
+class FlexGroup:
+    """The `flex` backend's metadata of one layer group for one step."""
+
+    window: int | None  # the layers' sliding window, None for full attention
+    slot_mapping: torch.Tensor  # [T] cache slot of each new token
+    flex: FlexMetadata
+
+
+@dataclass
+class FlexBackend:
+    """FlexAttention over the paged cache (see the module docstring).
+
+    Args:
+        page_size, num_blocks: the cache's pages (a page is one KV block of the block mask).
+        max_batch_tokens: the engine's step budget: the static size of the per-row mask tables.
+        device: where the cache lives.
+    """
+
+    page_size: int
+    num_blocks: int
+    max_batch_tokens: int
+    device: torch.device
+    name: str = "flex"
+    reads_unwritten_slots: bool = True  # NOTE: a page's unwritten slots get weight 0, and 0 * NaN = NaN
+
+    @classmethod
+    def create(cls, device: torch.device, dtype: torch.dtype, page_size: int = 16, num_blocks: int = 1,
+               max_batch_tokens: int = 8192, **_) -> FlexBackend:
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"attn_backend='flex' runs on CPU or CUDA; the model is on {device}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"attn_backend='flex' needs a float32, bfloat16 or float16 model, got {dtype}")
+        if device.type == "cpu" and not _has_cxx():
+            raise ValueError("attn_backend='flex' on CPU compiles a C++ kernel and no C++ compiler was found; "
+                             "use attn_backend='sdpa'")
+        return cls(page_size, num_blocks, max_batch_tokens, device)
+
+    def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> FlexGroup:
+        dev, ps = self.device, self.page_size
+        width = max(len(t) for t in tables)
+        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
+        lens = torch.tensor(step.lens_list, device=dev)  # [B]
+        meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_blocks, window,
+                                   row_capacity=self.max_batch_tokens)
+        pos = step.positions  # [T]
+        slots = table[step.request_of_token, torch.div(pos, ps, rounding_mode="floor")].long() * ps + pos % ps  # [T]
+        return FlexGroup(window, slots, meta)
+
+    def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap) -> torch.Tensor:
+        out = flex_paged_attention((query * scale).contiguous(), k_cache, v_cache, group.flex, self.page_size, softcap)
+        return out[0].transpose(0, 1)  # [T, H, D]
+
+
+def _has_cxx() -> bool:
+    import shutil
+
+    return any(shutil.which(c) for c in ("g++", "c++", "clang++"))

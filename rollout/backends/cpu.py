@@ -1,0 +1,42 @@
+"""The `cpu` attention backend: decode rows through the C++ paged kernel, prompt chunks through SDPA.
+
+Decode rows (one query token each) are attended in place over the paged cache by
+`rollout.cpu_kernels.paged_decode_attention` (fp32, bf16 and fp16 caches, half precision widened in
+the kernel); prompt chunks take the `sdpa` backend's segments. The kernel is built once per machine
+(see rollout.cpu_kernels); when it cannot be, `"auto"` picks `sdpa` instead and an explicit `"cpu"`
+is a ValueError.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import cpu_kernels
+from .sdpa import SdpaBackend
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def cpu_kernel(dtype: torch.dtype):
+    """The paged decode kernel for a `dtype` cache, or None (unsupported dtype, disabled, cannot build)."""
+    return cpu_kernels.paged_decode_attention() if dtype in DTYPES else None
+
+
+class CpuBackend(SdpaBackend):
+    """`sdpa` with decode rows sent to `kernel` (see the module docstring)."""
+
+    name = "cpu"
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
+    @classmethod
+    def create(cls, device: torch.device, dtype: torch.dtype) -> CpuBackend:
+        if device.type != "cpu":
+            raise ValueError(f"attn_backend='cpu' runs on a CPU only; the model is on {device}")
+        kernel = cpu_kernel(dtype)
+        if kernel is None:
+            raise ValueError(f"attn_backend='cpu' needs rollout's C++ kernel, which is unavailable here for {dtype} "
+                             "(ROLLOUT_CPU_KERNELS=0, no compiler, or a failed build: see the warning); "
+                             "use attn_backend='sdpa' or 'auto'")
+        return cls(kernel)

@@ -1,0 +1,99 @@
+"""The attention-backend choice (`ContinuousBatchingConfig.attn_backend`) and what each backend promises.
+
+Exactness of every backend against `model.generate` and teacher forcing is in test_correctness,
+test_logprobs and test_memory (parametrized over backends); the flex kernel against a dense
+reference in test_flex_backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from tiny_models import make_model
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import GenerationConfig
+
+from rollout import ContinuousBatchingConfig
+from rollout.backends.cpu import CpuBackend
+from rollout.backends.flex import FlexBackend
+from rollout.backends.sdpa import SdpaBackend
+from rollout.core import EngineCore
+
+GREEDY = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_model("llama")
+
+
+def test_unknown_backend_is_a_value_error_naming_the_field():
+    with pytest.raises(ValueError, match="attn_backend must be one of"):
+        ContinuousBatchingConfig(attn_backend="xformers")
+    assert ContinuousBatchingConfig().attn_backend == "auto"
+
+
+def test_a_backend_that_cannot_run_here_is_a_value_error_naming_it(model):
+    with pytest.raises(ValueError, match="attn_backend='flash' needs a CUDA device"):
+        EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=8, attn_backend="flash"))
+
+
+@pytest.mark.parametrize("name, kind, zeroed", [("auto", CpuBackend, False), ("cpu", CpuBackend, False),
+                                                ("sdpa", SdpaBackend, False), ("flex", FlexBackend, True)])
+def test_the_engine_builds_the_backend_the_config_names(model, name, kind, zeroed):
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=8, attn_backend=name))
+    assert type(core.backend) is kind and core.runner.backend is core.backend
+    assert core.backend.name == ("cpu" if name == "auto" else name)
+    # NOTE: flex weighs unwritten slots by zero: its cache must hold no NaN garbage
+    assert core.cache.zeroed is zeroed
+    assert (getattr(core.backend, "kernel", None) is not None) == (core.backend.name == "cpu")
+
+
+def test_auto_falls_back_to_sdpa_with_a_warning_and_cpu_refuses_without_the_kernel(model, monkeypatch, caplog):
+    monkeypatch.setenv("ROLLOUT_CPU_KERNELS", "0")
+    with caplog.at_level(logging.WARNING, logger="rollout"):
+        core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=8))
+    assert core.backend.name == "sdpa"
+    assert sum("using 'sdpa'" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(ValueError, match="attn_backend='cpu' needs rollout's C\\+\\+ kernel"):
+        EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=8, attn_backend="cpu"))
+
+
+SYNC_OPS = ("aten._local_scalar_dense", "aten.nonzero", "aten.equal", "aten.is_nonzero", "aten.masked_select",
+            "aten.unique", "aten._unique")
+
+
+class SyncCounter(TorchDispatchMode):
+    """Counts ops that read device values back to the host (a CUDA synchronisation)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = str(func)
+        sized = name.startswith("aten.repeat_interleave.Tensor") and kwargs.get("output_size") is None
+        if name.startswith(SYNC_OPS) or sized:
+            self.syncs.append(name)
+        return func(*args, **kwargs)
+
+
+def test_flex_step_metadata_reads_nothing_back_from_the_device(model):
+    """The runner's step inputs and the flex block masks are built with no device-to-host read: on the
+    flex path the only synchronisation of a step is the sampled tokens coming back."""
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=32, max_batch_tokens=40,
+                                                              attn_backend="flex"))
+    for i, n in enumerate((30, 7, 52)):
+        core.add(core.make_request(list(range(1, n + 1)), request_id=f"r{i}", max_new_tokens=4))
+    core.step()  # NOTE: the first prompt chunks run; the next step mixes chunks and decodes
+    out = core.scheduler.schedule()
+    assert {s.num_new_tokens for s in out.scheduled} != {1}
+    with SyncCounter() as counter:
+        torch.tensor([3]).item()  # NOTE: the counter sees a sync when there is one
+        assert counter.syncs == ["aten._local_scalar_dense.default"]
+        counter.syncs.clear()
+        core.runner.prepare(out)
+    assert counter.syncs == []
