@@ -24,7 +24,10 @@ class ContinuousBatchingConfig:
     Args:
         page_size: tokens per KV page (>= 4).
         num_blocks: pages in the KV cache; None sizes it from memory (see `rollout.kv_cache.plan_cache`).
-        max_memory_percent: share of free accelerator memory the cache may take (GPU); in (0, 1].
+        max_memory_percent: share of the free memory the cache may take; in (0, 1]. On a GPU the default
+            0.8 of its free memory. On a CPU the cache shares host RAM with the trainer, so unless set
+            explicitly it takes min(5% of the available RAM, 1 GiB); an explicit value is that share of
+            the available RAM.
         max_batch_tokens: query-token budget of one forward; None = 8192 bounded by memory, never < 256.
         max_requests_per_batch: cap on requests per forward; None = bounded by the token budget.
         scheduler_type: "fifo" (running requests first) or "prefill_first".
@@ -70,6 +73,8 @@ class ContinuousBatchingConfig:
     auto_switch_to_flash: bool = True
     attn_backend: str = "auto"
     _gpu_notes_logged: bool = field(default=False, init=False, repr=False, compare=False)
+    # NOTE: whether `max_memory_percent` was given (the CPU default differs from the GPU one's 0.8).
+    memory_percent_set: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_int(self, "page_size", minimum=4)
@@ -114,6 +119,8 @@ class ContinuousBatchingConfig:
         fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
         if "scheduler_type" in changes and "safety_margin" not in changes:
             fields["safety_margin"] = None
+        if not self.memory_percent_set:
+            del fields["max_memory_percent"]
         fields.update(changes)
         return ContinuousBatchingConfig(**fields)
 
@@ -136,6 +143,8 @@ class ContinuousBatchingConfig:
 
 _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(ContinuousBatchingConfig) if f.init)
 _dataclass_init = ContinuousBatchingConfig.__init__
+_MEMORY_PERCENT_POSITION = [f.name for f in dataclasses.fields(ContinuousBatchingConfig) if f.init].index(
+    "max_memory_percent")
 
 
 def _init_naming_unknown_fields(self: ContinuousBatchingConfig, *args: Any, **kwargs: Any) -> None:
@@ -143,6 +152,7 @@ def _init_naming_unknown_fields(self: ContinuousBatchingConfig, *args: Any, **kw
     if unknown:
         raise ValueError(f"unknown ContinuousBatchingConfig field(s): {', '.join(unknown)}")
     _dataclass_init(self, *args, **kwargs)
+    self.memory_percent_set = "max_memory_percent" in kwargs or len(args) > _MEMORY_PERCENT_POSITION
 
 
 # NOTE: unknown fields raise ValueError (naming them) rather than the dataclass's TypeError.

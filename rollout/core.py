@@ -141,6 +141,7 @@ class EngineCore:
             shape, config.page_size, config.num_blocks, config.max_batch_tokens,
             config.max_memory_percent, self.device,
             step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
+            cpu_share_set=config.memory_percent_set,
         )
         self.page_size = config.page_size
         self.backend = create_backend(config.attn_backend, self.device, self.dtype, page_size=config.page_size,

@@ -66,9 +66,13 @@ def step_bytes_per_token(config, dtype: torch.dtype, max_requests: int | None = 
     return (8 * hidden + 3 * inter) * elt, vocab * (elt + 4)
 
 
-def cpu_budget() -> int:
-    """Bytes a CPU engine may keep for KV: min(5% of the available RAM, 1 GiB)."""
-    return min(int(psutil.virtual_memory().available * CPU_CACHE_FRACTION), CPU_CACHE_CAP_BYTES)
+def cpu_budget(share: float | None = None) -> int:
+    """Bytes a CPU engine may keep for KV: `share` of the available RAM when given, else
+    min(5% of the available RAM, 1 GiB)."""
+    available = psutil.virtual_memory().available
+    if share is not None:
+        return int(available * share)
+    return min(int(available * CPU_CACHE_FRACTION), CPU_CACHE_CAP_BYTES)
 
 
 def plan_cache(
@@ -80,12 +84,14 @@ def plan_cache(
     device: torch.device,
     step_bytes: tuple[int, int] = (0, 0),
     max_requests: int | None = None,
+    cpu_share_set: bool = False,
 ) -> tuple[int, int]:
     """Returns `(num_blocks, max_batch_tokens)`.
 
     The memory budget is `max_memory_percent` of the free accelerator memory on CUDA. On a CPU it is
+    that share of the available RAM when it was set explicitly (`cpu_share_set`), else
     min(5% of the available RAM, 1 GiB): that RAM is shared with the trainer, the data and the OS, so
-    we do not reserve most of it up front (the tensors are `torch.empty`, so pages of it are only
+    by default we do not reserve most of it up front (the tensors are `torch.empty`, so pages of it are only
     touched as the cache fills; a 4-layer, 256-wide fp32 model's KV is 8 KiB per token, so 1 GiB
     holds ~130k tokens).
 
@@ -101,7 +107,7 @@ def plan_cache(
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * max_memory_percent)
     else:
-        budget = cpu_budget()
+        budget = cpu_budget(max_memory_percent if cpu_share_set else None)
     act_per_token, logits_per_row = step_bytes
 
     def step_memory(tokens: int) -> int:

@@ -9,6 +9,7 @@ import itertools
 import pytest
 import torch
 
+from rollout import ContinuousBatchingConfig, kv_cache
 from rollout.block_manager import FREED, BlockManager, FullAttentionAllocator, SlidingWindowAllocator
 from rollout.core import layer_groups, layer_windows
 from rollout.kv_cache import GiB, KVShape, PagedKVCache, plan_cache, storage_layout
@@ -313,3 +314,36 @@ def test_every_page_and_slot_comes_back_after_random_preemptions(windows):
     assert all(len(r.generated) == r.max_new_tokens for r in reqs)
     assert s.bm.num_free_blocks == 10 and off.held == {} and len(off.free) == 6
     assert s.num_preemptions > 0
+
+
+def test_an_explicit_max_memory_percent_is_honoured_on_cpu(monkeypatch):
+    class VM:
+        available = 64 * GiB
+
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: VM)
+    page = 256 * SHAPE.bytes_per_token
+    cpu = torch.device("cpu")
+    default = ContinuousBatchingConfig()
+    assert not default.memory_percent_set and default.max_memory_percent == 0.8  # the documented default
+    num_blocks, _ = plan_cache(SHAPE, 256, None, None, 0.8, cpu, cpu_share_set=default.memory_percent_set)
+    assert num_blocks == 1 * GiB // page  # default: min(5% of 64 GiB, 1 GiB)
+    explicit = ContinuousBatchingConfig(max_memory_percent=0.25)
+    assert explicit.memory_percent_set and explicit.replace(page_size=16).memory_percent_set
+    assert not default.replace(page_size=16).memory_percent_set
+    num_blocks, _ = plan_cache(SHAPE, 256, None, None, 0.25, cpu, cpu_share_set=explicit.memory_percent_set)
+    assert num_blocks == 16 * GiB // page
+
+
+def test_an_engine_sizes_its_cpu_cache_from_an_explicit_max_memory_percent(monkeypatch):
+    from tiny_models import make_model
+
+    from rollout.core import EngineCore
+
+    class VM:
+        available = 64 * GiB
+
+    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: VM)
+    model = make_model("qwen3")
+    page_bytes = 16 * kv_cache.kv_shape_from_config(model.config, torch.float32).bytes_per_token
+    small = EngineCore(model, None, ContinuousBatchingConfig(page_size=16, max_memory_percent=0.001))
+    assert small.block_manager.num_blocks == int(64 * GiB * 0.001) // page_bytes

@@ -149,7 +149,8 @@ class RLTrainer:
             model = copy.deepcopy(self.policy).to(getattr(torch, cfg.engine_dtype)).eval()
             model.requires_grad_(False)
         engine_config = cfg.engine_config
-        if cfg.engine_memory_fraction is not None:
+        # NOTE: a share of accelerator memory; on a CPU the engine's own default (a small share of RAM) stays.
+        if cfg.engine_memory_fraction is not None and next(model.parameters()).device.type != "cpu":
             engine_config = (engine_config or ContinuousBatchingConfig()).replace(
                 max_memory_percent=cfg.engine_memory_fraction
             )

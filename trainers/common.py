@@ -49,8 +49,9 @@ class RLConfig:
         engine_dtype: run the engine on a cast copy of the policy ("bfloat16", ...); None shares
             the trainer's own model (zero-copy weight sync).
         engine_memory_fraction: the share of free accelerator memory the engine's KV cache may take
-            when it is built (overrides `engine_config.max_memory_percent`; None keeps it). The
-            default leaves room for training on the same GPU; CPU caches are sized otherwise.
+            when it is built (overrides `engine_config.max_memory_percent` on an accelerator; None keeps
+            it). The default leaves room for training on the same GPU; on a CPU it is not applied (the
+            engine's own CPU default, or an explicit `engine_config.max_memory_percent`, sizes the cache).
         sleep_engine: release the KV cache after each rollout and take it back before the weight
             sync, so the update has the memory; None = when the engine shares a CUDA device.
         disable_dropout: set every dropout probability of the policy and reference to 0 (as TRL),
