@@ -128,25 +128,33 @@ def _attend(
     scale: float,
     softcap: float | None,
     is_causal: bool,
+    sinks: torch.Tensor | None = None,  # [H] learned sink logits (gpt-oss)
 ) -> torch.Tensor:  # [B, H, Lq, D]
-    if not softcap:
+    if not softcap and sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-    # NOTE: SDPA has no logit softcap (Gemma 2): explicit path in fp32.
+    # NOTE: SDPA has no logit softcap (Gemma 2) and no sinks (gpt-oss): explicit path in fp32.
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is None and is_causal:
         lq, lk = scores.shape[-2:]
         mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        # NOTE: a sink is one more logit per head that takes probability mass and carries no value:
+        # the softmax denominator gains exp(sink - max).
+        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [B, H, Lq, 1]
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     return torch.matmul(probs, v.float()).to(q.dtype)
 
 
@@ -160,6 +168,8 @@ def paged_attention_forward(
     sliding_window: int | None = None,
     softcap: float | None = None,
     rollout_meta: AttentionMetadata | None = None,
+    s_aux: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss)
+    dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], no weights)
     meta = rollout_meta
@@ -167,6 +177,10 @@ def paged_attention_forward(
         raise RuntimeError(
             f"attention '{ATTN_NAME}' was called without rollout metadata: it only runs inside the rollout engine"
         )
+    _check_kwargs(module, kwargs, dropout)
+    if s_aux is not None and not getattr(meta.backend, "supports_sinks", False):
+        raise ValueError(f"attn_backend {getattr(meta.backend, 'name', '?')!r} does not implement attention sinks "
+                         "(s_aux); use attn_backend='sdpa'")
     _, num_heads, _, head_dim = query.shape
     num_kv_heads = key.shape[1]
     layer = getattr(module, "layer_idx", None)
@@ -185,8 +199,26 @@ def paged_attention_forward(
     k_cache.index_copy_(1, group.slot_mapping, key[0].to(k_cache.dtype))
     v_cache.index_copy_(1, group.slot_mapping, value[0].to(v_cache.dtype))
     scale = scaling if scaling is not None else head_dim**-0.5
-    out = meta.backend.attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap)  # [T, H, D]
-    return out[None], None
+    extra = {} if s_aux is None else {"sinks": s_aux}
+    out = meta.backend.attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, **extra)
+    return out[None], None  # out: [T, H, D]
+
+
+# NOTE: forward kwargs HF attention modules pass that change nothing here (the packed batch carries its
+# own positions, the cache is ours, no weights are returned). Anything else is refused, never dropped.
+IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions",
+                            "output_router_logits", "is_causal", "head_mask"})
+
+
+def _check_kwargs(module: torch.nn.Module, kwargs: dict, dropout: float) -> None:
+    unknown = sorted(set(kwargs) - IGNORED_KWARGS)
+    if unknown:
+        raise ValueError(f"{type(module).__name__} passes attention argument(s) {unknown} that rollout's paged "
+                         "attention does not implement; refusing rather than ignoring them")
+    if dropout:
+        raise ValueError(f"{type(module).__name__} asks for attention dropout {dropout}: the engine runs in eval mode")
+    if kwargs.get("output_attentions"):
+        raise ValueError("output_attentions=True: rollout's paged attention returns no attention weights")
 
 
 def gather_attend(
@@ -201,6 +233,7 @@ def gather_attend(
     scale: float,
     softcap: float | None,
     kernel=None,  # rollout.cpu_kernels.paged_decode_attention, for `group.paged` rows
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss); not with kernel rows
 ) -> torch.Tensor:  # [T, H, D]
     """The `cpu` and `sdpa` backends' attention: kernel rows, decode buckets, then prompt segments."""
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
@@ -210,6 +243,8 @@ def gather_attend(
     upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
     if group.paged is not None:  # NOTE: half-precision K/V are widened in the kernel
+        if sinks is not None:
+            raise ValueError("rollout's C++ decode kernel does not implement attention sinks")
         pd = group.paged
         q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
         o = torch.empty_like(q)
@@ -226,7 +261,7 @@ def gather_attend(
         v = v_cache.index_select(1, flat).view(num_kv_heads, b, lmax, head_dim).transpose(0, 1)
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
-        o = _attend(q, k, v, bucket.mask(), scale, softcap, is_causal=False)  # [B, H, 1, D]
+        o = _attend(q, k, v, bucket.mask(), scale, softcap, is_causal=False, sinks=sinks)  # [B, H, 1, D]
         out.index_copy_(0, bucket.rows, o[:, :, 0, :].to(out.dtype))
 
     for i, seg in enumerate(group.segments):
@@ -238,7 +273,7 @@ def gather_attend(
             k = k_cache.index_select(1, seg.kv_slots)[None]  # [1, Hkv, kv, D]
             v = v_cache.index_select(1, seg.kv_slots)[None]
         mask = group.segment_mask(i, seg)
-        o = _attend(q, k, v, mask, scale, softcap, is_causal=True)  # [1, H, q, D]
+        o = _attend(q, k, v, mask, scale, softcap, is_causal=True, sinks=sinks)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     return out
 

@@ -41,19 +41,34 @@ def text_config(model: torch.nn.Module):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def has_attention_sinks(model: torch.nn.Module) -> bool:
+    """gpt-oss style learned sinks (a `sinks` tensor on the attention modules)."""
+    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
+
+
 def layer_windows(model: torch.nn.Module) -> list[int | None]:
     """The attention window of each layer (None = full attention), as the HF attention modules use it.
 
-    `config.layer_types` decides where it exists (Gemma 2, Qwen2/3, ...: "sliding_attention" layers
-    slide, every other type is treated as full); otherwise a set `sliding_window` makes every layer
-    slide (Mistral) unless `use_sliding_window` is False. The attention function checks each layer's
-    actual `sliding_window` against this plan at run time.
+    `config.layer_types` decides where it exists (Gemma 2, Qwen2/3, gpt-oss: "sliding_attention"
+    layers slide, "full_attention" ones do not; any other type, e.g. Llama 4's "chunked_attention", is
+    a ValueError); otherwise a set `sliding_window` makes every layer slide (Mistral) unless
+    `use_sliding_window` is False. The attention function checks each layer's actual
+    `sliding_window` against this plan at run time.
     """
     cfg = text_config(model)
     window = getattr(cfg, "sliding_window", None) or None
     layer_types = getattr(cfg, "layer_types", None)
     if layer_types:
-        return [window if "sliding" in t else None for t in layer_types]
+        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+        if unknown:
+            raise ValueError(
+                f"{type(model).__name__} has {unknown} layers, which rollout's paged attention does not implement "
+                f"(it runs {LAYER_TYPES}); treating them as full attention would give wrong outputs"
+            )
+        return [window if t == "sliding_attention" else None for t in layer_types]
     slides = window is not None and getattr(cfg, "use_sliding_window", True)
     return [window if slides else None] * cfg.num_hidden_layers
 
@@ -79,6 +94,20 @@ def eos_ids_of(*sources) -> frozenset[int]:
             continue
         out.update([src] if isinstance(src, int) else src)
     return frozenset(int(t) for t in out)
+
+
+def _backend_name(name: str, model: torch.nn.Module) -> str:
+    """The attention backend to build: attention sinks run only in the `sdpa` backend's gather path."""
+    if not has_attention_sinks(model):
+        return name
+    if name == "auto":
+        logger.info("%s has attention sinks: attn_backend 'sdpa' (the only backend implementing them)",
+                    type(model).__name__)
+        return "sdpa"
+    if name != "sdpa":
+        raise ValueError(f"attn_backend={name!r} does not implement the attention sinks of {type(model).__name__} "
+                         "(gpt-oss); use attn_backend='sdpa' or 'auto'")
+    return name
 
 
 def _versioned_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
@@ -144,8 +173,9 @@ class EngineCore:
             cpu_share_set=config.memory_percent_set,
         )
         self.page_size = config.page_size
-        self.backend = create_backend(config.attn_backend, self.device, self.dtype, page_size=config.page_size,
-                                      num_blocks=num_blocks, max_batch_tokens=self.max_batch_tokens)
+        self.backend = create_backend(_backend_name(config.attn_backend, model), self.device, self.dtype,
+                                      page_size=config.page_size, num_blocks=num_blocks,
+                                      max_batch_tokens=self.max_batch_tokens)
         self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
         offload_pages = plan_offload(

@@ -26,6 +26,7 @@ class CpuBackend(SdpaBackend):
     """`sdpa` with decode rows sent to `kernel` (see the module docstring)."""
 
     name = "cpu"
+    supports_sinks = False  # NOTE: the C++ kernel has no sink term; sink models run on `sdpa`
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel

@@ -20,11 +20,14 @@ class SdpaBackend:
     name = "sdpa"
     reads_unwritten_slots = False  # NOTE: padding of a gather repeats a written slot
     kernel = None  # NOTE: CpuBackend sets the C++ decode kernel
+    supports_sinks = True  # NOTE: gpt-oss sinks in the explicit softmax of `_attend`
 
     def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> GroupMetadata:
         from ..runner import _build_group
 
         return _build_group(window, tables, step, page_size, paged=self.kernel is not None)
 
-    def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap) -> torch.Tensor:
-        return gather_attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, self.kernel)
+    def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        return gather_attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, self.kernel,
+                             sinks)
