@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     from ..engine import RolloutEngine
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = engine_config(args)
+    try:
+        config = engine_config(args)
+    except ValueError as e:
+        raise SystemExit(f"rollout serve: {e}") from None
     model, tokenizer, gc = load(args.model_path, args.dtype)
     engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
     try:
