@@ -64,6 +64,9 @@ class ContinuousBatchingManager:
         self._stop_mode: str | None = None  # None, "drain" or "hard"
         self._destroyed = False
         self._paused: str | None = None  # None, or the pause mode: "abort", "wait" or "keep"
+        # NOTE: the mode the loop has reached: pause/resume travel through the inbox, so a request
+        # submitted before pause() runs as in flight and one submitted after it is held.
+        self._loop_paused: str | None = None
         self._held: deque[Request] = deque()  # requests submitted while paused, admitted on resume
         self._listeners: list[Callable[[GenerationOutput], bool]] = []
         _LIVE_MANAGERS.add(self)
@@ -131,8 +134,7 @@ class ContinuousBatchingManager:
             raise ValueError(f"mode must be one of {self.PAUSE_MODES}, got {mode!r}")
         with self._cv:
             self._paused = mode
-            if mode == "abort":
-                self._inbox.append(("abort_all", None))
+            self._inbox.append(("pause", mode))
             self._cv.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout
         # NOTE: the loop holds step_lock for a whole step: once we get it, no step is under way.
@@ -140,7 +142,7 @@ class ContinuousBatchingManager:
             with self.step_lock, self._cv:
                 if self._paused != mode:
                     return
-                if not self._inbox and (mode == "keep" or not self._core().has_work()):
+                if self._loop_paused == mode and (mode == "keep" or not self._core().has_work()):
                     return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"pause(mode={mode!r}) did not settle within {timeout} s")
@@ -150,8 +152,7 @@ class ContinuousBatchingManager:
         """Admit the held requests and run again."""
         with self._cv:
             self._paused = None
-            self._inbox.extendleft(("add", r) for r in reversed(self._held))
-            self._held.clear()
+            self._inbox.append(("resume", None))
             self._cv.notify_all()
 
     def is_paused(self) -> bool:
@@ -314,26 +315,24 @@ class ContinuousBatchingManager:
     # ------------------------------------------------------------------- loop
     def _idle(self) -> bool:
         """Nothing to do until notified (called under `_cv`)."""
-        return (not self._inbox and not (self._core().has_work() and self._paused != "keep")
+        return (not self._inbox and not (self._core().has_work() and self._loop_paused != "keep")
                 and self._stop_mode is None)
 
     def _run_once(self) -> bool:
         """One round of the engine loop: apply the queued commands, run a step; False once it must end."""
         core = self._core()
         with self._cv:
-            if self._stop_mode is not None and self._held:  # NOTE: a stop ends the pause
-                self._paused = None
-                self._inbox.extendleft(("add", r) for r in reversed(self._held))
-                self._held.clear()
             commands = list(self._inbox)
             self._inbox.clear()
             stop_mode = self._stop_mode
-            paused = self._paused if stop_mode is None else None
+            if stop_mode is not None:  # NOTE: a stop ends the pause: held requests drain (or fail)
+                self._paused = None
+                commands.append(("resume", None))
         with self.step_lock:
-            news = self._apply(core, commands, paused)
+            news = self._apply(core, commands)
             if stop_mode == "hard":
                 news += core.fail_all(HARD_STOP_ERROR)
-            elif core.has_work() and paused != "keep":
+            elif core.has_work() and self._loop_paused != "keep":
                 try:
                     news += core.step()
                 except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
@@ -347,15 +346,23 @@ class ContinuousBatchingManager:
                     return False
         return True
 
-    def _apply(self, core: EngineCore, commands: list[tuple[str, object]], paused: str | None) -> list[Request]:
+    def _apply(self, core: EngineCore, commands: list[tuple[str, object]]) -> list[Request]:
         news: list[Request] = []
         for kind, arg in commands:
-            if kind == "add" and paused is not None:
+            if kind == "add" and self._loop_paused is not None:
                 with self._cv:
                     self._held.append(arg)
-            elif kind == "abort_all":
-                news += [r for r in (core.cancel(rid) for rid in list(core.requests)) if r is not None]
-                news += self._cancel_held(lambda r: True)
+            elif kind == "pause":
+                with self._cv:
+                    self._loop_paused = arg
+                if arg == "abort":
+                    news += [r for r in (core.cancel(rid) for rid in list(core.requests)) if r is not None]
+                    news += self._cancel_held(lambda r: True)
+            elif kind == "resume":
+                with self._cv:
+                    self._loop_paused = None
+                    held, self._held = list(self._held), deque()
+                news += self._apply(core, [("add", r) for r in held])
             elif kind == "add":
                 try:
                     core.add(arg)
