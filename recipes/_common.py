@@ -245,7 +245,11 @@ def load_policy_and_prompts(
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if getattr(args, "gradient_checkpointing", False):
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # NOTE: transformers 5.24 renamed it; older releases only have the gradient_ spelling
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable({"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.dataset:
         dataset = load_prompts(
             args.dataset, args.dataset_split, args.dataset_config, args.prompt_column, args.answer_column

@@ -176,11 +176,14 @@ def test_grpo_short_run_writes_outputs(tmp_path, keep_rng):
     grpo = load_recipe("grpo")
     out = tmp_path / "grpo"
     args = ["--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4", "--group_size", "4"]
+    # the flags for big models on a GPU work on a CPU too (bf16 autocast, activation checkpointing)
+    args += ["--bf16", "--gradient_checkpointing", "--gradient_accumulation_steps", "2"]
     summary = grpo.main([*args, "--output_dir", str(out)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
     # one reward function at weight 1: the step reward is that function's mean
     assert all(r["reward_mean"] == pytest.approx(r["reward/addition_reward"]) for r in records)
+    assert all(r["grad_norm"] > 0 for r in records)  # gradients flow through the checkpointed layers
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2 == summary["steps"]
     assert (out / "final" / "config.json").exists() and (out / "init" / "warm_start.json").exists()
@@ -274,3 +277,21 @@ def test_report_to_feeds_accelerate_trackers(tmp_path):
     accelerator.end_training()
     assert recorder.records[0] == ("config", {"lr": 1e-3})
     assert recorder.records[1][0] == 1 and recorder.records[1][1]["reward_mean"] == metrics["reward_mean"]
+
+
+def test_load_prompts_maps_columns_and_passes_the_config_name(tmp_path, monkeypatch):
+    data = Path(__file__).parent / "data" / "gsm8k_tiny.jsonl"
+    loaded = common.load_prompts(str(data), prompt_column="question", answer_column="answer")
+    assert loaded.column_names == ["prompt", "answer"] and loaded[0]["prompt"].startswith("Tom has 3 boxes")
+    assert common.get_reward("math")(completions=["so 12"], answer=[loaded[0]["answer"]]) == [1.0]
+    with pytest.raises(ValueError, match="solution"):
+        common.load_prompts(str(data), prompt_column="question", answer_column="solution")
+    seen = {}
+
+    def fake_load_dataset(path, name=None, split=None, **kwargs):
+        seen.update(path=path, name=name, split=split)
+        return Dataset.from_list([{"question": "q", "answer": "#### 1"}])
+
+    monkeypatch.setattr(common, "load_dataset", fake_load_dataset)
+    hub = common.load_prompts("openai/gsm8k", "train", "main", prompt_column="question")
+    assert seen == {"path": "openai/gsm8k", "name": "main", "split": "train"} and hub["prompt"] == ["q"]

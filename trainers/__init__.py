@@ -29,6 +29,8 @@ _EXPORTS: dict[str, str] = {
     "PPOTrainer": "trainers.ppo",
     "PolicyWithValue": "trainers.ppo",
     "score_completions": "trainers.rewards",
+    "math_reward": "trainers.verifiers",
+    "extract_final_answer": "trainers.verifiers",
     "MetricsLogger": "trainers.metrics",
 }
 
