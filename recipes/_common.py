@@ -251,8 +251,13 @@ def load_policy_and_prompts(
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.dataset:
+        # NOTE: getattr: a recipe without `add_run_args` (recipes/trl_grpo.py) keeps the defaults
         dataset = load_prompts(
-            args.dataset, args.dataset_split, args.dataset_config, args.prompt_column, args.answer_column
+            args.dataset,
+            args.dataset_split,
+            getattr(args, "dataset_config", None),
+            getattr(args, "prompt_column", "prompt"),
+            getattr(args, "answer_column", "answer"),
         )
     else:
         dataset = AdditionTask(num_digits=3).to_dataset(train_prompts, seed=1000 + args.seed)

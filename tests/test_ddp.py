@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from accelerate import Accelerator
+from accelerate.state import AcceleratorState
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "ddp_worker.py"
@@ -45,6 +46,8 @@ def tiny_checkpoint(tmp_path_factory):
 def launched(tmp_path_factory, tiny_checkpoint):
     """The single-process references, then one two-rank launch of the worker."""
     out = tmp_path_factory.mktemp("ddp")
+    # NOTE: accelerate's state is process-wide; an earlier test's (TRL: bf16) must not leak in here
+    AcceleratorState._reset_state(reset_partial_state=True)
     accelerator = Accelerator(cpu=True)
     references = {}
     for algorithm in ddp_worker.ALGORITHMS:
