@@ -135,27 +135,54 @@ def _attend(
             q, k, v, attn_mask=mask, is_causal=is_causal and mask is None, scale=scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
-    # NOTE: SDPA has no logit softcap (Gemma 2) and no sinks (gpt-oss): explicit path in fp32.
-    groups = q.shape[1] // k.shape[1]
-    if groups > 1:
-        k = k.repeat_interleave(groups, dim=1)
-        v = v.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
-    if softcap:
-        scores = torch.tanh(scores / softcap) * softcap
-    if mask is None and is_causal:
-        lq, lk = scores.shape[-2:]
-        mask = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril(lk - lq)
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        # NOTE: a sink is one more logit per head that takes probability mass and carries no value:
-        # the softmax denominator gains exp(sink - max).
-        sink = sinks.float().reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)  # [B, H, Lq, 1]
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.matmul(probs, v.float()).to(q.dtype)
+    return _attend_explicit(q, k, v, mask, scale, softcap, is_causal, sinks)
+
+
+# NOTE: the explicit path builds its fp32 scores this many bytes at a time (counted by the memory plan).
+SOFTCAP_SCORE_BYTES = 32 << 20
+
+
+def _attend_explicit(
+    q: torch.Tensor,  # [B, H, Lq, D]
+    k: torch.Tensor,  # [B, Hkv, Lk, D]
+    v: torch.Tensor,  # [B, Hkv, Lk, D]
+    mask: torch.Tensor | None,  # [B, 1, Lq, Lk] bool, True = attend
+    scale: float,
+    softcap: float | None,
+    is_causal: bool,
+    sinks: torch.Tensor | None = None,  # [H] learned sink logits (gpt-oss)
+) -> torch.Tensor:  # [B, H, Lq, D]
+    """SDPA has no logit softcap (Gemma 2) and no sinks (gpt-oss): an explicit fp32 path over chunks of
+    query rows, so the `[B, H, rows, Lk]` scores never pass SOFTCAP_SCORE_BYTES whatever the step's size."""
+    b, h, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    g = h // hkv
+    kt = k.float().transpose(-1, -2)  # [B, Hkv, D, Lk]
+    vf = v.float()  # [B, Hkv, Lk, D]
+    rows = max(1, SOFTCAP_SCORE_BYTES // (4 * b * h * (lk + 1)))
+    out = q.new_empty(b, h, lq, v.shape[-1])
+    for i in range(0, lq, rows):
+        j = min(lq, i + rows)
+        qi = q[:, :, i:j].float().reshape(b, hkv, g * (j - i), d)  # NOTE: GQA by grouping, K/V not repeated
+        s = (torch.matmul(qi, kt) * scale).view(b, hkv, g, j - i, lk)  # [B, Hkv, G, r, Lk]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        m = None
+        if mask is not None:
+            m = mask[:, :, i:j][:, :, None]  # [B, 1, 1, r, Lk]
+        elif is_causal:  # NOTE: the queries are the last Lq keys
+            m = torch.arange(lk, device=q.device) <= torch.arange(i, j, device=q.device)[:, None] + (lk - lq)
+        if m is not None:
+            s = s.masked_fill(~m, float("-inf"))
+        if sinks is None:
+            p = s.softmax(-1)
+        else:
+            # NOTE: a sink is one more logit per head that takes probability mass and carries no value:
+            # the softmax denominator gains exp(sink - max).
+            sink = sinks.float().reshape(1, hkv, g, 1, 1).expand(b, hkv, g, j - i, 1)
+            p = torch.cat([s, sink], dim=-1).softmax(-1)[..., :-1]
+        out[:, :, i:j] = torch.matmul(p.reshape(b, hkv, g * (j - i), lk), vf).view(b, h, j - i, -1).to(q.dtype)
+    return out
 
 
 def paged_attention_forward(

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from .backends import attention_memory
 from .backends import create as create_backend
+from .backends import resolve as resolve_backend
 from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
 from .kv_cache import (
@@ -166,16 +168,20 @@ class EngineCore:
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
         per_layer = kv_shape_from_config(model.config, self.dtype)
         shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
+        tc = text_config(model)
+        attn_name = resolve_backend(_backend_name(config.attn_backend, model), self.device, self.dtype)
+        max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
+        attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,
+                                       bool(getattr(tc, "attn_logit_softcapping", None)), max_pages)
         num_blocks, self.max_batch_tokens = plan_cache(
             shape, config.page_size, config.num_blocks, config.max_batch_tokens,
             config.max_memory_percent, self.device,
             step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
-            cpu_share_set=config.memory_percent_set,
+            cpu_share_set=config.memory_percent_set, attn=attn_memory,
         )
         self.page_size = config.page_size
-        self.backend = create_backend(_backend_name(config.attn_backend, model), self.device, self.dtype,
-                                      page_size=config.page_size, num_blocks=num_blocks,
-                                      max_batch_tokens=self.max_batch_tokens)
+        self.backend = create_backend(attn_name, self.device, self.dtype, page_size=config.page_size,
+                                      num_blocks=num_blocks, max_batch_tokens=self.max_batch_tokens)
         self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
         offload_pages = plan_offload(

@@ -66,6 +66,20 @@ def step_bytes_per_token(config, dtype: torch.dtype, max_requests: int | None = 
     return (8 * hidden + 3 * inter) * elt, vocab * (elt + 4)
 
 
+@dataclass(frozen=True, slots=True)
+class AttnMemory:
+    """Transient memory of an attention backend in one step, counted by `plan_cache`.
+
+    per_query_token: bytes per query token of the step (block masks, index tensors).
+    fixed: bytes whatever the step (the chunked softcap scores).
+    per_cache_byte: bytes per byte of KV cache (a gather reads at most this share of the cache in a layer).
+    """
+
+    per_query_token: int = 0
+    fixed: int = 0
+    per_cache_byte: float = 0.0
+
+
 def cpu_budget(share: float | None = None) -> int:
     """Bytes a CPU engine may keep for KV: `share` of the available RAM when given, else
     min(5% of the available RAM, 1 GiB)."""
@@ -85,6 +99,7 @@ def plan_cache(
     step_bytes: tuple[int, int] = (0, 0),
     max_requests: int | None = None,
     cpu_share_set: bool = False,
+    attn: AttnMemory = AttnMemory(),
 ) -> tuple[int, int]:
     """Returns `(num_blocks, max_batch_tokens)`.
 
@@ -98,9 +113,11 @@ def plan_cache(
     `max_batch_tokens` defaults to 8192, lowered until one step's transient memory (`step_bytes`:
     activations per query token and logits per sampled row, at most `max_requests` rows) plus the KV
     it writes fit in a quarter of the budget, and never under 256; nothing in a step grows with its
-    square. On CUDA that step memory is then taken out of the budget and the rest is the cache; on a
-    CPU the step is transient and the cache keeps the whole budget. `num_blocks` is what the cache
-    budget holds, at least 1.
+    square. The attention backend's temporaries (`attn`) count too: per query token, fixed, and in
+    proportion to the cache (what a gather may copy out of it in one layer). On CUDA that step memory
+    is then taken out of the budget and the rest is the cache and its gathers; on a CPU the step is
+    transient and the cache and its gathers keep the whole budget. `num_blocks` is what that holds,
+    at least 1.
     """
     per_token = shape.bytes_per_token
     if device.type == "cuda":
@@ -112,7 +129,7 @@ def plan_cache(
 
     def step_memory(tokens: int) -> int:
         rows = min(tokens, max_requests or tokens)
-        return tokens * (act_per_token + per_token) + rows * logits_per_row
+        return tokens * (act_per_token + per_token + attn.per_query_token) + rows * logits_per_row + attn.fixed
 
     if max_batch_tokens is None:
         max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
@@ -121,7 +138,7 @@ def plan_cache(
         max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, max_batch_tokens)
     if num_blocks is None:
         cache_budget = budget - step_memory(max_batch_tokens) if device.type == "cuda" else budget
-        num_blocks = max(1, cache_budget // (per_token * page_size))
+        num_blocks = max(1, int(cache_budget / (per_token * page_size * (1 + attn.per_cache_byte))))
     return num_blocks, max_batch_tokens
 
 

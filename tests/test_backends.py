@@ -97,3 +97,57 @@ def test_flex_step_metadata_reads_nothing_back_from_the_device(model):
         counter.syncs.clear()
         core.runner.prepare(out)
     assert counter.syncs == []
+
+
+class LargestFloat(TorchDispatchMode):
+    """Records the largest floating-point tensor any op produces."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor) and out.is_floating_point():
+            self.largest = max(self.largest, out.numel() * out.element_size())
+        return out
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_softcap_scores_are_built_in_bounded_chunks(monkeypatch, masked):
+    """The gather path's softcap attention (Gemma 2) equals a dense fp64 reference while no temporary
+    passes the chunk budget: a 96-row chunk against 160 keys would need 4 x 96 x 160 x 4 bytes."""
+    from rollout import attention
+
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 96, 16, generator=g)
+    k, v = torch.randn(1, 2, 160, 16, generator=g), torch.randn(1, 2, 160, 16, generator=g)
+    qp, kp = torch.arange(64, 160)[:, None], torch.arange(160)[None, :]
+    allowed = (kp <= qp) & (kp > qp - 40) if masked else kp <= qp  # [96, 160]
+    budget = 4 * 4 * 10 * 160  # NOTE: 10 query rows of fp32 scores at a time
+    monkeypatch.setattr(attention, "SOFTCAP_SCORE_BYTES", budget)
+    with LargestFloat() as seen:
+        out = attention._attend(q, k, v, allowed[None, None] if masked else None, 0.25, 20.0, is_causal=True)
+    s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.25
+    s = (torch.tanh(s / 20.0) * 20.0).masked_fill(~allowed, float("-inf"))
+    ref = s.softmax(-1) @ v.double().repeat_interleave(2, 1)
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert seen.largest <= max(budget, q.numel() * 4, k.numel() * 4)
+
+
+def test_the_memory_plan_counts_attention_temporaries():
+    """The gather backends' copies and the flex block masks shrink the cache a budget holds."""
+    from rollout.backends import attention_memory
+    from rollout.kv_cache import GiB, KVShape, plan_cache
+
+    shape = KVShape(4, 2, 64, torch.bfloat16)
+    plans = {}
+    for name in ("sdpa", "flex"):
+        mem = attention_memory(name, shape, 16, 8192, softcap=True, max_pages=256)
+        plans[name] = plan_cache(shape, 16, None, 8192, 0.8, torch.device("cpu"), attn=mem)[0]
+    plain = plan_cache(shape, 16, None, 8192, 0.8, torch.device("cpu"))[0]
+    page = 16 * shape.bytes_per_token
+    # sdpa: one layer's gather, widened to fp32, is 2 x 3 / 4 of the cache: the cache gets 1 / 2.5 of the budget
+    assert plans["sdpa"] * page * 2.5 <= plain * page + page
+    assert plans["flex"] < plain and plans["sdpa"] < plans["flex"]
+    assert all(n * page <= GiB for n in (*plans.values(), plain))

@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from ..config import ATTN_BACKENDS
+from ..kv_cache import AttnMemory, KVShape
 
 logger = logging.getLogger("rollout")
 
@@ -56,16 +57,51 @@ class AttentionBackend(Protocol):
         """One layer's attention over the paged cache."""
 
 
+# NOTE: a gather reads at most ~2x the KV its rows need (decode buckets split at half the longest row)
+GATHER_WASTE = 2
+
+
+def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """`name` with "auto" resolved for `device`; ValueError naming `attn_backend` when unknown."""
+    if name not in ATTN_BACKENDS:
+        raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {name!r}")
+    return _auto(device, dtype) if name == "auto" else name
+
+
+def attention_memory(name: str, shape: KVShape, page_size: int, max_batch_tokens: int | None,
+                     softcap: bool, max_pages: int) -> AttnMemory:
+    """The step temporaries of backend `name` (resolved) for the memory plan (`rollout.kv_cache.plan_cache`).
+
+    `shape`: the cache's storages; `max_pages`: the most pages one request can hold.
+    """
+    from ..attention import SOFTCAP_SCORE_BYTES
+
+    fixed = 2 * SOFTCAP_SCORE_BYTES if softcap else 0  # NOTE: scores and probabilities of one chunk
+    if name == "flex":
+        from .flex import PAGE_FLOOR, Q_BLOCK, ROW_FLOOR, TABLE_FLOOR
+
+        # NOTE: int64 candidate pages [T, P] and its sorted copies; the mask mod's int32 tables; the
+        # int32 kv_indices [T / Q_BLOCK, num_blocks] (a share of the cache's pages).
+        page_bytes = page_size * shape.bytes_per_token
+        tokens = max_batch_tokens or 8192
+        return AttnMemory(per_query_token=4 * 8 * max_pages, fixed=4 * (3 * ROW_FLOOR + TABLE_FLOOR + PAGE_FLOOR),
+                          per_cache_byte=4 * tokens / Q_BLOCK / page_bytes)
+    # NOTE: `sdpa` decode buckets copy at most GATHER_WASTE x one layer's K/V (x3 when half precision
+    # is widened to fp32 on a CPU); prompt chunks (both backends; `cpu` decodes in place) copy one
+    # request's K/V of one layer at a time; the softcap path widens K/V to fp32 too.
+    widen = 3 if shape.dtype in (torch.bfloat16, torch.float16) else 1
+    one_request = max_pages * page_size * shape.bytes_per_token // max(1, shape.num_layers) * widen
+    share = 0.0 if name == "cpu" else GATHER_WASTE * widen / max(1, shape.num_layers)
+    return AttnMemory(fixed=fixed + one_request, per_cache_byte=share)
+
+
 def create(name: str, device: torch.device, dtype: torch.dtype, **context) -> AttentionBackend:
     """The backend `name` (`"auto"` resolved for `device`), ready to run; ValueError naming
     `attn_backend` when it is unknown or cannot run here.
 
     `context`: what a backend may need from the engine (`page_size`, `num_blocks`, `max_batch_tokens`).
     """
-    if name not in ATTN_BACKENDS:
-        raise ValueError(f"attn_backend must be one of {ATTN_BACKENDS}, got {name!r}")
-    if name == "auto":
-        name = _auto(device, dtype)
+    name = resolve(name, device, dtype)
     if name == "cpu":
         from .cpu import CpuBackend
 
