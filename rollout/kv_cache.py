@@ -113,11 +113,10 @@ def plan_cache(
     `max_batch_tokens` defaults to 8192, lowered until one step's transient memory (`step_bytes`:
     activations per query token and logits per sampled row, at most `max_requests` rows) plus the KV
     it writes fit in a quarter of the budget, and never under 256; nothing in a step grows with its
-    square. The attention backend's temporaries (`attn`) count too: per query token, fixed, and in
-    proportion to the cache (what a gather may copy out of it in one layer). On CUDA that step memory
-    is then taken out of the budget and the rest is the cache and its gathers; on a CPU the step is
-    transient and the cache and its gathers keep the whole budget. `num_blocks` is what that holds,
-    at least 1.
+    square. The attention backend's temporaries (`attn`) count too: per query token (in the step),
+    fixed, and in proportion to the cache (what a gather may copy out of it in one layer). On CUDA
+    the step memory is then taken out of the budget; on a CPU the step is transient. The rest, less
+    the fixed temporaries, is the cache and its gathers: `num_blocks` is what that holds, at least 1.
     """
     per_token = shape.bytes_per_token
     if device.type == "cuda":
@@ -129,7 +128,7 @@ def plan_cache(
 
     def step_memory(tokens: int) -> int:
         rows = min(tokens, max_requests or tokens)
-        return tokens * (act_per_token + per_token + attn.per_query_token) + rows * logits_per_row + attn.fixed
+        return tokens * (act_per_token + per_token + attn.per_query_token) + rows * logits_per_row
 
     if max_batch_tokens is None:
         max_batch_tokens = DEFAULT_MAX_BATCH_TOKENS
@@ -137,7 +136,8 @@ def plan_cache(
             max_batch_tokens //= 2
         max_batch_tokens = max(MIN_MAX_BATCH_TOKENS, max_batch_tokens)
     if num_blocks is None:
-        cache_budget = budget - step_memory(max_batch_tokens) if device.type == "cuda" else budget
+        # NOTE: the backend's fixed temporaries never shrink the step: they come out of the cache's share
+        cache_budget = budget - attn.fixed - (step_memory(max_batch_tokens) if device.type == "cuda" else 0)
         num_blocks = max(1, int(cache_budget / (per_token * page_size * (1 + attn.per_cache_byte))))
     return num_blocks, max_batch_tokens
 
