@@ -469,6 +469,18 @@ def test_learning_rate_schedules():
     assert cosine == pytest.approx([1.0, 0.5 * (1 + 2**-0.5), 0.5, 0.5 * (1 - 2**-0.5)])
 
 
+def test_colocated_cache_sizing():
+    from trainers.base import colocated_engine_config
+
+    gpu = colocated_engine_config(None, 0.3, torch.device("cuda", 0))
+    assert gpu.max_memory_percent == 0.3 and gpu.memory_percent_set
+    mine = ContinuousBatchingConfig(page_size=16, max_memory_percent=0.9)
+    resized = colocated_engine_config(mine, 0.25, torch.device("cuda", 0))
+    assert resized.max_memory_percent == 0.25 and resized.page_size == 16
+    assert colocated_engine_config(mine, None, torch.device("cuda", 0)) is mine
+    assert colocated_engine_config(mine, 0.3, torch.device("cpu")) is mine  # CPU caches: sized from RAM
+
+
 def test_engine_sleeps_around_the_update_when_it_shares_the_device(tokenizer, dataset, tmp_path):
     trainer = small_trainer(tokenizer, dataset, tmp_path)
     # on a CPU the engine does not sleep by default; the cache is sized for colocation

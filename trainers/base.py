@@ -148,12 +148,9 @@ class RLTrainer:
         if cfg.engine_dtype is not None:
             model = copy.deepcopy(self.policy).to(getattr(torch, cfg.engine_dtype)).eval()
             model.requires_grad_(False)
-        engine_config = cfg.engine_config
-        # NOTE: a share of accelerator memory; on a CPU the engine's own default (a small share of RAM) stays.
-        if cfg.engine_memory_fraction is not None and next(model.parameters()).device.type != "cpu":
-            engine_config = (engine_config or ContinuousBatchingConfig()).replace(
-                max_memory_percent=cfg.engine_memory_fraction
-            )
+        engine_config = colocated_engine_config(
+            cfg.engine_config, cfg.engine_memory_fraction, next(model.parameters()).device
+        )
         return RolloutEngine(model, tokenizer=self.tokenizer, config=engine_config)
 
     def build_reference(self, ref_model: torch.nn.Module | None) -> torch.nn.Module | None:
@@ -377,6 +374,17 @@ class RLTrainer:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def colocated_engine_config(
+    config: ContinuousBatchingConfig | None, fraction: float | None, device: torch.device
+) -> ContinuousBatchingConfig | None:
+    """The engine config for an engine that shares `device` with training: on an accelerator its
+    KV cache takes `fraction` of the free memory (`max_memory_percent`); on a CPU, or with no
+    fraction, `config` as given (the engine's CPU default is a small share of RAM)."""
+    if fraction is None or device.type == "cpu":
+        return config
+    return (config or ContinuousBatchingConfig()).replace(max_memory_percent=fraction)
 
 
 def checkpoints(output_dir: str) -> list[str]:
