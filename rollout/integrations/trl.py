@@ -112,7 +112,9 @@ class TRLRolloutFunc:
         _record(trainer, mode, "rollout/tokens_per_s", n_tokens / seconds if seconds > 0 else 0.0)
         _record(trainer, mode, "rollout/policy_version", float(batch.policy_version))
         if self.logprob_probe:
-            self._probe(trainer, mode, batch, kwargs["temps"])
+            start = time.perf_counter()
+            self._probe(trainer, mode, batch)
+            _record(trainer, mode, "rollout/probe_s", time.perf_counter() - start)
         return out
 
     # --------------------------------------------------------------------------- internals
@@ -161,7 +163,7 @@ class TRLRolloutFunc:
             kwargs["seed"] = _call_seed(seed, trainer.accelerator.process_index, self._calls)
         return kwargs
 
-    def _probe(self, trainer, mode: str, batch: RolloutBatch, temperature: float) -> None:
+    def _probe(self, trainer, mode: str, batch: RolloutBatch) -> None:
         """TRL's own recomputation of the rollouts' logprobs (its loss path) against the engine's."""
         t_len = batch.completion_ids.shape[1]  # NOTE: TRL scores the last T positions of prompt + completion
         with torch.no_grad():
