@@ -126,7 +126,8 @@ class TRLRolloutFunc:
             self.close()
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
         gc = RolloutEngine._default_generation_config(model, tokenizer)
-        gc.eos_token_id = list(getattr(trainer, "eos_token_ids", None) or []) or gc.eos_token_id
+        stops = [t for t in getattr(trainer, "eos_token_ids", None) or [] if t is not None]
+        gc.eos_token_id = stops or gc.eos_token_id  # NOTE: TRL stops on these (tokenizer's + model's eos)
         gc.max_new_tokens = trainer.max_completion_length
         self.engine = RolloutEngine(model, tokenizer, config=self.config, generation_config=gc)
         self._model = model
