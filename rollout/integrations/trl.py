@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from transformers import GenerationConfig
 
 from ..config import ContinuousBatchingConfig
 from ..engine import RolloutBatch, RolloutEngine
@@ -125,10 +126,12 @@ class TRLRolloutFunc:
         if self.engine is not None:  # another trainer or a replaced model: start over on the new one
             self.close()
         tokenizer = getattr(trainer.processing_class, "tokenizer", trainer.processing_class)
-        gc = RolloutEngine._default_generation_config(model, tokenizer)
+        # NOTE: TRL stops on `trainer.eos_token_ids` (the tokenizer's and the model's eos); the engine adds
+        # the tokenizer's own. The sampling fields are only defaults: every call passes the trainer's.
         stops = [t for t in getattr(trainer, "eos_token_ids", None) or [] if t is not None]
-        gc.eos_token_id = stops or gc.eos_token_id  # NOTE: TRL stops on these (tokenizer's + model's eos)
-        gc.max_new_tokens = trainer.max_completion_length
+        gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                              max_new_tokens=trainer.max_completion_length, eos_token_id=stops or None,
+                              pad_token_id=getattr(tokenizer, "pad_token_id", None))
         self.engine = RolloutEngine(model, tokenizer, config=self.config, generation_config=gc)
         self._model = model
         self._step = trainer.state.global_step
