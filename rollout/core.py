@@ -193,7 +193,7 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
             self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
-            config.scheduler_type, config.safety_margin, fork_prompts=sharing,
+            config.scheduler_type, config.safety_margin, fork_prompts=config.allow_block_sharing,
             windows=self.windows, offloader=self.cache.offload,
         )
         self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend)

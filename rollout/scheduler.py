@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .block_manager import ROOT_HASH, BlockManager, BlockTables, page_hashes
+from .block_manager import FREED, ROOT_HASH, BlockManager, BlockTables, page_hashes
 from .requests import Request, RequestStatus
 
 
@@ -113,8 +113,9 @@ class Scheduler:
         self.safety_blocks = safety_margin * block_manager.num_blocks
         self.tables = BlockTables(block_manager, windows)
         self.offloader = offloader
-        # NOTE: forking shares group 0's pages only, and a sliding table may have recycled them.
-        self.fork_enabled = fork_prompts and self.tables.num_groups == 1 and not self.tables.sliding
+        # NOTE: a fork shares the leader's full prompt pages in every layer group (a sliding group only
+        # those still inside the fork's window); refcounts keep a shared page until nobody holds it.
+        self.fork_enabled = fork_prompts
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # NOTE: hashes of prompt pages a running request is computing right now; a new request that
@@ -258,27 +259,46 @@ class Scheduler:
             return None
         if leader.num_computed_tokens < req.num_prompt_tokens - 1:
             return "wait"
-        return leader
+        return leader if self._fork_pages(req, leader) is not None else None
+
+    def _fork_pages(self, req: Request, leader: Request) -> list[list[int]] | None:
+        """Per group, the leader's pages the fork reads (FREED below its window's first live page, the
+        partial page last when there is one); None when a sliding group has recycled one of them."""
+        shared = req.num_prompt_tokens - 1
+        full, rest = divmod(shared, self.page_size)
+        out = []
+        for alloc, table in zip(self.tables.allocators, self.tables.of(leader), strict=True):
+            first = min(alloc.first_live_page(shared), full)
+            pages = table[first : full + (1 if rest else 0)]
+            if len(pages) < full + (1 if rest else 0) - first or FREED in pages:
+                return None
+            out.append([FREED] * first + pages)
+        return out
 
     def _admit_fork(self, req: Request, leader: Request, out: SchedulerOutput, budget: int) -> bool:
-        """Share the leader's full prompt pages, copy its partial one, compute only the last token."""
+        """Share the leader's full prompt pages (every group), copy its partial ones, compute only the last token."""
         shared = req.num_prompt_tokens - 1
         full, rest = divmod(shared, self.page_size)
         n = min(req.num_tokens - shared, budget)
-        new_blocks = self.bm.blocks_needed(shared + n) - full
+        pages = self._fork_pages(req, leader)
+        fresh = self.bm.blocks_needed(shared + n) - full  # per group
+        new_blocks = self.tables.num_groups * fresh
         free_after = self.bm.num_free_blocks - new_blocks
         if free_after < 0 or free_after < self.safety_blocks:
             return False
         self.waiting.popleft()
-        self.bm.fork(leader.block_ids[:full])
-        req.block_ids = leader.block_ids[:full] + self.bm.allocate(new_blocks)
-        if rest:
-            out.copies.append((leader.block_ids[full], req.block_ids[full], rest))
+        for table, src in zip(self.tables.of(req), pages, strict=True):
+            held = [b for b in src[:full] if b != FREED]
+            self.bm.fork(held)
+            table += src[:full]
+            table += self.bm.allocate(fresh)
+            if rest:
+                out.copies.append((src[full], table[full], rest))
         req.num_computed_tokens = req.num_cached_tokens = shared
         self.num_cached_prompt_tokens += shared
         req.status = RequestStatus.PREFILLING
         self.running.append(req)
-        out.scheduled.append(ScheduledRequest(req, n))
+        out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req)))
         return True
 
     def _grow(self, req: Request, num_tokens: int, out: SchedulerOutput, done: set[int]) -> bool:

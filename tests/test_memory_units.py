@@ -94,6 +94,31 @@ def test_scheduler_keeps_one_table_per_group_and_recycles_after_each_step():
     assert s.max_pages(20) == 5 + 3
 
 
+def test_a_fork_shares_full_pages_in_every_group_and_recycling_spares_held_pages():
+    """Issue 13 item 5: a request with the leader's prompt forks both groups' full pages (the sliding one's
+    still in its window), copies the partial pages, and the leader's recycling keeps pages the fork holds."""
+    s = Scheduler(BlockManager(32, PS, enable_prefix_caching=False), 64, windows=(None, 8), fork_prompts=True)
+    a = make_request("a", 10, max_new_tokens=4)
+    b = Request("b", list(a.prompt_ids), 4, SamplingParams(temperature=0.0), arrival=next(_arrival))
+    s.add(a)
+    s.add(b)
+    out = step(s)  # the leader computes the prompt; b waits for it
+    assert [x.request for x in out.scheduled] == [a] and s.tables.of(a) == [[0, 1, 2], [3, 4, 5]]
+    out = step(s)  # b forks: pages 0, 1 and 3, 4 shared, the partial pages 2 and 5 copied into 6 and 7
+    assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 1)]
+    assert out.scheduled[1].tables == [[0, 1, 6], [3, 4, 7]]
+    assert out.copies == [(2, 6, 1), (5, 7, 1)]
+    # after the step the leader's window has left page 3 behind: it dropped its reference, the fork holds it
+    assert [s.bm.ref_counts[x] for x in (0, 1, 3, 4, 2, 5, 6, 7)] == [2, 2, 1, 2, 1, 1, 1, 1]
+    assert s.tables.of(a) == [[0, 1, 2], [FREED, 4, 5]]
+    assert s.bm.ref_counts[3] == 1 and 3 not in s.bm.free_queue
+    step(s)  # b's window leaves page 3 too: now nobody holds it and it is recycled
+    assert s.tables.of(b)[1][0] == FREED and s.bm.ref_counts[3] == 0 and 3 in s.bm.free_queue
+    while s.has_work():
+        step(s)
+    assert s.bm.num_free_blocks == 32
+
+
 def test_long_sliding_prompt_is_chunked_to_fit_the_pool():
     s = Scheduler(BlockManager(3, PS, enable_prefix_caching=False), 64, windows=(6,))
     r = make_request("r", 30, max_new_tokens=2)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 
+import pytest
 import torch
-from tiny_models import VOCAB, make_model
+from tiny_models import VOCAB, hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig
@@ -112,3 +113,22 @@ def test_a_group_of_identical_prompts_computes_the_prompt_once():
     assert s["cached_prompt_tokens"] == 3 * (len(prompt) - 1)
     assert s["computed_prompt_tokens"] == len(prompt) + 3
     assert s["free_blocks"] == s["num_blocks"]
+
+
+# ---------------------------------------------------------------- sliding windows (issue 13, item 5)
+@pytest.mark.parametrize("arch, overrides", [("qwen3", {}), ("mistral", {"sliding_window": 512}),
+                                             ("mistral", {"sliding_window": 24}), ("gemma2", {})])
+def test_a_groups_prompt_is_prefilled_once_on_sliding_window_models(arch, overrides):
+    """8 samples of one 40-token prompt: 40 tokens for the leader, then each fork computes only its last
+    prompt token (47 in all), whatever the attention windows; greedy rows equal HF."""
+    from rollout import RolloutEngine
+
+    model = make_model(arch, **overrides)
+    prompt = random_prompts(1, 40, 40, seed=12)[0]
+    gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
+    with RolloutEngine(model, config=ContinuousBatchingConfig(page_size=16, num_blocks=256),
+                       generation_config=gc) as engine:
+        batch = engine.generate([prompt], temps=0.0, group_size=8)
+        assert engine.cache_stats()["computed_prompt_tokens"] == 47
+    want = hf_greedy(model, prompt, 8)
+    assert batch.completion_ids.tolist() == [want] * 8
