@@ -215,13 +215,17 @@ class EngineCore:
             self.max_batch_tokens, "on" if sharing else "off", self.windows, offload_pages,
         )
 
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model served; its engine view (same class, config and parameters) once the caller dropped it."""
+        return self._model_ref() or self.view
+
     # ------------------------------------------------------------ requests
     def set_generation_config(self, gc: GenerationConfig | None) -> None:
         """Defaults for new requests (a later call's config is honoured, never frozen at the first)."""
         # NOTE: an explicit config is taken as is (eos_token_id=None means no EOS); without one, the
         # model's own generation config supplies the defaults.
-        model = self._model_ref() or self.view
-        gc = gc or getattr(model, "generation_config", None) or GenerationConfig()
+        gc = gc or getattr(self.model, "generation_config", None) or GenerationConfig()
         self.generation_config = gc
         self.eos_ids = eos_ids_of(gc)
         if gc.do_sample:

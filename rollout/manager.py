@@ -73,8 +73,11 @@ class ContinuousBatchingManager:
 
     @property
     def model(self) -> torch.nn.Module | None:
-        """The model this manager serves (None once the caller has dropped it)."""
-        return self._model_ref()
+        """The model this manager serves (its engine view once the caller dropped it; None once destroyed)."""
+        model = self._model_ref()
+        if model is None and self.core is not None:
+            return self.core.view
+        return model
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
