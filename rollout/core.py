@@ -347,6 +347,7 @@ class EngineCore:
         req.policy_version = self.policy_version
         self.requests.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
+        self.runner.release(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -385,12 +386,19 @@ class EngineCore:
         return news
 
     def _count_prompt_tokens(self, out: SchedulerOutput) -> None:
+        recomputed = prompt = 0
         for s in out.scheduled:
             req = s.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + s.num_new_tokens
-            self.stats["recomputed_tokens"] += max(0, min(end, req.high_water) - start)
-            req.high_water = max(req.high_water, end)
-            self.stats["computed_prompt_tokens"] += max(0, min(end, req.num_prompt_tokens) - start)
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            if start < req.high_water:
+                recomputed += min(end, req.high_water) - start
+            if end > req.high_water:
+                req.high_water = end
+            if start < len(req.prompt_ids):
+                prompt += min(end, len(req.prompt_ids)) - start
+        self.stats["recomputed_tokens"] += recomputed
+        self.stats["computed_prompt_tokens"] += prompt
 
     def _unstick(self) -> list[Request]:
         """Nothing could be scheduled although work is queued: fail the head request if it cannot fit."""

@@ -25,6 +25,7 @@ from .attention import (
 )
 from .backends import AttentionBackend
 from .backends import create as create_backend
+from .block_table import BlockTable
 from .kv_cache import PagedKVCache
 from .scheduler import SchedulerOutput
 
@@ -94,6 +95,11 @@ class ModelRunner:
         self.verified = False  # NOTE: set once a step saw our attention run in every layer
         self.device = cache.device
         self.page_size = cache.page_size
+        self.block_table = BlockTable(len(self.windows), self.device)  # NOTE: persistent, synced each step
+
+    def release(self, request) -> None:
+        """`request` is final: its block-table row is free."""
+        self.block_table.release(request)
 
     def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
         """Forward kwargs for the step, and the scheduled indices whose last logits are sampled."""
@@ -102,18 +108,27 @@ class ModelRunner:
         sampled: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
+        requests = []
         for i, s in enumerate(out.scheduled):
             req, n = s.request, s.num_new_tokens
+            requests.append(req)
             start = req.num_computed_tokens
-            ids += req.token_ids[start : start + n]
+            tokens = req.token_ids
+            if n == 1:
+                ids.append(tokens[start])
+            else:
+                ids += tokens[start : start + n]
             starts.append(start)
             lens.append(n)
-            if start + n == req.num_tokens:
+            if start + n == len(tokens):
                 keep.append(len(ids) - 1)
                 sampled.append(i)
         dev = self.device
-        step = _StepIndex(starts, lens, dev)
-        groups = [self.backend.build_group(window, [s.tables[g] for s in out.scheduled], step, self.page_size)
+        lists = [s.tables for s in out.scheduled]
+        rows = self.block_table.sync(requests, lists)
+        step = _StepIndex(starts, lens, rows, dev)
+        step.tables = {window: self.block_table.group(g) for g, window in enumerate(self.windows)}
+        groups = [self.backend.build_group(window, [t[g] for t in lists], step, self.page_size)
                   for g, window in enumerate(self.windows)]
         kwargs = {
             "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
@@ -166,15 +181,19 @@ MIN_BUCKET_ROWS = 8
 
 
 class _StepIndex:
-    """Per-request and per-token index tensors of one step (shared by every layer group)."""
+    """Per-request and per-token index tensors of one step (shared by every layer group), and the
+    persistent block tables (`tables[window]`, [R, P] int32; request b is row `rows[b]`)."""
 
-    def __init__(self, starts: list[int], lens: list[int], device: torch.device) -> None:
+    def __init__(self, starts: list[int], lens: list[int], rows: list[int], device: torch.device) -> None:
         self.starts_list = starts
         self.lens_list = lens
         self.device = device
         self.starts = torch.tensor(starts, device=device)  # [B]
+        self.rows = torch.tensor(rows, device=device)  # [B] block-table row of each request
+        self.tables: dict[int | None, torch.Tensor] = {}  # group window -> [R, P], set by the runner
         total = int(sum(lens))
-        if total == len(lens):  # NOTE: a pure decode step (one token per request): no ragged indexing
+        self.decode_only = total == len(lens)
+        if self.decode_only:  # NOTE: a pure decode step (one token per request): no ragged indexing
             self.request_of_token = torch.arange(total, device=device)
             self.first_row = list(range(total))
             self.positions = self.starts
@@ -194,19 +213,24 @@ def _ragged(lens: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor,
 
 
 def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps: int) -> torch.Tensor:
-    """Cache slots of `positions` (any shape) of requests `rows` (broadcastable) through `table` [B, P]."""
-    return table[rows, torch.div(positions, ps, rounding_mode="floor")] * ps + positions % ps
+    """Cache slots (int64) of `positions` (any shape) of table rows `rows` (broadcastable) through `table` [R, P]."""
+    return table[rows, torch.div(positions, ps, rounding_mode="floor")].long() * ps + positions % ps
 
 
 def _build_group(
     window: int | None, tables: list[list[int]], step: _StepIndex, ps: int, paged: bool = False,
 ) -> GroupMetadata:
-    """Slots, decode rows (paged kernel or buckets) and prompt segments of one layer group."""
+    """Slots, decode rows (paged kernel or buckets) and prompt segments of one layer group.
+
+    Reads the group's persistent table `step.tables[window]` (rows `step.rows`), not the lists `tables`."""
     dev = step.device
-    width = max(len(t) for t in tables)
-    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], device=dev)  # [B, P]
-    g = GroupMetadata(window, _slots(table, step.request_of_token, step.positions, ps))
+    table = step.tables[window]  # [R, P] int32
+    g = GroupMetadata(window, _slots(table, step.rows[step.request_of_token], step.positions, ps))
     # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
+    if step.decode_only and paged:  # NOTE: the common step, no Python loop over the requests
+        lo = torch.zeros_like(step.starts) if window is None else (step.starts - (window - 1)).clamp_min(0)
+        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1)
+        return g
     decode: list[tuple[int, int, int]] = []  # (kv_len, request, lo)
     for b, (start, n) in enumerate(zip(step.starts_list, step.lens_list, strict=True)):
         end = start + n
@@ -216,13 +240,13 @@ def _build_group(
             continue
         kv = None  # NOTE: from position 0 every key is this step's own (lo is 0 too)
         if start > 0:
-            kv = _slots(table, torch.tensor(b, device=dev), torch.arange(lo, end, device=dev), ps)
+            kv = _slots(table, step.rows[b], torch.arange(lo, end, device=dev), ps)
         g.segments.append(Segment(step.first_row[b], n, lo, end - lo, kv))
     if decode and paged:
         reqs = torch.tensor([c[1] for c in decode], device=dev)
         lo = torch.tensor([c[2] for c in decode], device=dev)
         g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
-                              table, reqs, lo, lo + torch.tensor([c[0] for c in decode], device=dev))
+                              table, step.rows[reqs], lo, lo + torch.tensor([c[0] for c in decode], device=dev))
         decode = []
     if decode:
         decode.sort(reverse=True)
@@ -235,7 +259,7 @@ def _build_group(
             # NOTE: padding repeats the row's last key: a written slot, masked out below.
             pos = lo[:, None] + torch.minimum(j[None, :], kv_len[:, None] - 1)  # [Bb, Lmax]
             rows = torch.tensor([step.first_row[c[1]] for c in chunk], device=dev)
-            g.buckets.append(DecodeBucket(rows, _slots(table, reqs[:, None], pos, ps), kv_len,
+            g.buckets.append(DecodeBucket(rows, _slots(table, step.rows[reqs][:, None], pos, ps), kv_len,
                                           padded=chunk[-1][0] < lmax))
     return g
 

@@ -174,17 +174,20 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
+        multi, ps = self.tables.num_groups > 1, self.page_size
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_requests:
             req = self.running[i]
             if id(req) in done or (prefill is not None and (req.status == RequestStatus.PREFILLING) != prefill):
                 i += 1
                 continue
-            n = self.tables.fit(req.num_computed_tokens, min(req.remaining, budget))
-            if not self._grow(req, req.num_computed_tokens + n, out, done):
+            want = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            n = 1 if want == 1 else self.tables.fit(req.num_computed_tokens, want)  # NOTE: a decode row always fits
+            # NOTE: every group's table has the length of `block_ids`: no page needed when the last has room
+            if req.num_computed_tokens + n > len(req.block_ids) * ps and not self._grow(req, req.num_computed_tokens + n, out, done):
                 # `req` itself was preempted: the running list shrank at or before i
                 continue
-            out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req)))
+            out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req) if multi else None))
             done.add(id(req))
             budget -= n
             i += 1
@@ -306,6 +309,8 @@ class Scheduler:
 
         Returns False if `req` itself had to be preempted."""
         need = self.tables.growth(req, num_tokens)
+        if not need:  # NOTE: most decode steps: the last page has room
+            return True
         while need > self.bm.num_free_blocks:
             # NOTE: the newest running request not yet scheduled this step, else `req` itself.
             victim = next((r for r in reversed(self.running) if id(r) not in done), req)
@@ -355,18 +360,23 @@ class Scheduler:
     # --------------------------------------------------------------- update
     def after_step(self, out: SchedulerOutput) -> None:
         """Advance `num_computed_tokens` of everything that ran and cache newly full pages."""
+        ps, caching, sliding = self.page_size, self.bm.enable_prefix_caching, self.tables.sliding
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            if req.num_computed_tokens == req.num_tokens:
+            if req.num_computed_tokens == len(req.token_ids):
                 req.status = RequestStatus.DECODING
-            self._cache_full_pages(req)
-            self.num_recycled_blocks += self.tables.recycle(req)
+            if caching and req.num_computed_tokens // ps != req.num_registered_pages:
+                self._cache_full_pages(req)
+            if sliding:
+                self.num_recycled_blocks += self.tables.recycle(req)
 
     def _cache_full_pages(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching or req.stale_kv:
             return
         full = req.num_computed_tokens // self.page_size
+        if full == req.num_registered_pages:  # NOTE: no page filled up this step
+            return
         hashes = self._hashes(req, full)
         for p in range(req.num_registered_pages, full):
             self.bm.cache_page(req.block_ids[p], hashes[p])
