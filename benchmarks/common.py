@@ -290,9 +290,104 @@ def generate_one(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-SYSTEMS = {"ours": run_ours, "hf_cb": run_hf_cb, "generate": run_generate}
+def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
+    """rollout's `RolloutEngine` (what a trainer holds): requests through its manager, each with its own
+    max_new_tokens, greedy. `drive=True` collects them as `RolloutEngine.generate` does (the caller's thread
+    steps the engine); `drive=False` waits while the manager's background thread steps (the engine loop of
+    a server, and what `generate` did before)."""
+    from rollout import ContinuousBatchingConfig, RolloutEngine
+
+    t0 = time.perf_counter()
+    engine = RolloutEngine(model, config=ContinuousBatchingConfig(), generation_config=greedy_config())
+    try:
+        manager = engine.manager
+        rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
+                for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
+        if drive:
+            outs = engine._collect(rids, progress=False)
+        else:
+            got = {}
+            while len(got) < len(rids):
+                out = manager.get_result(timeout=60.0)
+                got[out.request_id] = out
+            outs = [got[r] for r in rids]
+        st = engine.cache_stats()
+    finally:
+        engine.close()
+    dt = time.perf_counter() - t0
+    body = st["computed_prompt_tokens"] + st["generated_tokens"] - len(rids)
+    return RunResult("engine" if drive else "engine_thread", dt, [o.generated_tokens for o in outs], body,
+                     st["generated_tokens"], dict(cached_prompt_tokens=st["cached_prompt_tokens"]))
+
+
+def run_engine(model, wl: Workload) -> RunResult:
+    return _run_engine(model, wl, drive=True)
+
+
+def run_engine_thread(model, wl: Workload) -> RunResult:
+    return _run_engine(model, wl, drive=False)
+
+
+VLLM_PYTHON = os.environ.get("VLLM_PYTHON", "/work/vllm-venv/bin/python")
+
+
+def vllm_available() -> bool:
+    return os.path.exists(VLLM_PYTHON)
+
+
+def run_vllm(model, wl: Workload) -> RunResult:
+    """vLLM's CPU build in its own venv and process (benchmarks/vllm_cpu.py) on a `save_pretrained` copy of
+    `model` (saved once per model), same requests, greedy, EOS ignored; the time is its `generate` call
+    alone (engine start-up and compile warm-up excluded), with the same torch thread count as this process."""
+    import json
+    import subprocess
+    import tempfile
+
+    saved = getattr(model, "_vllm_dir", None)
+    if saved is None:
+        saved = tempfile.mkdtemp(prefix="vllm_model_")
+        model.save_pretrained(saved)
+        model._vllm_dir = saved
+    dtype = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[next(model.parameters()).dtype]
+    with tempfile.TemporaryDirectory() as d:
+        job = os.path.join(d, "in.json")
+        res = os.path.join(d, "out.json")
+        with open(job, "w") as f:
+            json.dump(dict(model=saved, dtype=dtype, threads=torch.get_num_threads(), prompts=wl.prompts,
+                           max_new=wl.max_new, warmup=[p[:16] for p in wl.prompts[:4]]), f)
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "vllm_cpu.py")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        proc = subprocess.run([VLLM_PYTHON, script, job, res], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise RuntimeError(f"vLLM-CPU failed ({proc.returncode}): {proc.stderr[-2000:]}")
+        with open(res) as f:
+            out = json.load(f)
+    return RunResult("vllm", out["seconds"], [o[:n] for o, n in zip(out["outputs"], wl.max_new, strict=True)],
+                     extra=dict(init_seconds=out["init_seconds"]))
+
+
+SYSTEMS = {"ours": run_ours, "hf_cb": run_hf_cb, "generate": run_generate, "engine": run_engine,
+           "engine_thread": run_engine_thread, "vllm": run_vllm}
 LABELS = {"ours": "ours (rollout, default config)", "hf_cb": "transformers CB (tuned)",
-          "generate": "HF generate (padded)"}
+          "generate": "HF generate (padded)", "engine": "ours: RolloutEngine (caller steps)",
+          "engine_thread": "ours: RolloutEngine (engine thread)", "vllm": "vLLM-CPU (own process)"}
+
+
+def training_step(model, steps: int = 1, batch: int = 8, length: int = 128, seed: int = 0) -> float:
+    """What a trainer's process has done before it generates: deep-copy the policy and run `steps` training
+    steps (forward, backward, AdamW step) on random tokens on this (the main) thread; returns seconds."""
+    t0 = time.perf_counter()
+    policy = copy.deepcopy(model).float().train()
+    opt = torch.optim.AdamW(policy.parameters(), lr=1e-5)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        ids = torch.randint(0, policy.config.vocab_size, (batch, length), generator=g)
+        loss = policy(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    del policy, opt
+    return time.perf_counter() - t0
 
 
 # ---------------------------------------------------------------------------------------- measurement

@@ -43,6 +43,7 @@ from benchmarks.common import (  # noqa: E402
     DTYPES,
     LABELS,
     SYSTEMS,
+    VLLM_PYTHON,
     compare,
     decode_workload,
     divergence_margins,
@@ -59,6 +60,8 @@ from benchmarks.common import (  # noqa: E402
     run_hf_cb,
     run_ours,
     timed,
+    training_step,
+    vllm_available,
 )
 
 
@@ -78,9 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--baseline", metavar="COMMIT",
                    help="also run rollout/ as it was at COMMIT (system 'ours_base', imported beside the live one)")
     p.add_argument("--reps", type=int, default=1, help="timed repetitions of each system (interleaved)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch intra-op threads (1 by default: on a shared 2-core box 2 threads oversubscribe "
-                        "and OpenMP barriers make timings 10-50x worse and erratic); 0 = torch's default")
+    p.add_argument("--threads", default="1",
+                   help="torch intra-op threads, or a comma list (e.g. 1,2): every system runs at each count, "
+                        "interleaved, and ratios compare systems at the same count; 0 = torch's default")
+    p.add_argument("--trainer-step", action="store_true",
+                   help="first, as a trainer's process has: deep-copy the model and run a training step "
+                        "(forward, backward, AdamW) on the main thread, at the highest thread count")
     p.add_argument("--hf-page-size", type=int, default=32)
     p.add_argument("--hf-max-batch-tokens", type=int, default=512)
     p.add_argument("--hf-tune", action="store_true",
@@ -115,6 +121,8 @@ def warmup(model, systems, hf_kwargs) -> None:
     """One tiny run of each system (first-call costs: allocator, oneDNN kernels, lazy imports)."""
     wl = rl_workload(2, 2, model.config.vocab_size, (16, 64), (4, 8), seed=123)
     for name in systems:
+        if name == "vllm":  # NOTE: its own process, warmed up inside every run
+            continue
         if name == "hf_cb":
             run_hf_cb(model, wl, **hf_kwargs)
         else:
@@ -166,8 +174,20 @@ def check_outputs(model, wl, results: dict, n_oracle: int) -> dict:
     return report
 
 
+def thread_counts(args) -> list[int]:
+    return [int(t) for t in str(args.threads).split(",") if t.strip()]
+
+
+def key(name: str, threads: int, counts: list[int]) -> str:
+    return name if len(counts) == 1 else f"{name}@{threads}"
+
+
 def main_throughput(args, model) -> dict:
     systems = [s.strip() for s in args.systems.split(",") if s.strip()]
+    if "vllm" in systems and not vllm_available():
+        print(f"vllm: {VLLM_PYTHON} not found, system skipped", flush=True)
+        systems.remove("vllm")
+    counts = thread_counts(args)
     wl = rl_workload(args.prompts, args.group, model.config.vocab_size, tuple(args.prompt_len),
                      tuple(args.completion_len), seed=args.seed)
     print(f"workload: {wl.describe()}", flush=True)
@@ -175,20 +195,33 @@ def main_throughput(args, model) -> dict:
     if "hf_cb" in systems and args.hf_tune:
         print("tuning transformers CB on this workload:", flush=True)
         hf_kwargs = tune_hf(model, wl)
-    warmup(model, systems, hf_kwargs)
+    if args.trainer_step:
+        if max(counts):
+            torch.set_num_threads(max(counts))
+        print(f"trainer step on the main thread ({torch.get_num_threads()} threads): deep copy + forward/backward/AdamW "
+              f"{training_step(model):.1f} s", flush=True)
+    for t in counts:
+        if t:
+            torch.set_num_threads(t)
+        warmup(model, systems, hf_kwargs)
 
-    runs: dict[str, list] = {s: [] for s in systems}
+    runs: dict[str, list] = {key(s, t, counts): [] for t in counts for s in systems}
     for rep in range(args.reps):
         order = systems[rep % len(systems):] + systems[: rep % len(systems)]
-        for name in order:
-            r = timed(run_hf_cb, model, wl, **hf_kwargs) if name == "hf_cb" else timed(SYSTEMS[name], model, wl)
-            runs[name].append(r)
-            print(f"  rep {rep} {name:9s} wall {r.seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.seconds)} useful tok/s)"
-                  f"  cpu {r.cpu_seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.cpu_seconds)} useful tok/s)", flush=True)
+        for t in (counts if rep % 2 == 0 else counts[::-1]):
+            if t:
+                torch.set_num_threads(t)
+            for name in order:
+                r = timed(run_hf_cb, model, wl, **hf_kwargs) if name == "hf_cb" else timed(SYSTEMS[name], model, wl)
+                k = key(name, t, counts)
+                runs[k].append(r)
+                print(f"  rep {rep} {k:16s} wall {r.seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.seconds)} useful tok/s)"
+                      f"  cpu {r.cpu_seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.cpu_seconds)} useful tok/s)  "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
 
     last = {name: rs[-1] for name, rs in runs.items()}
     checks = check_outputs(model, wl, last, args.oracle)
-    return dict(workload=wl, runs=runs, checks=checks, hf_kwargs=hf_kwargs)
+    return dict(workload=wl, runs=runs, checks=checks, hf_kwargs=hf_kwargs, systems=systems, counts=counts)
 
 
 def print_throughput(res: dict, args, model, peaks: dict) -> list[dict]:
@@ -224,29 +257,45 @@ def print_throughput(res: dict, args, model, peaks: dict) -> list[dict]:
                          tok_s_cpu=wl.useful_tokens / cpu, best_tok_s_wall=wl.useful_tokens / min(r.seconds for r in rs),
                          useful_flops_cpu=useful_flop / cpu, useful_flops_wall=useful_flop / wall,
                          executed_flops_cpu=executed, extra=r.extra))
-    ours = next((row for row in rows if row["system"] == "ours"), None)
+    ref_name = res["systems"][0]  # NOTE: the first system is "ours" for the ratios
+    counts = res["counts"]
     print(f"\n{args.model} {args.dtype}, G={args.group}: {wl.describe()}")
     print(f"matmul params: body {body:,} + head {head:,} (all params {num_params(model):,}); torch.matmul 2048^3 "
           f"{args.dtype} peak: {peak_cpu / 1e9:.1f} GFLOP/s per CPU-second ({peak_wall / 1e9:.1f} by wall clock)")
     print("tok/s = useful tokens / time; 'cpu' uses this process's CPU time (robust on a busy box), 'wall' the wall "
           "clock;\nGFLOP/s and % peak use CPU time; medians over --reps.")
-    hdr = (f"{'system':31s} {'wall s':>7s} {'cpu s':>7s} {'tok/s wall':>10s} {'tok/s cpu':>10s} {'x ours wall':>11s} "
+    hdr = (f"{'system':36s} {'wall s':>7s} {'cpu s':>7s} {'tok/s wall':>10s} {'tok/s cpu':>10s} {'x ours wall':>11s} "
            f"{'x ours cpu':>10s} {'useful GFLOP/s':>14s} {'% peak':>7s} {'exec GFLOP/s':>12s}")
     print(hdr)
     print("-" * len(hdr))
+    by_key = {row["system"]: row for row in rows}
+
+    def ref_of(k: str) -> dict:
+        t = k.split("@")[1] if "@" in k else None
+        return by_key[ref_name if t is None else f"{ref_name}@{t}"]
+
+    def label(k: str) -> str:
+        name, _, t = k.partition("@")
+        return LABELS[name] + (f" @{t}t" if t else "")
+
     for row in rows:
-        row["vs_ours_wall"] = row["tok_s_wall"] / ours["tok_s_wall"] if ours else float("nan")
-        row["vs_ours_cpu"] = row["tok_s_cpu"] / ours["tok_s_cpu"] if ours else float("nan")
+        ours = ref_of(row["system"])
+        row["vs_ours_wall"] = row["tok_s_wall"] / ours["tok_s_wall"]
+        row["vs_ours_cpu"] = row["tok_s_cpu"] / ours["tok_s_cpu"]
         row["pct_peak_cpu"] = row["useful_flops_cpu"] / peak_cpu
         ex = f"{row['executed_flops_cpu'] / 1e9:.2f}" if row["executed_flops_cpu"] else "-"
-        print(f"{LABELS[row['system']]:31s} {row['wall_s']:7.2f} {row['cpu_s']:7.2f} {fmt_rate(row['tok_s_wall']):>10s} "
+        print(f"{label(row['system']):36s} {row['wall_s']:7.2f} {row['cpu_s']:7.2f} {fmt_rate(row['tok_s_wall']):>10s} "
               f"{fmt_rate(row['tok_s_cpu']):>10s} {row['vs_ours_wall']:11.2f} {row['vs_ours_cpu']:10.2f} "
               f"{row['useful_flops_cpu'] / 1e9:14.2f} {row['pct_peak_cpu']:7.2%} {ex:>12s}")
-    if ours:
-        for row in rows:
-            if row["system"] != "ours":
-                print(f"ours / {row['system']}: {ours['tok_s_cpu'] / row['tok_s_cpu']:.2f}x (cpu time), "
-                      f"{ours['tok_s_wall'] / row['tok_s_wall']:.2f}x (wall)")
+    for row in rows:
+        ours = ref_of(row["system"])
+        if row is not ours:
+            print(f"{ours['system']} / {row['system']}: {ours['tok_s_wall'] / row['tok_s_wall']:.2f}x (wall), "
+                  f"{ours['tok_s_cpu'] / row['tok_s_cpu']:.2f}x (cpu time)")
+    if len(counts) > 1:
+        for name in res["systems"]:
+            lo, hi = by_key[key(name, counts[0], counts)], by_key[key(name, counts[-1], counts)]
+            print(f"{name} at {counts[-1]} threads / at {counts[0]}: {hi['tok_s_wall'] / lo['tok_s_wall']:.2f}x (wall)")
     return rows
 
 
@@ -284,10 +333,11 @@ def main_scaling(args, model, peaks) -> list[dict]:
 def main(argv=None) -> None:
     args = parse_args(argv)
     quiet()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    counts = thread_counts(args)
+    if counts[0]:
+        torch.set_num_threads(counts[0])
     t_start = time.perf_counter()
-    print(f"machine: {machine_info()}")
+    print(f"machine: {machine_info()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"command: python benchmarks/throughput.py {' '.join(sys.argv[1:] if argv is None else argv)}")
     if args.ours_commit:
         import functools
@@ -328,7 +378,8 @@ def main(argv=None) -> None:
             peaks[k] = (max(peaks[k][0], again[0]), max(peaks[k][1], again[1]))
         result["rows"] = print_throughput(res, args, model, peaks)
     result["peaks"] = peaks
-    print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s")
+    print(f"\ntotal wall time {time.perf_counter() - t_start:.0f} s; load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

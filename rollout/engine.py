@@ -202,15 +202,22 @@ class RolloutEngine:
         return [r.request_id for r in reqs]
 
     def _collect(self, rids: list[str], progress: bool) -> list[GenerationOutput]:
+        """Step the engine on this thread until every request of `rids` has its result (see
+        `ContinuousBatchingManager.driving`: one OpenMP team, the caller's, runs the forward passes)."""
         outputs: dict[str, GenerationOutput] = {}
-        with tqdm(total=len(rids), desc="rollout", unit="seq", disable=not progress, leave=False) as bar:
+        manager = self.manager
+        with tqdm(total=len(rids), desc="rollout", unit="seq", disable=not progress, leave=False) as bar, \
+                manager.driving():
             pending = set(rids)
             while pending:
-                out = self.manager.get_result(timeout=60.0)
+                out = manager.get_result(timeout=0)
                 if out is None:
-                    if not self.manager.is_running():
+                    if not manager.is_running():
                         raise RuntimeError("the rollout engine's manager stopped with requests pending")
-                    continue
+                    if not manager.step_here():  # NOTE: nothing to step: another thread holds our results
+                        out = manager.get_result(timeout=0.05)
+                    if out is None:
+                        continue
                 if out.request_id in pending:
                     pending.discard(out.request_id)
                     outputs[out.request_id] = out

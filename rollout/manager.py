@@ -5,7 +5,13 @@ Differences from transformers' manager, on purpose:
   - a cancelled request delivers one final CANCELLED result;
   - one bad or oversized request fails alone, and an exception inside a step fails only that step;
   - the thread is a daemon and an idle manager sleeps on a condition variable (no polling);
-  - `persistent_manager=True` honours a later call's generation config.
+  - `persistent_manager=True` honours a later call's generation config;
+  - a caller that blocks on its own requests can step the engine on its own thread (`driving`,
+    `step_here`; `RolloutEngine.generate` does): the background thread parks meanwhile. With libgomp,
+    every thread that runs parallel torch work keeps its own OpenMP team, and once the teams add up
+    to more threads than CPUs their idle workers stop spinning, so every parallel region of a step
+    pays a futex wake-up: an engine thread stepping beside a trainer's main thread (which always has
+    a team) ran slower at 2 threads than at 1 (benchmarks/PROFILE.md, "Threads").
 """
 
 from __future__ import annotations
@@ -69,6 +75,7 @@ class ContinuousBatchingManager:
         self._loop_paused: str | None = None
         self._held: deque[Request] = deque()  # requests submitted while paused, admitted on resume
         self._listeners: list[Callable[[GenerationOutput], bool]] = []
+        self._drivers = 0  # callers stepping the engine on their own thread (see `driving`)
         _LIVE_MANAGERS.add(self)
 
     @property
@@ -316,8 +323,43 @@ class ContinuousBatchingManager:
         return self.core
 
     # ------------------------------------------------------------------- loop
+    @contextlib.contextmanager
+    def driving(self) -> Iterator[None]:
+        """While inside, the caller steps the engine with `step_here` and the background loop parks
+        (unless the manager is stopping); on exit the loop takes over whatever work is left."""
+        with self._cv:
+            self._drivers += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._drivers -= 1
+                self._cv.notify_all()
+
+    def step_here(self) -> bool:
+        """One round of the engine loop on the calling thread (queued commands, then one step); False
+        when there was nothing to do (or the loop is paused). Use inside `driving()`."""
+        core = self._core()
+        with self._cv:
+            commands = list(self._inbox)
+            self._inbox.clear()
+        if not commands and not (core.has_work() and self._loop_paused != "keep"):
+            return False
+        with self.step_lock:
+            news = self._apply(core, commands)
+            if core.has_work() and self._loop_paused != "keep":
+                try:
+                    news += core.step()
+                except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
+                    logger.exception("engine loop error; failing all live requests")
+                    news += core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
+        self._publish(news)
+        return True
+
     def _idle(self) -> bool:
-        """Nothing to do until notified (called under `_cv`)."""
+        """Nothing to do until notified, or a caller is driving (called under `_cv`)."""
+        if self._drivers and self._stop_mode is None:
+            return True
         return (not self._inbox and not (self._core().has_work() and self._loop_paused != "keep")
                 and self._stop_mode is None)
 

@@ -212,13 +212,14 @@ def test_a_failed_build_warns_once_and_falls_back_to_sdpa(monkeypatch, caplog):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_engine_decodes_through_the_paged_kernel(paged, dtype):
     """Every CPU dtype decodes in place over the pages; the kernel is the one that ran (counted)."""
-    core = EngineCore(make_model("qwen3", dtype=dtype), GREEDY, ContinuousBatchingConfig(page_size=16))
+    model = make_model("qwen3", dtype=dtype)
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16))
     assert core.backend.name == "cpu" and core.backend.kernel is not None
     calls = []
     kernel = core.backend.kernel
     core.backend.kernel = lambda *a: (calls.append(1), kernel(*a))
     assert len(_decode(core).generated) == 20
-    assert len(calls) >= 19 * core.model.config.num_hidden_layers
+    assert len(calls) >= 19 * model.config.num_hidden_layers
 
 
 # ------------------------------------------------------------------ engine exactness, kernel and gather path

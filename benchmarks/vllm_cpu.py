@@ -1,0 +1,51 @@
+"""vLLM's CPU build on one workload, run in its own venv (see benchmarks/common.py `run_vllm`).
+
+    /work/vllm-venv/bin/python benchmarks/vllm_cpu.py IN.json OUT.json
+
+IN.json: {"model": save_pretrained dir, "dtype": "float32" | "bfloat16", "threads": int,
+"prompts": [[ids]], "max_new": [int], "warmup": [[ids]]}. OUT.json: {"seconds": wall time of the
+timed `generate`, "outputs": [[generated ids]], "init_seconds": engine start-up}. Greedy, EOS ignored,
+no tokenizer, each request with its own max_tokens; the engine and its compile warm-up are built
+before the clock starts, and one small warm-up batch runs first.
+
+The thread binding is set from "threads" (`VLLM_CPU_OMP_THREADS_BIND=0-(threads-1)`) unless the
+caller's environment sets it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def main() -> None:
+    src, dst = sys.argv[1], sys.argv[2]
+    with open(src) as f:
+        job = json.load(f)
+    threads = int(job["threads"])
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+
+    t0 = time.perf_counter()
+    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], seed=0)
+    init = time.perf_counter() - t0
+
+    def run(prompts, max_new):
+        params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in max_new]
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    run(job["warmup"], [8] * len(job["warmup"]))
+    t0 = time.perf_counter()
+    outputs = run(job["prompts"], job["max_new"])
+    seconds = time.perf_counter() - t0
+    with open(dst, "w") as f:
+        json.dump({"seconds": seconds, "outputs": outputs, "init_seconds": init}, f)
+
+
+if __name__ == "__main__":
+    main()
