@@ -301,11 +301,14 @@ def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
     engine = RolloutEngine(model, config=ContinuousBatchingConfig(), generation_config=greedy_config())
     try:
         manager = engine.manager
-        rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
-                for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
         if drive:
-            outs = engine._collect(rids, progress=False)
+            with manager.driving():
+                rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
+                        for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
+                outs = engine._collect(rids, progress=False)
         else:
+            rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
+                    for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
             got = {}
             while len(got) < len(rids):
                 out = manager.get_result(timeout=60.0)

@@ -166,8 +166,9 @@ class RolloutEngine:
             if self._asleep:
                 self.wake()
             self._calls += 1
-            rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed)
-            outputs = self._collect(rids, progress)
+            with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
+                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed)
+                outputs = self._collect(rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")
@@ -202,12 +203,11 @@ class RolloutEngine:
         return [r.request_id for r in reqs]
 
     def _collect(self, rids: list[str], progress: bool) -> list[GenerationOutput]:
-        """Step the engine on this thread until every request of `rids` has its result (see
-        `ContinuousBatchingManager.driving`: one OpenMP team, the caller's, runs the forward passes)."""
+        """Step the engine on this thread until every request of `rids` has its result; call inside
+        `manager.driving()` (one OpenMP team, the caller's, then runs the forward passes)."""
         outputs: dict[str, GenerationOutput] = {}
         manager = self.manager
-        with tqdm(total=len(rids), desc="rollout", unit="seq", disable=not progress, leave=False) as bar, \
-                manager.driving():
+        with tqdm(total=len(rids), desc="rollout", unit="seq", disable=not progress, leave=False) as bar:
             pending = set(rids)
             while pending:
                 out = manager.get_result(timeout=0)
