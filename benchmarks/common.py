@@ -291,14 +291,14 @@ def generate_one(model, prompt: list[int], n: int) -> list[int]:
 
 
 def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
-    """rollout's `RolloutEngine` (what a trainer holds): requests through its manager, each with its own
-    max_new_tokens, greedy. `drive=True` collects them as `RolloutEngine.generate` does (the caller's thread
+    """rollout's `RolloutEngine` (what a trainer holds, built before the clock starts): requests through its
+    manager, each with its own max_new_tokens, greedy, logprobs returned. `drive=True` collects them as `RolloutEngine.generate` does (the caller's thread
     steps the engine); `drive=False` waits while the manager's background thread steps (the engine loop of
     a server, and what `generate` did before)."""
     from rollout import ContinuousBatchingConfig, RolloutEngine
 
-    t0 = time.perf_counter()
     engine = RolloutEngine(model, config=ContinuousBatchingConfig(), generation_config=greedy_config())
+    t0 = time.perf_counter()  # NOTE: a trainer builds its engine once; vLLM's start-up is not timed either
     try:
         manager = engine.manager
         if drive:
@@ -314,10 +314,10 @@ def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
                 out = manager.get_result(timeout=60.0)
                 got[out.request_id] = out
             outs = [got[r] for r in rids]
+        dt = time.perf_counter() - t0
         st = engine.cache_stats()
     finally:
         engine.close()
-    dt = time.perf_counter() - t0
     body = st["computed_prompt_tokens"] + st["generated_tokens"] - len(rids)
     return RunResult("engine" if drive else "engine_thread", dt, [o.generated_tokens for o in outs], body,
                      st["generated_tokens"], dict(cached_prompt_tokens=st["cached_prompt_tokens"]))
