@@ -43,8 +43,10 @@ import torch
 logger = logging.getLogger("rollout")
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
-LDFLAGS = ["-fopenmp"]
+# NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
+# build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
 BUILD_LOCK_TIMEOUT_S = 300.0  # most seconds to wait for another process's build
 DONE_MARKER = "rollout.ok"  # written once a build has loaded: the library in that directory is whole
 LOCK_FILE = "rollout.lock"
@@ -139,8 +141,8 @@ def _compile(name: str, directory: Path):
         "rollout: compiling the CPU decode-attention kernel (once per machine, about 30 s; "
         "ROLLOUT_CPU_KERNELS=0 skips it)"
     )
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                              build_directory=str(directory), verbose=False)
+    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+                              extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
 
 
 def _build(timeout: float | None = None):

@@ -157,3 +157,22 @@ def test_a_killed_builds_stale_baton_is_removed_and_the_build_runs(build_dir, mo
     monkeypatch.setattr(cpu_kernels, "_compile", fake_compile)
     assert cpu_kernels._build(timeout=5.0) is built
     assert (build_dir / cpu_kernels.DONE_MARKER).exists()
+
+
+def test_a_build_in_this_process_leaves_the_build_name_alone(build_dir, monkeypatch):
+    """torch's loader appends its own flags to `extra_ldflags` in place; the name of the build must not move.
+
+    NOTE: it did on a fresh machine: the first engine compiled the kernel, and every later lookup of the
+    cached build in that process used another name (the cached-build test failed in CI only).
+    """
+    from torch.utils import cpp_extension
+
+    def fake_load(name, sources, extra_cflags, extra_ldflags, **kwargs):
+        extra_cflags.append("-DTORCH_EXTENSION_NAME=" + name)  # what torch's JIT loader does to the lists
+        extra_ldflags += ["-ltorch_cpu", "-ltorch_python"]
+        return object()
+
+    monkeypatch.setattr(cpp_extension, "load", fake_load)
+    before = cpu_kernels.build_name()
+    cpu_kernels._compile(before, build_dir)
+    assert cpu_kernels.build_name() == before
