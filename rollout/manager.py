@@ -37,6 +37,15 @@ logger = logging.getLogger("rollout")
 HARD_STOP_ERROR = "manager stopped with hard_stop=True before the request finished"
 
 
+
+def _step_or_fail(core) -> list:
+    """One engine step; an exception outside a step's own handling fails every live request instead."""
+    try:
+        return core.step()
+    except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
+        logger.exception("engine loop error; failing all live requests")
+        return core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
+
 class ContinuousBatchingManager:
     """Runs an `EngineCore` on a background thread; safe to call from any thread.
 
@@ -348,11 +357,7 @@ class ContinuousBatchingManager:
         with self.step_lock:
             news = self._apply(core, commands)
             if core.has_work() and self._loop_paused != "keep":
-                try:
-                    news += core.step()
-                except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
-                    logger.exception("engine loop error; failing all live requests")
-                    news += core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
+                news += _step_or_fail(core)
         self._publish(news)
         return True
 
@@ -378,11 +383,7 @@ class ContinuousBatchingManager:
             if stop_mode == "hard":
                 news += core.fail_all(HARD_STOP_ERROR)
             elif core.has_work() and self._loop_paused != "keep":
-                try:
-                    news += core.step()
-                except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
-                    logger.exception("engine loop error; failing all live requests")
-                    news += core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
+                news += _step_or_fail(core)
         self._publish(news)
         if stop_mode is not None and not core.has_work():
             with self._cv:
