@@ -17,6 +17,7 @@ import torch
 from accelerate import Accelerator
 from datasets import Dataset, load_dataset, load_from_disk
 
+from rollout import ContinuousBatchingConfig
 from trainers.base import checkpoints
 from trainers.tasks import (
     AdditionTask,
@@ -27,6 +28,14 @@ from trainers.tasks import (
     sft_warm_start,
 )
 from trainers.verifiers import math_reward
+
+# NOTE: the embedded GRPO warm start (recipes/grpo.py and recipes/trl_grpo.py load the same checkpoint).
+# It has its own seed: SFT on this task learns through a sudden transition whose step varies with the seed
+# (seed 0: ~step 450; seed 1: past 1000), so `--seed` varies the RL run on one fixed, partly trained
+# policy. See trainers.tasks.sft_warm_start.
+GRPO_WARM_START = dict(target_exact=0.3, max_sft_steps=1000, seed=0)
+# NOTE: the embedded sequences are ~15 tokens: small pages, and a cache sized to the batch, not to memory.
+GRPO_EMBEDDED_ENGINE = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=2048)
 
 # ------------------------------------------------------------------------------------ accelerate
 

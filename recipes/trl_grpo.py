@@ -44,6 +44,8 @@ import time
 import torch
 import trl
 from _common import (
+    GRPO_EMBEDDED_ENGINE,
+    GRPO_WARM_START,
     REWARDS,
     get_reward,
     load_policy_and_prompts,
@@ -55,7 +57,6 @@ from _common import (
 from transformers import TrainerCallback
 from transformers.trainer_callback import ProgressCallback
 
-from rollout import ContinuousBatchingConfig
 from rollout.integrations.trl import make_rollout_func
 from trainers.tasks import AdditionTask, greedy_accuracy
 
@@ -70,8 +71,8 @@ ITERATIONS = 2  # ... and passes over it: 4 AdamW steps per rollout batch, as in
 MAX_NEW_TOKENS = 5
 TRAIN_PROMPTS = 8192
 HELDOUT = 512
-WARM_START = dict(target_exact=0.3, max_sft_steps=1000, seed=0)  # recipes/grpo.py's: the same checkpoint
-EMBEDDED_ENGINE = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=2048)
+WARM_START = GRPO_WARM_START  # recipes/grpo.py's: the same checkpoint
+EMBEDDED_ENGINE = GRPO_EMBEDDED_ENGINE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

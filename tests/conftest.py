@@ -7,16 +7,19 @@ import pytest
 
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
-    """Each test starts with no accelerate singleton state left by an earlier one.
+    """Each test starts and ends with no accelerate singleton state (also none left by a module fixture).
 
     NOTE: `AcceleratorState` is a process-wide singleton: a `trl.GRPOTrainer` built in one test (its
     GRPOConfig defaults to bf16) would make every later `Accelerator()` run in bf16 autocast, so a later
     test's trainer would recompute logprobs in bf16 (a 2e-3 mismatch against the fp32 engine).
     """
+    _reset_accelerate()
     yield
-    try:
-        from accelerate.state import AcceleratorState, GradientState
-    except ImportError:  # pragma: no cover - accelerate is a dependency
-        return
+    _reset_accelerate()
+
+
+def _reset_accelerate() -> None:
+    from accelerate.state import AcceleratorState, GradientState
+
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()

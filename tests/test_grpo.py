@@ -37,16 +37,6 @@ STEP_FIELDS = (
 FIXED_PROMPT = "123+456="
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """accelerate keeps one process-wide state: an earlier test's accelerator (TRL's trainer
-    turns bf16 on) would otherwise leak its mixed precision into these trainers."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-
-
 def digit_share(prompts, completions, **columns):
     """Dense toy reward: the share of digit characters (varies inside a group from the start)."""
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]

@@ -15,16 +15,6 @@ def digit_share(prompts, completions, **columns):
     return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """accelerate keeps one process-wide state: an earlier test's accelerator (TRL's trainer
-    turns bf16 on) would otherwise leak its mixed precision into these trainers."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     return make_addition_tokenizer()

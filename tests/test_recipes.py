@@ -32,16 +32,6 @@ sweep = load_recipe("eval_sweep")
 ROWS = [{"prompt": f"00{i}+001=", "answer": str(i + 1)} for i in range(6)]
 
 
-@pytest.fixture(autouse=True)
-def fresh_accelerate_state():
-    """accelerate keeps one process-wide state: an earlier test's accelerator (TRL's trainer
-    turns bf16 on) would otherwise leak its mixed precision into these trainers."""
-    from accelerate.state import AcceleratorState
-
-    AcceleratorState._reset_state(reset_partial_state=True)
-    yield
-
-
 @pytest.fixture
 def keep_rng():
     """The recipes seed the global RNGs; leave them as the other tests found them."""
