@@ -27,6 +27,7 @@ from .backends import AttentionBackend
 from .backends import create as create_backend
 from .block_table import BlockTable
 from .kv_cache import PagedKVCache
+from .linear import use_onednn_linears
 from .scheduler import SchedulerOutput
 
 logger = logging.getLogger("rollout")
@@ -44,6 +45,7 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
         if a is not b:
             raise RuntimeError("engine view does not share parameters with the model")
     _drop_forward_overrides(view)
+    use_onednn_linears(view)
     try:
         view.set_attn_implementation(ATTN_NAME)
     except Exception as e:  # pragma: no cover - depends on the architecture

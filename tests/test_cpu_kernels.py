@@ -2,7 +2,8 @@
 decode rows attended in place over the paged cache through block tables (fp32, bf16 and fp16 caches).
 
 Checked against an fp64 softmax(q K^T * scale) V over each row's keys laid out contiguously, over
-the shapes the kernel special-cases (head size 64 and 128 with GQA groups 1, 2, 4, and the generic loop;
+the shapes the kernel special-cases (head size 64 and 128 with GQA groups 1-4, 6, 7, 8, head size 256
+with groups 1 and 2, and the generic loop (group 5, head sizes 32 and 80);
 key counts that are and are not multiples of its 2- and 4-key blocks; one key; rows starting inside a
 page), with Gemma 2's softcap, int32 and int64 block tables, two intra-op threads, and on bad input.
 Engine-level exactness (greedy equals `model.generate` with the kernel on) is in every architecture
@@ -86,6 +87,7 @@ def run(paged, q, k, v, table, row, start, end, scale, softcap=0.0, page_size=16
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [
     (4, 2, 64), (8, 2, 64), (2, 2, 64), (2, 2, 128), (4, 1, 128), (8, 2, 32), (3, 1, 80),
+    (12, 4, 64), (12, 2, 64), (14, 2, 128), (16, 2, 128), (4, 2, 256), (5, 1, 64),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])

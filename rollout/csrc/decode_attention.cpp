@@ -4,8 +4,8 @@
 // once from memory for all the query heads that share that KV head (GQA), so the cost is one read
 // of the request's K and V: the bound this op cannot beat. torch's CPU SDPA reads them once per
 // query head and runs per-head GEMM calls with one row, at a third to a half of that bandwidth.
-// Head sizes 64 and 128 with 1, 2 or 4 query heads per KV head have register-resident specialisations;
-// anything else takes a generic loop.
+// Head sizes 64 and 128 with 1-4, 6, 7 or 8 query heads per KV head, and 256 with 1 or 2, have
+// specialisations that keep each head's accumulators together; anything else takes a generic loop.
 //
 // Layouts (contiguous):
 //   q     [n, H, D] fp32        one query per request
@@ -211,24 +211,30 @@ void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_
   }
 }
 
+// Specialised (head size, query heads per KV head) pairs: those of common checkpoints (GQA groups of
+// 1-8 query heads; head sizes 64, 128 and Gemma's 256); anything else takes `attend_any`.
+#define ROLLOUT_ATTEND_CASE(DIM, GG)                     \
+  if (D == DIM && G == GG) {                             \
+    attend_fixed<DIM, GG, T>(Q, runs, O, L, sc, cap, s); \
+    return;                                              \
+  }
+#define ROLLOUT_ATTEND_DIM(DIM) \
+  ROLLOUT_ATTEND_CASE(DIM, 1)   \
+  ROLLOUT_ATTEND_CASE(DIM, 2)   \
+  ROLLOUT_ATTEND_CASE(DIM, 3)   \
+  ROLLOUT_ATTEND_CASE(DIM, 4)   \
+  ROLLOUT_ATTEND_CASE(DIM, 6)   \
+  ROLLOUT_ATTEND_CASE(DIM, 7)   \
+  ROLLOUT_ATTEND_CASE(DIM, 8)
+
 template <typename T>
 void attend(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L, int64_t D, float sc, float cap,
             float* s, float* acc) {
-  if (D == 64 && G == 1) {
-    attend_fixed<64, 1, T>(Q, runs, O, L, sc, cap, s);
-  } else if (D == 64 && G == 2) {
-    attend_fixed<64, 2, T>(Q, runs, O, L, sc, cap, s);
-  } else if (D == 64 && G == 4) {
-    attend_fixed<64, 4, T>(Q, runs, O, L, sc, cap, s);
-  } else if (D == 128 && G == 1) {
-    attend_fixed<128, 1, T>(Q, runs, O, L, sc, cap, s);
-  } else if (D == 128 && G == 2) {
-    attend_fixed<128, 2, T>(Q, runs, O, L, sc, cap, s);
-  } else if (D == 128 && G == 4) {
-    attend_fixed<128, 4, T>(Q, runs, O, L, sc, cap, s);
-  } else {
-    attend_any(Q, runs, O, G, L, D, sc, cap, s, acc);
-  }
+  ROLLOUT_ATTEND_DIM(64)
+  ROLLOUT_ATTEND_DIM(128)
+  ROLLOUT_ATTEND_CASE(256, 1)
+  ROLLOUT_ATTEND_CASE(256, 2)
+  attend_any(Q, runs, O, G, L, D, sc, cap, s, acc);
 }
 
 void check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {

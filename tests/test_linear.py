@@ -1,0 +1,80 @@
+"""The engine view's fp32 linears through oneDNN (`rollout.linear`): same results, same greedy tokens.
+
+Tiny test models have no layer above `MIN_WEIGHT_ELEMENTS`, so the default path keeps torch's linear
+here; these tests force every linear through oneDNN (threshold 0) and compare with the user's model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from test_correctness import GREEDY_GC, MAX_NEW, PROMPTS, reference, run_engine
+from tiny_models import make_model
+
+import rollout.linear as linear
+from rollout import ContinuousBatchingConfig
+from rollout.core import EngineCore
+from rollout.runner import make_engine_view
+
+pytestmark = pytest.mark.skipif(not linear.onednn_available(), reason="torch has no oneDNN fp32 linear here")
+
+
+def routed(view: torch.nn.Module) -> list[str]:
+    return [name for name, m in view.named_modules() if "forward" in vars(m) and isinstance(m, torch.nn.Linear)]
+
+
+def test_routed_linears_match_torch_and_leave_the_users_model_alone():
+    model = make_model("qwen3")
+    view = make_engine_view(model)
+    n = linear.use_onednn_linears(view, min_elements=0)
+    linears = [name for name, m in view.named_modules() if type(m) is torch.nn.Linear]
+    assert n == len(linears) > 0 and sorted(routed(view)) == sorted(linears)
+    assert routed(model) == []  # the user's modules keep their class forward
+    other = copy.deepcopy(model)  # NOTE: the view runs paged attention only inside the engine; this keeps sdpa
+    assert linear.use_onednn_linears(other, min_elements=0) == n
+    ids = torch.randint(1, 100, (1, 37))
+    with torch.inference_mode():
+        ours = other(input_ids=ids, use_cache=False).logits
+        ref = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # one layer on its own, with a bias, and a bf16 input (falls back to torch's linear)
+    layer = torch.nn.Linear(64, 48)
+    linear.use_onednn_linears(layer, min_elements=0)
+    x = torch.randn(3, 5, 64)
+    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+    xb = x.bfloat16()
+    assert torch.equal(layer.bfloat16()(xb), torch.nn.functional.linear(xb, layer.weight, layer.bias))
+
+
+def test_only_large_plain_fp32_linears_are_routed():
+    model = make_model("qwen3")
+    view = make_engine_view(model)
+    head = view.lm_head
+    assert head.weight.numel() < linear.MIN_WEIGHT_ELEMENTS  # tiny models stay on torch's linear by default
+    assert routed(view) == []
+    wrapped = view.model.layers[0].mlp.up_proj
+    wrapped.forward = wrapped.forward  # an instance forward (as accelerate's hooks set) is left alone
+    linear.use_onednn_linears(view, min_elements=0)
+    assert wrapped.forward.__func__ is torch.nn.Linear.forward
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3", dtype=torch.bfloat16)), min_elements=0) == 0
+
+    class Adapter(torch.nn.Linear):
+        pass
+
+    holder = torch.nn.Sequential(Adapter(64, 64), torch.nn.Linear(64, 64))
+    assert linear.use_onednn_linears(holder, min_elements=0) == 1 and routed(holder) == ["1"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2", "phi3"])
+def test_greedy_through_onednn_linears_matches_hf_generate(arch, monkeypatch):
+    model, expected = reference(arch)
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
+    cbc = ContinuousBatchingConfig(page_size=16, max_batch_tokens=48, num_blocks=128)
+    core = EngineCore(model, GREEDY_GC, cbc)
+    assert routed(core.view)  # every linear of the view runs through oneDNN
+    reqs, _, _ = run_engine(core, PROMPTS)
+    for i, (req, exp) in enumerate(zip(reqs, expected, strict=True)):
+        assert req.generated == exp, f"{arch}: prompt {i} differs from generate"
+        assert len(req.generated) == MAX_NEW
