@@ -374,18 +374,21 @@ class EngineCore:
             return failed
         self.scheduler.after_step(out)
         news: list[Request] = []
-        for j, req in enumerate(reqs):
-            req.append_token(result.tokens[j], None if result.logprobs is None else result.logprobs[j])
-            self.stats["generated_tokens"] += 1
-            reason = req.stop_reason()
+        logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
+        for req, token, logprob in zip(reqs, result.tokens, logprobs, strict=True):
+            reason = req.append_token(token, logprob)
             if reason is not None:
                 self._finalize(req, RequestStatus.FINISHED, reason)
                 news.append(req)
             elif req.streaming:
                 news.append(req)
+        self.stats["generated_tokens"] += len(reqs)
         return news
 
     def _count_prompt_tokens(self, out: SchedulerOutput) -> None:
+        """Prompt tokens computed and tokens computed again after a preemption (below `high_water`)."""
+        if out.decode_only:  # NOTE: DECODING rows compute a generated token past their high-water mark
+            return
         recomputed = prompt = 0
         for s in out.scheduled:
             req = s.request
@@ -393,8 +396,6 @@ class EngineCore:
             end = start + s.num_new_tokens
             if start < req.high_water:
                 recomputed += min(end, req.high_water) - start
-            if end > req.high_water:
-                req.high_water = end
             if start < len(req.prompt_ids):
                 prompt += min(end, len(req.prompt_ids)) - start
         self.stats["recomputed_tokens"] += recomputed

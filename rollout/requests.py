@@ -82,7 +82,8 @@ class Request:
     error: str | None = None
     policy_version: int = 0
     num_preemptions: int = 0
-    high_water: int = 0  # most tokens ever computed (what lies below is recomputation)
+    # NOTE: most tokens it had computed when it was last preempted (what lies below is recomputation)
+    high_water: int = 0
     page_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full pages so far
     num_registered_pages: int = 0  # leading pages already offered to the prefix cache
     stale_kv: bool = False  # its KV predates a weight change: never offered to the prefix cache
@@ -105,11 +106,17 @@ class Request:
         """Tokens still to run through the model before the next sample."""
         return self.num_tokens - self.num_computed_tokens
 
-    def append_token(self, token: int, logprob: float | None) -> None:
+    def append_token(self, token: int, logprob: float | None) -> str | None:
+        """Add a sampled token; returns the `stop_reason` it leaves (None: keep going)."""
         self.token_ids.append(token)
         self.generated.append(token)
         if logprob is not None:
             self.logprobs.append(logprob)
+        if token in self.eos_token_ids:
+            return "stop"
+        if len(self.generated) >= self.max_new_tokens:
+            return "length"
+        return None
 
     def stop_reason(self) -> str | None:
         """'stop' after an EOS / stop token, 'length' once the budget is used, else None."""

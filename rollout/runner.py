@@ -25,7 +25,7 @@ from .attention import (
 )
 from .backends import AttentionBackend
 from .backends import create as create_backend
-from .block_table import BlockTable
+from .block_table import BlockTable, int_tensor
 from .kv_cache import PagedKVCache
 from .linear import use_onednn_linears
 from .scheduler import SchedulerOutput
@@ -105,15 +105,43 @@ class ModelRunner:
 
     def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
         """Forward kwargs for the step, and the scheduled indices whose last logits are sampled."""
+        requests = [s.request for s in out.scheduled]
+        if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
+            ids = [r.token_ids[-1] for r in requests]
+            starts = [r.num_computed_tokens for r in requests]
+            lens = [1] * len(requests)
+            keep = sampled = list(range(len(requests)))
+        else:
+            ids, keep, sampled, starts, lens = self._rows(out)
+        dev = self.device
+        if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `block_ids`
+            tables = [[r.block_ids for r in requests]]
+        else:
+            tables = [list(t) for t in zip(*(s.tables for s in out.scheduled), strict=True)]
+        rows = self.block_table.sync(requests, tables)
+        step = _StepIndex(starts, lens, rows, dev)
+        step.tables = {window: self.block_table.group(g) for g, window in enumerate(self.windows)}
+        groups = [self.backend.build_group(window, tables[g], step, self.page_size)
+                  for g, window in enumerate(self.windows)]
+        kwargs = {
+            "input_ids": int_tensor(ids, dev)[None],  # [1, T]
+            "position_ids": step.positions[None],  # [1, T]
+            "logits_to_keep": int_tensor(keep, dev),  # [R]
+            "use_cache": False,
+            "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
+        }
+        return kwargs, sampled
+
+    @staticmethod
+    def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """(token ids [T], packed rows sampled, their scheduled indices, start and length of each row)."""
         ids: list[int] = []
         keep: list[int] = []  # packed rows whose logits we sample
         sampled: list[int] = []
         starts: list[int] = []
         lens: list[int] = []
-        requests = []
         for i, s in enumerate(out.scheduled):
             req, n = s.request, s.num_new_tokens
-            requests.append(req)
             start = req.num_computed_tokens
             tokens = req.token_ids
             if n == 1:
@@ -125,21 +153,7 @@ class ModelRunner:
             if start + n == len(tokens):
                 keep.append(len(ids) - 1)
                 sampled.append(i)
-        dev = self.device
-        lists = [s.tables for s in out.scheduled]
-        rows = self.block_table.sync(requests, lists)
-        step = _StepIndex(starts, lens, rows, dev)
-        step.tables = {window: self.block_table.group(g) for g, window in enumerate(self.windows)}
-        groups = [self.backend.build_group(window, [t[g] for t in lists], step, self.page_size)
-                  for g, window in enumerate(self.windows)]
-        kwargs = {
-            "input_ids": torch.tensor(ids, device=dev)[None],  # [1, T]
-            "position_ids": step.positions[None],  # [1, T]
-            "logits_to_keep": torch.tensor(keep, dtype=torch.long, device=dev),  # [R]
-            "use_cache": False,
-            "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
-        }
-        return kwargs, sampled
+        return ids, keep, sampled, starts, lens
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
@@ -190,8 +204,8 @@ class _StepIndex:
         self.starts_list = starts
         self.lens_list = lens
         self.device = device
-        self.starts = torch.tensor(starts, device=device)  # [B]
-        self.rows = torch.tensor(rows, device=device)  # [B] block-table row of each request
+        self.starts = int_tensor(starts, device)  # [B]
+        self.rows = int_tensor(rows, device)  # [B] block-table row of each request
         self.tables: dict[int | None, torch.Tensor] = {}  # group window -> [R, P], set by the runner
         total = int(sum(lens))
         self.decode_only = total == len(lens)
@@ -201,7 +215,7 @@ class _StepIndex:
             self.positions = self.starts
             return
         # NOTE: sizes and first rows from the host lists: no device-to-host read (a sync on CUDA)
-        self.request_of_token, offsets, _ = _ragged(torch.tensor(lens, device=device), total)  # [T], [T]
+        self.request_of_token, offsets, _ = _ragged(int_tensor(lens, device), total)  # [T], [T]
         self.first_row = list(itertools.accumulate([0, *lens[:-1]]))
         self.positions = self.starts[self.request_of_token] + offsets  # [T]
 

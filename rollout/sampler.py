@@ -61,15 +61,16 @@ class Sampler:
     ) -> SamplerOutput:
         logits = logits.float()
         num_rows = logits.shape[0]
-        greedy = [p.greedy for p in params]
+        s_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not s_rows and logprobs_mode is None:  # NOTE: the common greedy step: one argmax
+            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
         tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # [R]
         chosen_lp = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)  # [R]
-        g_rows = [i for i, g in enumerate(greedy) if g]
+        g_rows = [i for i, p in enumerate(params) if p.greedy]
         if g_rows:
             idx, sub = _take(logits, g_rows)
             tokens[idx] = sub.argmax(dim=-1)
 
-        s_rows = [i for i, g in enumerate(greedy) if not g]
         if s_rows:
             idx, rows = _take(logits, s_rows)
             sub = [params[i] for i in s_rows]

@@ -49,6 +49,9 @@ class SchedulerOutput:
     # NOTE: (src_block, dst_block, num_tokens) page copies the runner applies before the forward
     # (copy-on-write of the partial last prompt page when a request forks a group leader).
     copies: list[tuple[int, int, int]] = field(default_factory=list)
+    # NOTE: set by the decode fast path: every row is a DECODING request computing its last token (one
+    # token each, every row sampled), so the runner and the core can skip their per-row cases.
+    decode_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -174,6 +177,8 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
+        if not done and prefill is not True and (left := self._schedule_decodes(out, budget, done)) is not None:
+            return left
         multi, ps = self.tables.num_groups > 1, self.page_size
         i = 0
         while i < len(self.running) and budget > 0 and len(out.scheduled) < self.max_requests:
@@ -193,10 +198,41 @@ class Scheduler:
             i += 1
         return budget
 
+    def _schedule_decodes(self, out: SchedulerOutput, budget: int, done: set[int]) -> int | None:
+        """The steady state in one pass: every running request is DECODING its last token and all of them
+        fit (budget, request cap, the pages of those whose last page is full). Schedules exactly what the
+        general loop would (same order, same page allocations, no preemption); None when it does not apply."""
+        running = self.running
+        num = len(running)
+        if not num or num > budget or len(out.scheduled) + num > self.max_requests:
+            return None
+        ps, decoding = self.page_size, RequestStatus.DECODING
+        crossing: list[Request] = []  # NOTE: ~1 in page_size requests per step needs a new page
+        for req in running:
+            c = req.num_computed_tokens
+            if req.status is not decoding or len(req.token_ids) - c != 1:
+                return None
+            if c >= len(req.block_ids) * ps:
+                crossing.append(req)
+        if crossing:
+            if sum(self.tables.growth(r, r.num_computed_tokens + 1) for r in crossing) > self.bm.num_free_blocks:
+                return None  # NOTE: someone gets preempted: the general loop decides whom
+            for req in crossing:
+                self.tables.grow(req, req.num_computed_tokens + 1)
+        if self.tables.num_groups > 1:
+            of = self.tables.of
+            out.scheduled += [ScheduledRequest(req, 1, of(req)) for req in running]
+        else:
+            out.scheduled += [ScheduledRequest(req, 1) for req in running]
+        out.decode_only = len(out.scheduled) == num  # NOTE: until another phase adds a row
+        done.update(map(id, running))
+        return budget - num
+
     def _schedule_waiting(
         self, out: SchedulerOutput, budget: int, done: set[int], readmit_preempted: bool = True
     ) -> int:
         deferred: list[Request] = []
+        before = len(out.scheduled)
         while self.waiting and budget > 0 and len(out.scheduled) < self.max_requests:
             req = self.waiting[0]
             if not readmit_preempted and req in out.preempted:
@@ -246,6 +282,8 @@ class Scheduler:
             done.add(id(req))
             budget -= n
         self.waiting.extendleft(reversed(deferred))
+        if len(out.scheduled) > before:
+            out.decode_only = False
         return budget
 
     def _cannot_catch_up(self, req: Request, held: int) -> bool:
@@ -329,6 +367,7 @@ class Scheduler:
         self.running.remove(req)
         self.num_preemptions += 1
         req.num_preemptions += 1
+        req.high_water = max(req.high_water, req.num_computed_tokens)
         slots = self._save(req)
         self._release(req)
         if slots is None:
@@ -361,6 +400,13 @@ class Scheduler:
     def after_step(self, out: SchedulerOutput) -> None:
         """Advance `num_computed_tokens` of everything that ran and cache newly full pages."""
         ps, caching, sliding = self.page_size, self.bm.enable_prefix_caching, self.tables.sliding
+        if out.decode_only and not sliding:  # NOTE: one token each, already DECODING
+            for s in out.scheduled:
+                req = s.request
+                computed = req.num_computed_tokens = req.num_computed_tokens + 1
+                if caching and computed // ps != req.num_registered_pages:
+                    self._cache_full_pages(req)
+            return
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens

@@ -16,7 +16,8 @@ class Req:
 
 
 def rows_of(bt: BlockTable, reqs, tables):
-    rows = bt.sync(reqs, tables)
+    """Sync `tables[i][g]` (request i's list of group g) and read the rows back in that layout."""
+    rows = bt.sync(reqs, [list(col) for col in zip(*tables, strict=True)])
     return [[bt.group(g)[r, : len(t)].tolist() for g, t in enumerate(ts)] for r, ts in zip(rows, tables, strict=True)]
 
 
