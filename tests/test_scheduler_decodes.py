@@ -89,6 +89,7 @@ WORKLOAD = st.lists(
 def test_fast_path_schedules_exactly_what_the_general_loop_does(
     workload, num_blocks, budget, max_requests, policy, windows, caching
 ):
+    caching = caching and windows == (None,)  # NOTE: as the engine: no prefix caching with sliding layers
     fast, _ = _trace(Scheduler, workload, num_blocks, budget, max_requests, policy, windows, caching)
     general, none = _trace(GeneralOnly, workload, num_blocks, budget, max_requests, policy, windows, caching)
     assert none == 0
@@ -100,8 +101,52 @@ def test_fast_path_runs_in_the_steady_state_and_stops_for_new_rows_and_preemptio
     # then runs dry (general: someone is preempted); the traces still match.
     workload = [(0, 3, 14, 0), (1, 3, 14, 0), (2, 3, 14, 0), (0, 9, 14, 6)]
     for windows in [(None,), (None, 6)]:
-        fast, steps = _trace(Scheduler, workload, 16, 16, None, "fifo", windows, True)
-        general, _ = _trace(GeneralOnly, workload, 16, 16, None, "fifo", windows, True)
+        fast, steps = _trace(Scheduler, workload, 16, 16, None, "fifo", windows, windows == (None,))
+        general, _ = _trace(GeneralOnly, workload, 16, 16, None, "fifo", windows, windows == (None,))
         assert fast == general
         assert steps >= 5
         assert any(preempted for _, preempted, _, _ in fast)
+
+
+def test_runner_decode_only_prepare_equals_the_general_one():
+    """A decode-only step prepared through the runner's fast lists and through its general loop: the
+    same forward inputs and the same attention metadata (two layer groups: Gemma 2's sliding window)."""
+    import dataclasses
+
+    import torch
+    from transformers import GenerationConfig
+
+    from rollout import ContinuousBatchingConfig
+    from rollout.core import EngineCore
+    from tests.tiny_models import make_model, random_prompts
+
+    core = EngineCore(make_model("gemma2"), GenerationConfig(do_sample=False, eos_token_id=None),
+                      ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=64))
+    assert len(core.runner.windows) == 2
+    for i, prompt in enumerate(random_prompts(5, 3, 30, seed=1)):
+        core.add(core.make_request(prompt, request_id=f"r{i}", max_new_tokens=24))
+    prepare, seen = core.runner.prepare, []
+
+    def checked(out):
+        """The engine's own prepare, compared with the general loop's whenever the step is decode-only."""
+        fast, fast_sampled = prepare(out)
+        if out.decode_only:
+            seen.append(len(out.scheduled))
+            general, general_sampled = prepare(dataclasses.replace(out, decode_only=False))
+            assert fast_sampled == general_sampled == list(range(len(out.scheduled)))
+            for key in ("input_ids", "position_ids", "logits_to_keep"):
+                assert torch.equal(fast[key], general[key]), key
+            for a, b in zip(fast["rollout_meta"].groups, general["rollout_meta"].groups, strict=True):
+                assert a.window == b.window and torch.equal(a.slot_mapping, b.slot_mapping)
+                assert (a.paged is None) == (b.paged is None) and len(a.buckets) == len(b.buckets)
+                if a.paged is not None:
+                    for f in ("rows", "row", "start", "end"):
+                        assert torch.equal(getattr(a.paged, f), getattr(b.paged, f)), f
+                for x, y in zip(a.buckets, b.buckets, strict=True):
+                    assert torch.equal(x.rows, y.rows) and torch.equal(x.slots, y.slots)
+        return fast, fast_sampled
+
+    core.runner.prepare = checked
+    while core.has_work():
+        core.step()
+    assert len(seen) > 10 and max(seen) == 5
