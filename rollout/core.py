@@ -26,6 +26,7 @@ from .kv_cache import (
     plan_cache,
     step_bytes_per_token,
 )
+from .linear import drop_packed
 from .offload import CpuOffloadBuffer, plan_offload
 from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
@@ -418,8 +419,10 @@ class EngineCore:
 
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
-        """Forget every cached prefix page (and anything that would share KV computed so far)."""
+        """Forget every cached prefix page (and anything that would share KV computed so far), and the
+        packed weight copies of `rollout.linear` (rebuilt at the next step from the current weights)."""
         self.scheduler.forget_prefixes()
+        drop_packed(self.view)
         self._weights_seen = _weights_version(self._weights)
         return self.block_manager.reset_prefix_cache()
 

@@ -4,12 +4,20 @@ On a CPU torch runs an fp32 `F.linear` through MKL; bf16 already goes through on
 forward the weights stream from memory every step, and there MKL's sgemm falls far short: on the
 2-core AMD EPYC of `benchmarks/`, a 100M Qwen3-arch forward over 1 / 3 / 16 / 64 tokens took 47 / 612
 / 72 / 148 ms with MKL and 29 / 38 / 61 / 112 ms with oneDNN's `_linear_pointwise` on the same, unpacked
-weights (no copy: weight updates, in place or not, are read at the next call). Small layers, whose
-weights stay in cache, keep MKL: oneDNN's per-call cost (~12 us) is larger than their matmul there.
+weights. oneDNN's own blocked layout of the weight ("packed", as vLLM's CPU build keeps it) is faster
+again in decode: 24-28 / 33-35 / 81-91 ms at 3 / 16 / 64 tokens. Small layers, whose weights stay in
+cache, keep MKL: oneDNN's per-call cost (~12 us) is larger than their matmul there.
+
+The packed copy costs one more copy of those weights (the engine's own, as any serving engine holds).
+It is rebuilt at the first forward after the weight changed: in place (the tensor's version counter),
+replaced (its storage), or through `update_weights` / `reset_prefix_cache` (which drop every copy).
+Writes through `.data` reach neither counter nor storage; like the prefix cache, they need
+`update_weights`.
 
 Only the engine view is touched (the user's module keeps its forward): each plain `nn.Linear` of the
 view whose fp32 CPU weight has at least `MIN_WEIGHT_ELEMENTS` elements gets an instance `forward` that
-calls oneDNN, and falls back to `F.linear` when an input or weight is not fp32 on a CPU. Vendors' vLLM
+calls oneDNN on the packed weight, and falls back to `F.linear` when an input or weight is not fp32 on
+a CPU. Vendors' vLLM
 CPU builds route their linears to oneDNN for the same reason. The results match `F.linear` to float
 rounding (not bitwise: another summation order).
 """
@@ -42,12 +50,33 @@ def onednn_available() -> bool:
         return False
 
 
+# NOTE: the batch size oneDNN lays a packed weight out for; decode steps run 1-256 rows and prompt chunks
+# more, and one layout serves every size (measured: packed for 16 or 64 rows, the same speed at 1-64).
+PACK_ROWS = 16
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu" and w.device.type == "cpu" \
             and (b is None or b.dtype is torch.float32):
-        return torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+        packed = self._rollout_packed
+        # NOTE: repacked after any change the engine can see: an in-place write bumps `_version`, a new
+        # storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every packed copy.
+        if packed is None or packed[1] != w._version or packed[2] != w.data_ptr():
+            packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), w._version, w.data_ptr())
+            self._rollout_packed = packed
+        return torch.ops.mkldnn._linear_pointwise(x, packed[0], b, "none", [], "")
     return F.linear(x, w, b)
+
+
+def drop_packed(view: torch.nn.Module) -> int:
+    """Forget the packed weight copies (they are rebuilt at the next forward); returns how many were held."""
+    n = 0
+    for module in view.modules():
+        if getattr(module, "_rollout_packed", None) is not None:
+            module._rollout_packed = None
+            n += 1
+    return n
 
 
 def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -> int:
@@ -66,6 +95,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         if w.device.type != "cpu" or w.dtype is not torch.float32 or w.numel() < min_elements:
             continue
         module.forward = types.MethodType(_onednn_forward, module)
+        module._rollout_packed = None
         n += 1
     if n:
         logger.debug("rollout: %d fp32 linear layers run through oneDNN", n)
