@@ -33,9 +33,13 @@ import torch.nn.functional as F
 
 logger = logging.getLogger("rollout")
 
-# NOTE: 2**18 fp32 elements = 1 MiB: a 5M model's 256x768 MLP stays on MKL, its 4096x256 head and every
-# linear of a 100M model go to oneDNN (both measured faster that way; see the module docstring).
-MIN_WEIGHT_ELEMENTS = 2**18
+# NOTE: measured on the packed weights, 2 threads: from 2**18 fp32 elements (1 MiB: a 5M model's 4096x256
+# head, every linear of a 100M model) oneDNN wins at any row count (1.5-1.8x at 1-64 rows); from 2**17
+# (a 256x768 MLP, a 768x256 K/V projection) it wins from 8 rows on (1.2-1.6x at 16-64) and loses at 1
+# (~5 us); below that (256x256) MKL is as fast or faster.
+MIN_WEIGHT_ELEMENTS = 2**17
+ALWAYS_WEIGHT_ELEMENTS = 2**18
+MIN_ROWS = 8  # rows from which a weight between the two sizes runs on oneDNN
 
 
 @functools.cache
@@ -58,7 +62,8 @@ PACK_ROWS = 16
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if x.dtype is torch.float32 and w.dtype is torch.float32 and x.device.type == "cpu" and w.device.type == "cpu" \
-            and (b is None or b.dtype is torch.float32):
+            and (b is None or b.dtype is torch.float32) \
+            and (self._rollout_always or x.numel() >= MIN_ROWS * w.shape[1]):
         packed = self._rollout_packed
         # NOTE: repacked after any change the engine can see: an in-place write bumps `_version`, a new
         # storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every packed copy.
@@ -96,6 +101,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
             continue
         module.forward = types.MethodType(_onednn_forward, module)
         module._rollout_packed = None
+        module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
         n += 1
     if n:
         logger.debug("rollout: %d fp32 linear layers run through oneDNN", n)
