@@ -85,9 +85,10 @@ class Sampler:
             return SamplerOutput(tokens.tolist(), None)
         raw_rows = g_rows if logprobs_mode == "processed" else list(range(num_rows))
         if raw_rows:
-            # NOTE: log p(token) = logit - logsumexp(logits): no [R, V] log_softmax materialised.
+            # NOTE: log_softmax then gather: on a CPU torch's log_softmax is ~2x faster than its logsumexp
+            # ([64, 32768] fp32: 1.0 vs 2.0 ms at 2 threads), the same value to float rounding.
             idx, sub = _take(logits, raw_rows)  # [G, V]
-            chosen_lp[idx] = sub.gather(1, tokens[idx][:, None])[:, 0] - sub.logsumexp(dim=-1)
+            chosen_lp[idx] = sub.log_softmax(dim=-1).gather(1, tokens[idx][:, None])[:, 0]
         return SamplerOutput(tokens.tolist(), chosen_lp.tolist())
 
     def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
