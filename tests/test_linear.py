@@ -10,6 +10,7 @@ import copy
 
 import pytest
 import torch
+import torch.nn.functional as F
 from test_correctness import GREEDY_GC, MAX_NEW, PROMPTS, reference, run_engine
 from tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
@@ -40,13 +41,18 @@ def test_routed_linears_match_torch_and_leave_the_users_model_alone():
         ours = other(input_ids=ids, use_cache=False).logits
         ref = model(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
-    # one layer on its own, with a bias, and a bf16 input (falls back to torch's linear)
+    # one layer on its own, with a bias: fp32, then the same module cast to bf16 (repacked), then fp16
+    # (not routed: falls back to torch's linear)
     layer = torch.nn.Linear(64, 48)
     linear.use_onednn_linears(layer, min_elements=0)
     x = torch.randn(3, 5, 64)
-    torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    xb = x.bfloat16()
-    assert torch.equal(layer.bfloat16()(xb), torch.nn.functional.linear(xb, layer.weight, layer.bias))
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        torch.testing.assert_close(layer.bfloat16()(xb), F.linear(xb, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
+        assert layer._rollout_packed[0].dtype == torch.bfloat16
+        xh = x.half()
+        assert torch.equal(layer.half()(xh), F.linear(xh, layer.weight, layer.bias))
 
 
 def test_only_large_plain_fp32_linears_are_routed():
@@ -59,7 +65,7 @@ def test_only_large_plain_fp32_linears_are_routed():
     wrapped.forward = wrapped.forward  # an instance forward (as accelerate's hooks set) is left alone
     linear.use_onednn_linears(view, min_elements=0)
     assert wrapped.forward.__func__ is torch.nn.Linear.forward
-    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3", dtype=torch.bfloat16)), min_elements=0) == 0
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3", dtype=torch.float16)), min_elements=0) == 0
 
     class Adapter(torch.nn.Linear):
         pass
@@ -112,3 +118,15 @@ def test_update_weights_drops_packed_copies_even_for_writes_through_data(monkeyp
             p.data.copy_(q.data)  # NOTE: no version bump: only update_weights tells the engine
         eng.update_weights(model)
         assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(other, p, 6) for p in prompts]
+
+
+def test_bf16_views_with_and_without_onednn_give_the_same_logits(monkeypatch):
+    model = make_model("qwen3", dtype=torch.bfloat16)
+    plain, routed_copy = copy.deepcopy(model), copy.deepcopy(model)
+    assert linear.use_onednn_linears(routed_copy, min_elements=0) > 0
+    ids = torch.randint(1, 100, (1, 41))
+    with torch.inference_mode():
+        a = plain(input_ids=ids, use_cache=False).logits
+        b = routed_copy(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
