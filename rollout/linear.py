@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import types
 
 import torch
@@ -88,15 +89,20 @@ def drop_packed(view: torch.nn.Module) -> int:
     return n
 
 
+def enabled() -> bool:
+    """False when `ROLLOUT_ONEDNN_LINEARS=0` (the view then runs torch's own linear: no packed copies)."""
+    return os.environ.get("ROLLOUT_ONEDNN_LINEARS", "1") != "0"
+
+
 def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -> int:
     """Route the view's large fp32 / bf16 CPU `nn.Linear`s through oneDNN; returns how many were routed.
 
     Skips modules whose `forward` is already set on the instance (accelerate's hooks, other wrappers)
     and subclasses of `nn.Linear` (quantized or adapter layers keep their own forward)."""
-    if not onednn_available():
+    if not (enabled() and onednn_available()):
         return 0
     min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
-    n = 0
+    n = nbytes = 0
     for module in view.modules():
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
             continue
@@ -107,6 +113,8 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         module._rollout_packed = None
         module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
         n += 1
+        nbytes += w.numel() * w.element_size()
     if n:
-        logger.debug("rollout: %d linear layers run through oneDNN on packed weights", n)
+        logger.info("rollout: %d linear layers run through oneDNN on packed weight copies (%.1f MiB more, held "
+                    "while the engine lives; ROLLOUT_ONEDNN_LINEARS=0 turns this off)", n, nbytes / 2**20)
     return n

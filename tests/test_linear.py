@@ -118,6 +118,12 @@ def test_update_weights_drops_packed_copies_even_for_writes_through_data(monkeyp
             p.data.copy_(q.data)  # NOTE: no version bump: only update_weights tells the engine
         eng.update_weights(model)
         assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(other, p, 6) for p in prompts]
+        view = eng.manager._core().view
+        assert any(getattr(m, "_rollout_packed", None) is not None for m in view.modules())
+        eng.sleep()  # NOTE: the packed copies go with the KV cache, and come back at the next step
+        assert all(getattr(m, "_rollout_packed", None) is None for m in view.modules())
+        eng.wake()
+        assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(other, p, 6) for p in prompts]
 
 
 def test_bf16_views_with_and_without_onednn_give_the_same_logits(monkeypatch):
@@ -130,3 +136,10 @@ def test_bf16_views_with_and_without_onednn_give_the_same_logits(monkeypatch):
         b = routed_copy(input_ids=ids, use_cache=False).logits
     torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_the_environment_switch_turns_the_routing_off(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_ONEDNN_LINEARS", "0")
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3")), min_elements=0) == 0
+    monkeypatch.setenv("ROLLOUT_ONEDNN_LINEARS", "1")
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3")), min_elements=0) > 0
