@@ -68,7 +68,8 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if x.dtype is w.dtype and w.dtype in DTYPES and x.device.type == "cpu" and w.device.type == "cpu" \
             and (b is None or b.dtype is w.dtype) \
-            and (self._rollout_always or x.numel() >= MIN_ROWS * w.shape[1]):
+            and (self._rollout_always or x.numel() >= MIN_ROWS * w.shape[1]) \
+            and not torch.is_autocast_enabled("cpu"):  # NOTE: under autocast, torch's linear keeps its semantics
         packed = self._rollout_packed
         # NOTE: repacked after any change the engine can see: an in-place write bumps `_version`, a new
         # storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every packed copy.

@@ -51,6 +51,8 @@ def test_routed_linears_match_torch_and_leave_the_users_model_alone():
         xb = x.bfloat16()
         torch.testing.assert_close(layer.bfloat16()(xb), F.linear(xb, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
         assert layer._rollout_packed[0].dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # NOTE: autocast keeps torch's linear: same dtype out
+            assert layer.float()(x).dtype == F.linear(x, layer.weight, layer.bias).dtype == torch.bfloat16
         xh = x.half()
         assert torch.equal(layer.half()(xh), F.linear(xh, layer.weight, layer.bias))
 
