@@ -89,26 +89,6 @@ def test_greedy_through_onednn_linears_matches_hf_generate(arch, monkeypatch):
         assert len(req.generated) == MAX_NEW
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_packed_weights_follow_an_optimizer_step_on_the_trainers_model(foreach, monkeypatch):
-    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
-    gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)
-    prompts = random_prompts(3, 10, 30, seed=5)
-    trainer = make_model("qwen3", seed=0).train()
-    opt = torch.optim.AdamW(trainer.parameters(), lr=0.05, foreach=foreach)
-    with RolloutEngine(trainer, config=ContinuousBatchingConfig(page_size=16, num_blocks=64), generation_config=gc) as eng:
-        view = eng.manager._core().view
-        assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(trainer, p, 6) for p in prompts]
-        held = [m._rollout_packed for m in view.modules() if getattr(m, "_rollout_packed", None) is not None]
-        assert held  # the routed layers run on packed copies
-        ids = torch.tensor([prompts[0]])
-        trainer(ids, labels=ids).loss.backward()
-        opt.step()  # in place, no update_weights: the packed copies must follow
-        opt.zero_grad()
-        ref = copy.deepcopy(trainer).eval()
-        assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(ref, p, 6) for p in prompts]
-
-
 def test_update_weights_drops_packed_copies_even_for_writes_through_data(monkeypatch):
     monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
     gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)

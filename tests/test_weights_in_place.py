@@ -14,6 +14,7 @@ import torch
 from tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
+import rollout.linear as linear
 from rollout import ContinuousBatchingConfig, RolloutEngine, continuous_batching_context_manager
 
 GC = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)
@@ -46,13 +47,20 @@ def test_persistent_manager_after_an_in_place_copy():
         m.destroy()
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["torch_linear", "onednn_packed"])
 @pytest.mark.parametrize("foreach", [False, True])
-def test_engine_on_the_trainers_model_after_an_optimizer_step(foreach):
+def test_engine_on_the_trainers_model_after_an_optimizer_step(foreach, packed, monkeypatch):
+    if packed:  # NOTE: every linear of the view on oneDNN packed copies (rollout.linear), which must follow too
+        if not linear.onednn_available():
+            pytest.skip("torch has no oneDNN linear here")
+        monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
     trainer = make_model("qwen3", seed=0).train()
     opt = torch.optim.AdamW(trainer.parameters(), lr=0.05, foreach=foreach)
     with RolloutEngine(trainer, config=CBC, generation_config=GC) as engine:
         ref = copy.deepcopy(trainer).eval()
         assert engine.generate(PROMPTS, temps=0.0).completion_ids.tolist() == [hf_greedy(ref, p, 6) for p in PROMPTS]
+        view = engine.manager._core().view
+        assert any(getattr(m, "_rollout_packed", None) is not None for m in view.modules()) == packed
         ids = torch.tensor([PROMPTS[0]])
         trainer(ids, labels=ids).loss.backward()
         opt.step()  # no update_weights: the engine shares these tensors
