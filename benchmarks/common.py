@@ -274,7 +274,10 @@ def run_generate(model, wl: Workload) -> RunResult:
     for i, p in enumerate(wl.prompts):
         ids[i, longest - len(p):] = torch.tensor(p)
         mask[i, longest - len(p):] = 1
-    out = model.generate(ids, attention_mask=mask, generation_config=greedy_config(steps))
+    out = model.generate(ids.to(model.device), attention_mask=mask.to(model.device),
+                         generation_config=greedy_config(steps))
+    if out.is_cuda:
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     gen = out[:, longest:].tolist()
     outs = [g[:n] for g, n in zip(gen, wl.max_new, strict=True)]
@@ -285,7 +288,7 @@ def run_generate(model, wl: Workload) -> RunResult:
 @torch.no_grad()
 def generate_one(model, prompt: list[int], n: int) -> list[int]:
     """The oracle: unbatched greedy `model.generate` of one prompt."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=greedy_config(n))
     return out[0, len(prompt):].tolist()
 

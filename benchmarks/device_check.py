@@ -1,13 +1,15 @@
 """Device check: what to run the first time a GPU is lent (driven by benchmarks/device_check.sh).
 
-Given one CUDA device, within ~8 minutes:
+Given one CUDA device, within `--budget` seconds (default 420):
 1. the `gpu`-marked tests (`pytest -m gpu`: flex on CUDA against `generate` and teacher forcing, no host
    sync in a flex step under `torch.cuda.set_sync_debug_mode("error")`, pinned CPU offload, flash refusal);
-2. a throughput comparison on a ~0.5B random-weight Qwen3-architecture model in bf16 (the RL workload
+2. a throughput comparison on a ~0.6B random-weight Qwen3-architecture model in bf16 (the RL workload
    of benchmarks/throughput.py, scaled up): ours (`attn_backend="flex"`, the CUDA default, and "sdpa")
    vs padded `model.generate` vs transformers' continuous batching (flash_attention_2 when flash-attn
-   is installed, else sdpa), greedy agreement with `generate` on a subset first;
-and writes everything to `--out` (JSON next to a Markdown summary).
+   is installed, else sdpa), greedy agreement with unbatched `generate` on a subset, peak GPU memory
+   and GPU memory left allocated after each system;
+and writes everything to `--out` (JSON, rewritten after each part, so a run cut short keeps what it
+measured) and the tests' whole output next to it (`*_tests.log`).
 
 `--dry-run` runs the same driver on a CPU with a ~5M model, a tiny workload and no compile-heavy system,
 lists the gpu tests it would run, and says what it would measure: CI runs it (tests/test_device_check.py).
@@ -19,19 +21,29 @@ lists the gpu tests it would run, and says what it would measure: CI runs it (te
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 
-from benchmarks.common import compare, generate_one, rl_workload, run_generate, run_hf_cb, run_ours  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    Workload,
+    compare,
+    generate_one,
+    rl_workload,
+    run_generate,
+    run_hf_cb,
+    run_ours,
+)
 
 # ~0.6B: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 KV heads, head size 128, vocab 151936)
 GPU_MODEL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -39,8 +51,10 @@ GPU_MODEL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
 CPU_MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=64, vocab_size=4096, tie_word_embeddings=False)
 # (prompts, group, prompt lengths, completion lengths)
-GPU_WORKLOAD = (64, 8, (64, 1024), (32, 512))
+GPU_WORKLOAD = (32, 8, (64, 1024), (32, 512))
 CPU_WORKLOAD = (2, 2, (8, 24), (2, 6))
+# NOTE: the systems in the order they run; one that would start past the deadline is skipped (said so)
+SYSTEM_ORDER = ("ours_flex", "generate", "hf_cb", "ours_sdpa")
 
 
 def make_model(spec: dict, dtype: torch.dtype, device: str, attn: str) -> torch.nn.Module:
@@ -50,33 +64,71 @@ def make_model(spec: dict, dtype: torch.dtype, device: str, attn: str) -> torch.
 
 
 def environment() -> dict:
+    import transformers
+
     cuda = torch.cuda.is_available()
-    return {
+    env = {
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "triton": _version("triton"),
         "cuda": cuda,
         "device": torch.cuda.get_device_name(0) if cuda else "cpu",
         "flash_attn": importlib.util.find_spec("flash_attn") is not None,
         "threads": torch.get_num_threads(),
     }
+    if cuda:
+        env["capability"] = ".".join(map(str, torch.cuda.get_device_capability(0)))
+        env["memory_gib"] = round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)
+    return env
 
 
-def gpu_tests(dry_run: bool, timeout: float) -> dict:
-    """Run (or, dry, only collect) the `gpu`-marked tests."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "tests/test_gpu.py"]
+def _version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def gpu_tests(dry_run: bool, timeout: float, log: str) -> dict:
+    """Run (or, dry, only collect) the `gpu`-marked tests; their whole output goes to `log` as they run
+    (`-v`: a run cut short still says which tests passed)."""
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests/test_gpu.py", "-rA", "--tb=short",
+           "--durations=5", "-p", "no:cacheprovider"]
     if dry_run:
         cmd.insert(4, "--collect-only")
     t0 = time.perf_counter()
-    try:
-        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        tail, rc = (p.stdout + p.stderr).strip().splitlines()[-40:], p.returncode
-    except subprocess.TimeoutExpired:
-        tail, rc = ["timed out"], -1
+    with open(log, "w") as f:
+        try:
+            rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            rc = -1
+    with open(log) as f:
+        text = f.read() + (f"\ntimed out after {timeout:.0f} s" if rc == -1 else "")
+    lines = text.splitlines()
     return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
-            "tail": tail}
+            "results": [ln for ln in lines if ln.startswith("tests/test_gpu.py::")][:80],
+            "tail": lines[-40:]}
 
 
-def throughput(dry_run: bool, device: str) -> dict:
-    """Each system on the same model and requests; tokens/s of useful tokens, greedy agreement first."""
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated(device: str) -> int:
+    if device != "cuda":
+        return 0
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
+    """Each system on the same model and requests; tokens/s of useful tokens, greedy agreement first.
+
+    `save(partial)` is called after each system, so a run cut short still leaves its numbers."""
     from rollout import ContinuousBatchingConfig
 
     spec, dtype = (CPU_MODEL, torch.float32) if dry_run else (GPU_MODEL, torch.bfloat16)
@@ -85,28 +137,52 @@ def throughput(dry_run: bool, device: str) -> dict:
     hf_attn = "flash_attention_2" if flash else "sdpa"
     model = make_model(spec, dtype, device, hf_attn)
     wl = rl_workload(n_prompts, group, spec["vocab_size"], plen, clen)
-    backends = ["sdpa"] if dry_run else ["flex", "sdpa"]  # NOTE: flex compiles ~20-40 s on a CPU: not in CI
-    systems = {f"ours_{b}": (lambda m, w, b=b: run_ours(m, w, ContinuousBatchingConfig(attn_backend=b)))
-               for b in backends}
-    systems["generate"] = run_generate
-    systems[f"hf_cb_{hf_attn}"] = run_hf_cb
     out = {"model": {**spec, "dtype": str(dtype), "params": sum(p.numel() for p in model.parameters())},
            "workload": wl.describe(), "systems": {}}
-    ref_idx = list(range(0, wl.num_requests, max(1, wl.num_requests // 8)))[:2 if dry_run else 8]
+    # NOTE: the oracle is unbatched `generate` of a few requests (each costs its completion's steps)
+    ref_idx = list(range(0, wl.num_requests, max(1, wl.num_requests // 4)))[:2 if dry_run else 4]
+    t0 = time.perf_counter()
     ref = [generate_one(model, wl.prompts[i], wl.max_new[i]) for i in ref_idx]
-    for name, fn in systems.items():
+    out["oracle"] = {"requests": ref_idx, "seconds": round(time.perf_counter() - t0, 1)}
+    warm = Workload([wl.prompts[i] for i in ref_idx[:2]], [min(8, wl.max_new[i]) for i in ref_idx[:2]], 1)
+    systems = {
+        # NOTE: flex compiles ~20-40 s on a CPU: the dry run uses sdpa only
+        "ours_flex": None if dry_run else (lambda m, w: run_ours(m, w, ContinuousBatchingConfig(attn_backend="flex"))),
+        "generate": run_generate,
+        "hf_cb": run_hf_cb,
+        "ours_sdpa": lambda m, w: run_ours(m, w, ContinuousBatchingConfig(attn_backend="sdpa")),
+    }
+    base_mem = _allocated(device)
+    for name in SYSTEM_ORDER:
+        fn = systems[name]
+        if fn is None:
+            continue
+        left = deadline - time.perf_counter()
+        if left < 45:
+            out["systems"][name] = {"skipped": f"{left:.0f} s left before the deadline"}
+            print(name, out["systems"][name], flush=True)
+            continue
         entry: dict = {}
         try:
-            fn(model, wl.subset(ref_idx[:2]))  # NOTE: warm-up (compiles, allocator) on two requests
-            if device == "cuda":
-                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn(model, warm)  # NOTE: warm-up (compiles, allocator) on two short requests
+            _sync(device)
+            entry["warmup_s"] = round(time.perf_counter() - t0, 1)
             r = fn(model, wl)
-            entry = {"seconds": round(r.seconds, 3), "tokens_per_s": round(wl.useful_tokens / r.seconds, 1),
-                     "greedy_match_vs_generate": compare([r.outputs[i] for i in ref_idx], ref)[0]}
+            _sync(device)
+            exact, prefix = compare([r.outputs[i] for i in ref_idx], ref)
+            entry.update({"seconds": round(r.seconds, 3), "tokens_per_s": round(wl.useful_tokens / r.seconds, 1),
+                          "greedy_exact_vs_generate": exact, "greedy_prefix_vs_generate": round(prefix, 3)})
+            if device == "cuda":
+                entry["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+                torch.cuda.reset_peak_memory_stats()
         except Exception as e:  # NOTE: one failing system must not hide the others' numbers
-            entry = {"error": f"{type(e).__name__}: {e}"[:500]}
+            entry["error"] = f"{type(e).__name__}: {e}"[:800]
+            entry["traceback"] = traceback.format_exc().splitlines()[-12:]
+        entry["leaked_bytes"] = _allocated(device) - base_mem  # NOTE: after the system's objects are gone
         out["systems"][name] = entry
         print(name, entry, flush=True)
+        save(out)
     base = out["systems"].get("generate", {}).get("tokens_per_s")
     for entry in out["systems"].values():
         if base and "tokens_per_s" in entry:
@@ -117,9 +193,9 @@ def throughput(dry_run: bool, device: str) -> dict:
 PLAN = [
     "gpu tests: pytest -m gpu (flex on CUDA exact vs generate and teacher forcing; no host sync in a flex "
     "step; pinned CPU offload under pressure; flash refuses without flash-attn)",
-    "throughput, ~0.6B Qwen3-arch random weights, bf16, 64 prompts x G=8 (prompts 64-1024, completions "
-    "32-512): ours flex, ours sdpa, padded generate, transformers CB (flash_attention_2 or sdpa); useful tok/s "
-    "and greedy agreement with unbatched generate on a subset",
+    "throughput, ~0.6B Qwen3-arch random weights, bf16, 32 prompts x G=8 (prompts 64-1024, completions "
+    "32-512): ours flex, padded generate, transformers CB (flash_attention_2 or sdpa), ours sdpa; useful "
+    "tok/s, greedy agreement with unbatched generate on 4 requests, peak and leaked GPU memory",
 ]
 
 
@@ -127,22 +203,35 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, no gpu tests run (collected only)")
     ap.add_argument("--out", default="benchmarks/logs/device_check.json")
-    ap.add_argument("--test-timeout", type=float, default=240.0)
+    ap.add_argument("--test-timeout", type=float, default=200.0, help="seconds for the gpu tests")
+    ap.add_argument("--budget", type=float, default=420.0,
+                    help="seconds for the whole check: a system that would start in its last 45 s is skipped")
+    ap.add_argument("--skip-tests", action="store_true", help="throughput only")
     args = ap.parse_args()
+    t_start = time.perf_counter()
+    deadline = t_start + args.budget
     env = environment()
     if not args.dry_run and not env["cuda"]:
         sys.exit("device_check: no CUDA device here; use --dry-run")
     device = "cpu" if args.dry_run else "cuda"
     print("device_check:", "DRY RUN on CPU:" if args.dry_run else "", env, flush=True)
     print("would measure:" if args.dry_run else "measuring:", *PLAN, sep="\n  - ", flush=True)
-    t0 = time.perf_counter()
-    result = {"dry_run": args.dry_run, "environment": env, "plan": PLAN,
-              "gpu_tests": gpu_tests(args.dry_run, args.test_timeout),
-              "throughput": throughput(args.dry_run, device)}
-    result["seconds"] = round(time.perf_counter() - t0, 1)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
+    result: dict = {"dry_run": args.dry_run, "environment": env, "plan": PLAN}
+
+    def save(partial: dict | None = None) -> None:
+        if partial is not None:
+            result["throughput"] = partial
+        result["seconds"] = round(time.perf_counter() - t_start, 1)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=1)
+
+    if not args.skip_tests:
+        log = os.path.splitext(args.out)[0] + "_tests.log"
+        result["gpu_tests"] = gpu_tests(args.dry_run, min(args.test_timeout, max(30.0, args.budget / 2)), log)
+        print("gpu tests:", *result["gpu_tests"]["results"], *result["gpu_tests"]["tail"][-3:], sep="\n  ", flush=True)
+        save()
+    save(throughput(args.dry_run, device, deadline, save))
     print(f"device_check: wrote {args.out} in {result['seconds']} s", flush=True)
 
 

@@ -29,7 +29,14 @@ def int_tensor(values: list[int], device: torch.device, dtype: torch.dtype = tor
     if not values:
         return torch.empty(0, dtype=dtype, device=device)
     t = torch.frombuffer(array(_TYPECODES[dtype], values), dtype=dtype)  # NOTE: keeps the array alive
-    return t if device.type == "cpu" else t.to(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        # NOTE: from pinned memory the upload is asynchronous (a pageable one synchronises the host
+        # with the device every call); torch's caching host allocator keeps the pinned block until
+        # the copy has run
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class BlockTable:

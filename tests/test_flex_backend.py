@@ -105,3 +105,15 @@ def test_block_mask_lists_each_tile_its_requests_pages_once():
     meta = build_flex_metadata(table, starts, lens, 3, PS, 12, 8)
     assert meta.lo[:3].tolist() == [23, 43, 44]
     assert meta.kv_indices[0, 0, 0, : meta.kv_num_blocks[0, 0, 0]].tolist() == [3, 7, 9]
+
+
+def test_gpu_tile_sizes_divide_the_block_mask_blocks():
+    """torch's GPU flex kernels refuse block-mask blocks that are not multiples of their tiles (their
+    default tiles are 64-128 rows): one query tile per block-mask row tile, a key tile that divides the page."""
+    from rollout.backends.flex import Q_BLOCK, gpu_kernel_options
+
+    for page, block_n in [(16, 16), (32, 32), (48, 16), (256, 64), (1024, 64)]:
+        opts = gpu_kernel_options(page, Q_BLOCK)
+        assert opts["BLOCK_M"] == Q_BLOCK and opts["BLOCK_N"] == block_n and page % opts["BLOCK_N"] == 0
+    with pytest.raises(ValueError, match="page_size divisible by 16"):
+        gpu_kernel_options(8, Q_BLOCK)

@@ -1,7 +1,6 @@
 """GPU-only checks (`pytest -m gpu`; deselected by default, run by benchmarks/device_check.sh on a CUDA device).
 
-Prepared on a CPU-only machine and NOT yet run: they are what "flex on CUDA", "no host sync per
-step" and "pinned offload" mean once a GPU is lent.
+What "flex on CUDA", "no host sync per step" and "pinned offload" mean once a GPU is lent.
 """
 
 from __future__ import annotations
@@ -17,6 +16,34 @@ from rollout.core import EngineCore
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 GREEDY = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
+
+
+@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 20.0)])
+def test_cuda_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
+    """The paged flex kernel alone on CUDA (Triton) against the fp64 reference of test_flex_backend."""
+    from test_flex_backend import FREED, HKV, NUM_BLOCKS, PS, STEPS, D, H, make_step, reference
+
+    from rollout.backends.flex import build_flex_metadata, flex_paged_attention
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator().manual_seed(0)
+    k_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
+    v_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
+    for i, specs in enumerate(STEPS):
+        tables = make_step(g, specs, window, share=i == 0)
+        width = max(map(len, tables))
+        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables], device="cuda")
+        starts = torch.tensor([s for s, _ in specs], device="cuda")
+        lens = torch.tensor([n for _, n in specs], device="cuda")
+        rows = int(lens.sum())
+        q = torch.randn(1, H, rows, D, generator=g).to(dtype) * 0.5
+        meta = build_flex_metadata(table, starts, lens, rows, PS, NUM_BLOCKS, window)
+        out = flex_paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, PS, softcap)
+        assert out.is_cuda and out.shape == (1, H, rows, D) and out.dtype == dtype
+        ref = reference(q, k_cache, v_cache, tables, specs, window, softcap)
+        err = (out.cpu().double() - ref).abs().max().item()
+        assert err < atol, f"step {i}: max error {err}"
 
 
 def run(core: EngineCore, prompts: list[list[int]], n: int):
@@ -83,3 +110,58 @@ def test_flash_is_refused_with_a_reason():
     model = make_model("llama").cuda()
     with pytest.raises(ValueError, match="attn_backend='flash'"):
         EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=8, attn_backend="flash"))
+
+
+@pytest.mark.parametrize("backend", ["flex", "sdpa"])
+def test_rl_loop_on_cuda_update_sleep_wake_close(backend):
+    """The RL loop on a CUDA model: rollouts exact (tokens vs `generate`, logprobs vs teacher forcing), an
+    AdamW step on the trainer's own parameters then `update_weights` (new weights used), `sleep` gives
+    the cache's GPU memory back, `wake` takes it again, and `close` leaves no GPU memory behind."""
+    from rollout import RolloutEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_model("qwen3").cuda()
+    prompts = random_prompts(4, 10, 40, seed=5)
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=128, attn_backend=backend)
+    gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+
+    def check(engine) -> None:
+        batch = engine.generate(prompts, temps=0.0, max_new_tokens=8)
+        for i, p in enumerate(prompts):
+            got = batch.completion_ids[i][batch.completion_mask[i].bool()].tolist()
+            assert got == hf_greedy(model, p, 8)
+            ref = teacher_forced_logits(model, p, got).log_softmax(-1)
+            want = ref[torch.arange(len(got)), torch.tensor(got, device=ref.device)].cpu()
+            assert batch.logprobs[i][: len(got)].cpu() == pytest.approx(want.tolist(), abs=1e-4)
+
+    engine = RolloutEngine(model, config=cfg, generation_config=gc)
+    try:
+        check(engine)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model.train()
+        ids = torch.tensor([prompts[0]], device="cuda")
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        model.eval()
+        engine.update_weights(model)
+        check(engine)  # NOTE: the oracle runs the updated model
+        held = engine.cache_stats()["kv_bytes"]
+        before = torch.cuda.memory_allocated()
+        assert engine.sleep() == held > 0
+        torch.cuda.synchronize()
+        assert before - torch.cuda.memory_allocated() >= held
+        assert engine.wake() == held
+        check(engine)
+    finally:
+        engine.close()
+    del opt
+    model.zero_grad(set_to_none=True)
+    import gc as _gc
+
+    _gc.collect()
+    torch.cuda.synchronize()
+    # NOTE: what is left is the model's own (its parameters, AdamW's state freed above)
+    assert torch.cuda.memory_allocated() <= base + 1024, torch.cuda.memory_allocated() - base

@@ -95,7 +95,7 @@ def random_prompts(n: int, lo: int, hi: int, seed: int = 0, shared_prefix: int =
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     """The oracle: plain `model.generate`, one prompt at a time, no EOS."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=model.device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
@@ -104,6 +104,6 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
 @torch.no_grad()
 def teacher_forced_logits(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     """fp32 logits [len(completion), V] predicting each completion token."""
-    ids = torch.tensor([prompt + completion])
+    ids = torch.tensor([prompt + completion], device=model.device)
     logits = model(ids).logits[0].float()
     return logits[len(prompt) - 1 : -1]

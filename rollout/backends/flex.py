@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ..block_table import int_tensor
+
 # NOTE: query rows per tile of the block mask. Rows of one tile read the union of their requests'
 # pages (masked per row), so a small tile keeps decode rows from reading each other's pages.
 Q_BLOCK = 16
@@ -140,7 +142,7 @@ def flex_paged_attention(
     q = query if t >= 2 else torch.cat([query, query], 2)  # NOTE: see build_flex_metadata
     if k_cache.dtype != q.dtype:  # NOTE: the CPU kernel needs one dtype for q, k and v
         q = q.to(k_cache.dtype)
-    fn = _kernel(page_size, meta.q_block, float(softcap) if softcap else 0.0)
+    fn = _kernel(page_size, meta.q_block, float(softcap) if softcap else 0.0, q.device.type)
     # NOTE: dynamic: the step's rows and tiles, and the cache's size (engines of any size share a
     # kernel); the mask mod's tables have static capacities (see FlexMetadata).
     k, v = k_cache[None], v_cache[None]
@@ -152,11 +154,26 @@ def flex_paged_attention(
     return out[:, :, :t].to(query.dtype)
 
 
+def gpu_kernel_options(page_size: int, q_block: int) -> dict:
+    """Triton tile sizes for the block mask's (q_block, page) blocks.
+
+    NOTE: torch's GPU FlexAttention kernels need the block mask's block sizes to be multiples of the
+    kernel's tiles (BLOCK_M x BLOCK_N; its defaults, 64-128, refuse 16-row tiles): the query tile is one
+    block-mask row tile, and the key tile the largest power of two dividing the page, at most 64
+    (a 256-token tile of K and V would not fit in shared memory). `FORCE_USE_FLEX_ATTENTION` keeps
+    short steps on the same kernel family (the decoding kernel has other tile rules)."""
+    block_n = min(64, page_size & -page_size)
+    if block_n < 16:
+        raise ValueError(f"attn_backend='flex' on CUDA needs a page_size divisible by 16, got {page_size}")
+    return {"BLOCK_M": q_block, "BLOCK_N": block_n, "FORCE_USE_FLEX_ATTENTION": True}
+
+
 @functools.cache
-def _kernel(page_size: int, q_block: int, softcap: float):
+def _kernel(page_size: int, q_block: int, softcap: float, device_type: str = "cpu"):
     """The compiled kernel of one static configuration (NOTE: each has its own code object, so its own
-    dynamo cache and recompile budget: see `_fresh`)."""
+    dynamo cache and recompile budget: see `_renamed`)."""
     ps = page_size
+    options = gpu_kernel_options(ps, q_block) if device_type == "cuda" else None
 
     def paged(q, k, v, kv_num_blocks, kv_indices, base, pos, lo, tables, logical):
         def mask_mod(b, h, q_idx, kv_idx):
@@ -175,9 +192,9 @@ def _kernel(page_size: int, q_block: int, softcap: float):
             seq_lengths=(q.shape[2], k.shape[2]), compute_q_blocks=False,
         )
         return flex_attention(q, k, v, score_mod=softcap_mod if softcap else None, block_mask=block_mask,
-                              scale=1.0, enable_gqa=q.shape[1] != k.shape[1])
+                              scale=1.0, enable_gqa=q.shape[1] != k.shape[1], kernel_options=options)
 
-    tag = f"paged_flex_ps{ps}_q{q_block}_cap{softcap:g}".replace(".", "_")
+    tag = f"paged_flex_ps{ps}_q{q_block}_cap{softcap:g}_{device_type}".replace(".", "_")
     return torch.compile(_renamed(paged, tag), fullgraph=True)
 
 
@@ -222,6 +239,8 @@ class FlexBackend:
             raise ValueError(f"attn_backend='flex' runs on CPU or CUDA; the model is on {device}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"attn_backend='flex' needs a float32, bfloat16 or float16 model, got {dtype}")
+        if device.type == "cuda":
+            gpu_kernel_options(page_size, Q_BLOCK)  # NOTE: the page-size check, before any compile
         if device.type == "cpu" and not _has_cxx():
             raise ValueError("attn_backend='flex' on CPU compiles a C++ kernel and no C++ compiler was found; "
                              "use attn_backend='sdpa'")
@@ -230,8 +249,9 @@ class FlexBackend:
     def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> FlexGroup:
         dev, ps = self.device, self.page_size
         width = max(len(t) for t in tables)
-        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables], dtype=torch.int32, device=dev)
-        lens = torch.tensor(step.lens_list, device=dev)  # [B]
+        flat = [x for t in tables for x in (t + [FREED] * (width - len(t)) if len(t) < width else t)]
+        table = int_tensor(flat, dev, torch.int32).view(len(tables), width)  # [B, P]
+        lens = int_tensor(step.lens_list, dev)  # [B]
         meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_blocks, window,
                                    row_capacity=self.max_batch_tokens)
         pos = step.positions  # [T]
