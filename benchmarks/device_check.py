@@ -122,10 +122,26 @@ def _allocated(device: str) -> int:
 
     gc.collect()
     torch.cuda.synchronize()
+    torch._C._cuda_clearCublasWorkspaces()  # NOTE: torch's per-handle cuBLAS workspaces (a thread's first matmul)
     return torch.cuda.memory_allocated()
 
 
-def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
+def exactness_fp32(spec: dict, wl: Workload, ref_idx: list[int], device: str) -> dict:
+    """Greedy tokens of ours (the device's default backend) on the whole workload in fp32 against
+    unbatched `generate` of `ref_idx`: at bf16 a random deep model's near-ties make every batched
+    system (padded `generate` too) drift from the unbatched one within a few tokens, so exactness is
+    judged in fp32, on the same shapes (layers, heads, head size, page size) and requests."""
+    t0 = time.perf_counter()
+    model = make_model(spec, torch.float32, device, "sdpa")
+    ref = [generate_one(model, wl.prompts[i], wl.max_new[i]) for i in ref_idx]
+    r = run_ours(model, wl)
+    exact, prefix = compare([r.outputs[i] for i in ref_idx], ref)
+    del model
+    return {"requests": ref_idx, "greedy_exact_vs_generate": exact, "greedy_prefix_vs_generate": round(prefix, 3),
+            "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_ORDER, fp32_check=True) -> dict:
     """Each system on the same model and requests; tokens/s of useful tokens, greedy agreement first.
 
     `save(partial)` is called after each system, so a run cut short still leaves its numbers."""
@@ -140,7 +156,16 @@ def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
     out = {"model": {**spec, "dtype": str(dtype), "params": sum(p.numel() for p in model.parameters())},
            "workload": wl.describe(), "systems": {}}
     # NOTE: the oracle is unbatched `generate` of a few requests (each costs its completion's steps)
-    ref_idx = list(range(0, wl.num_requests, max(1, wl.num_requests // 4)))[:2 if dry_run else 4]
+    # NOTE: two requests of each of the first two groups (shared prompt, different lengths)
+    ref_idx = [0, 1] if dry_run else [0, 1, group, group + 1]
+    if fp32_check:
+        try:
+            out["exactness_fp32"] = exactness_fp32(spec, wl, ref_idx, device)
+        except Exception as e:  # NOTE: reported, and the throughput part still runs
+            out["exactness_fp32"] = {"error": f"{type(e).__name__}: {e}"[:800],
+                                     "traceback": traceback.format_exc().splitlines()[-12:]}
+        print("exactness_fp32", out["exactness_fp32"], flush=True)
+        save(out)
     t0 = time.perf_counter()
     ref = [generate_one(model, wl.prompts[i], wl.max_new[i]) for i in ref_idx]
     out["oracle"] = {"requests": ref_idx, "seconds": round(time.perf_counter() - t0, 1)}
@@ -152,8 +177,7 @@ def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
         "hf_cb": run_hf_cb,
         "ours_sdpa": lambda m, w: run_ours(m, w, ContinuousBatchingConfig(attn_backend="sdpa")),
     }
-    base_mem = _allocated(device)
-    for name in SYSTEM_ORDER:
+    for name in names:
         fn = systems[name]
         if fn is None:
             continue
@@ -163,6 +187,7 @@ def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
             print(name, out["systems"][name], flush=True)
             continue
         entry: dict = {}
+        base_mem = _allocated(device)
         try:
             t0 = time.perf_counter()
             fn(model, warm)  # NOTE: warm-up (compiles, allocator) on two short requests
@@ -179,7 +204,7 @@ def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
         except Exception as e:  # NOTE: one failing system must not hide the others' numbers
             entry["error"] = f"{type(e).__name__}: {e}"[:800]
             entry["traceback"] = traceback.format_exc().splitlines()[-12:]
-        entry["leaked_bytes"] = _allocated(device) - base_mem  # NOTE: after the system's objects are gone
+        entry["leaked_bytes"] = _allocated(device) - base_mem  # NOTE: this system's, once its objects are gone
         out["systems"][name] = entry
         print(name, entry, flush=True)
         save(out)
@@ -193,9 +218,11 @@ def throughput(dry_run: bool, device: str, deadline: float, save) -> dict:
 PLAN = [
     "gpu tests: pytest -m gpu (flex on CUDA exact vs generate and teacher forcing; no host sync in a flex "
     "step; pinned CPU offload under pressure; flash refuses without flash-attn)",
-    "throughput, ~0.6B Qwen3-arch random weights, bf16, 32 prompts x G=8 (prompts 64-1024, completions "
-    "32-512): ours flex, padded generate, transformers CB (flash_attention_2 or sdpa), ours sdpa; useful "
-    "tok/s, greedy agreement with unbatched generate on 4 requests, peak and leaked GPU memory",
+    "exactness, ~0.6B Qwen3-arch random weights, fp32: ours (default backend) on the whole workload below, "
+    "greedy tokens of 4 requests (2 groups) against unbatched generate",
+    "throughput, same model in bf16, 32 prompts x G=8 (prompts 64-1024, completions 32-512): ours flex, "
+    "padded generate, transformers CB (flash_attention_2 or sdpa), ours sdpa; useful tok/s, greedy "
+    "agreement with unbatched generate (bf16: informative only), peak and leaked GPU memory",
 ]
 
 
@@ -207,6 +234,8 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds for the whole check: a system that would start in its last 45 s is skipped")
     ap.add_argument("--skip-tests", action="store_true", help="throughput only")
+    ap.add_argument("--systems", default=",".join(SYSTEM_ORDER), help=f"of {','.join(SYSTEM_ORDER)}, run in this order")
+    ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 exactness run")
     args = ap.parse_args()
     t_start = time.perf_counter()
     deadline = t_start + args.budget
@@ -231,7 +260,11 @@ def main() -> None:
         result["gpu_tests"] = gpu_tests(args.dry_run, min(args.test_timeout, max(30.0, args.budget / 2)), log)
         print("gpu tests:", *result["gpu_tests"]["results"], *result["gpu_tests"]["tail"][-3:], sep="\n  ", flush=True)
         save()
-    save(throughput(args.dry_run, device, deadline, save))
+    names = [n for n in args.systems.split(",") if n]
+    unknown = sorted(set(names) - set(SYSTEM_ORDER))
+    if unknown:
+        sys.exit(f"device_check: unknown --systems {unknown}; choose from {SYSTEM_ORDER}")
+    save(throughput(args.dry_run, device, deadline, save, names, fp32_check=not args.no_fp32_check))
     print(f"device_check: wrote {args.out} in {result['seconds']} s", flush=True)
 
 

@@ -305,16 +305,15 @@ def gather_attend(
     return out
 
 
-def null_mask(*args, **kwargs) -> None:
-    """The model builds no mask of its own: the metadata carries everything attention needs."""
-    return
-
-
 def register() -> str:
-    """Register the paged attention and its null mask with transformers (idempotent)."""
+    """Register the paged attention with transformers (idempotent).
+
+    NOTE: no mask function is registered on purpose: transformers' mask builders then return at once
+    ("custom attention without equivalent mask creation"). With one registered, even a null one, they
+    first scan the packed position ids for sequence starts (`find_packed_sequence_indices`), whose
+    `.all()` is a host-device synchronisation on CUDA every forward (seen with
+    `torch.cuda.set_sync_debug_mode("error")`, tests/test_gpu.py) and wasted work on a CPU."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME, paged_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME, null_mask)
     return ATTN_NAME

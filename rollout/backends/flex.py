@@ -110,7 +110,7 @@ def build_flex_metadata(
     logical = torch.full((capacity(num_blocks + 1, PAGE_FLOOR),), -1, dtype=torch.int32, device=dev)
     dst = torch.where(live, table.long(), num_blocks).reshape(-1)  # NOTE: slot num_blocks collects the rest
     logical.scatter_(0, dst, j.to(torch.int32).expand(r, p).reshape(-1))
-    logical[num_blocks] = -1
+    logical.narrow(0, num_blocks, 1).fill_(-1)  # NOTE: `logical[i] = -1` copies a host scalar: a sync on CUDA
     return FlexMetadata(
         kv_num_blocks=kv_num_blocks[None, None],
         kv_indices=kv_indices[None, None],
