@@ -129,11 +129,11 @@ class ContinuousBatchingConfig:
         if self._gpu_notes_logged:
             return
         self._gpu_notes_logged = True
-        if self.default_compile_level or self.varlen_compile_config or self.decode_compile_config:
-            # NOTE: benchmarks/compile_levels.py (CPU, transformers' level mapping): levels 1-3 ran at
-            # 0.95x / 0.96x / 0.87x of no compilation, after 9-14 s of compiling.
-            logger.warning("torch.compile settings are accepted but not applied by rollout's engine: on CPU every "
-                           "level measured slower (benchmarks/RESULTS.md)")
+        if self.varlen_compile_config or self.decode_compile_config:
+            # NOTE: `default_compile_level >= 1` compiles the whole forward on a CPU (rollout.compiled); the
+            # per-shape CompileConfigs of transformers are not used.
+            logger.warning("varlen_compile_config / decode_compile_config are accepted but not applied by rollout's "
+                           "engine; default_compile_level >= 1 compiles the engine forward on a CPU")
         if has_cuda:
             return
         ignored = [n for n in ("use_cuda_graph", "use_async_batching") if getattr(self, n)]

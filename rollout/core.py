@@ -160,6 +160,9 @@ class EngineCore:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         config.log_unavailable_features(torch.cuda.is_available())
+        if config.default_compile_level and self.device.type != "cpu":
+            logger.warning("default_compile_level=%d has no effect on %s: rollout compiles its forward on a CPU only",
+                           config.default_compile_level, self.device)
         self.view = make_engine_view(model)
         self.windows, groups = layer_groups(layer_windows(model))
         self.sliding = any(w is not None for w in self.windows)
@@ -197,7 +200,8 @@ class EngineCore:
             config.scheduler_type, config.safety_margin, fork_prompts=config.allow_block_sharing,
             windows=self.windows, offloader=self.cache.offload,
         )
-        self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend)
+        self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
+                                  compiled=config.default_compile_level >= 1 and self.device.type == "cpu")
         self.sampler = Sampler(self.device)
         self.set_generation_config(generation_config)
         tc = text_config(model)

@@ -87,6 +87,8 @@ def drop_packed(view: torch.nn.Module) -> int:
         if getattr(module, "_rollout_packed", None) is not None:
             module._rollout_packed = None
             n += 1
+        if getattr(module, "_rollout_w", None) is not None:  # NOTE: the compiled forward's copy (rollout.compiled)
+            module._rollout_w = None
     return n
 
 

@@ -83,13 +83,19 @@ class ModelRunner:
             in each of them (default: the cache's layers).
         backend: the attention backend (`rollout.backends`): builds each group's metadata and attends;
             default the portable `sdpa`.
+        compiled: run the view's forward as one compiled graph (`rollout.compiled`, CPU only).
     """
 
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None,
-        num_layers: int | None = None, backend: AttentionBackend | None = None,
+        num_layers: int | None = None, backend: AttentionBackend | None = None, compiled: bool = False,
     ) -> None:
         self.model = model
+        self.forward = model
+        if compiled:
+            from .compiled import CompiledForward
+
+            self.forward = CompiledForward(model)
         self.cache = cache
         self.backend = backend or create_backend("sdpa", cache.device, cache.dtype)
         self.windows = windows or [None]  # attention window of each layer group
@@ -168,7 +174,7 @@ class ModelRunner:
         meta = kwargs["rollout_meta"]
         if not self.verified:
             meta.layers_seen = set()
-        logits = self.model(**kwargs).logits[0]  # [R, V]
+        logits = self.forward(**kwargs).logits[0]  # [R, V]
         if not self.verified:
             self._verify(meta.layers_seen)
         if not sampled:

@@ -1,0 +1,156 @@
+"""The engine view's forward as ONE `torch.compile(fullgraph=True, dynamic=True)` graph, on a CPU.
+
+Opt-in: `ContinuousBatchingConfig(default_compile_level=1)` (any level >= 1; off by default). Nothing
+breaks the graph:
+
+- our paged attention (cache writes, the C++ decode kernel, SDPA over prompt chunks) is one opaque
+  custom op per layer, `rollout::paged_attention`. The per-step metadata (block tables, segments) is
+  not a tensor, so the op finds it through the `CompiledForward` that runs the step: a 0-d tensor
+  handle passed down HF's forward kwargs (`rollout_step`), never a constant baked into the graph;
+- the view's oneDNN linears on packed weights (`rollout.linear`) are a second custom op,
+  `rollout::packed_linear` (inductor's own lowering of `mkldnn._linear_pointwise` takes frozen weights
+  only, and frozen weights would miss weight updates); the packed copies are refreshed before each
+  forward, outside the graph, after any weight change.
+
+Everything else of the HF forward (embedding, RMSNorm, RoPE, SiLU * mul, residual adds, the small
+linears, the rows kept for the LM head) is inductor's: fused C++/OpenMP kernels instead of ~40 small ops
+per layer dispatched from Python. The token dimension is dynamic: one graph serves every step size, plus
+torch's specialisation of one-token steps; a new torch thread count compiles again (inductor's kernels
+are built for it). Compiling takes ~10 s for a 5M model and ~60-70 s for a 100M one on the 2-core box of
+`benchmarks/`, once per process and thread count; see `benchmarks/compile_fullgraph.py` for what it buys.
+
+Dynamo's guards on the view's modules are skipped (`skip_guard_on_all_nn_modules_unsafe`: checking
+them cost ~0.3 ms a step): the view is the engine's own, its structure never changes, and its tensors
+are read again at every call.
+"""
+
+from __future__ import annotations
+
+import itertools
+import types
+import weakref
+
+import torch
+
+from .attention import _check_kwargs, null_mask, paged_attention_forward
+from .linear import PACK_ROWS
+
+ATTN_NAME_COMPILED = "rollout_paged_compiled"
+
+# NOTE: the one piece of module state: custom ops take tensors and numbers only, so the op reaches the
+# step's metadata through this table, keyed by the handle each `CompiledForward` passes in.
+_FORWARDS: weakref.WeakValueDictionary[int, CompiledForward] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count(1)
+
+
+@torch.library.custom_op("rollout::paged_attention", mutates_args=())
+def paged_attention_op(
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    step: torch.Tensor,  # [] int64: the handle of the CompiledForward running this step
+    layer: int,
+    scale: float,
+    softcap: float,  # 0: none
+    window: int,  # 0: none
+    sinks: torch.Tensor | None,  # [H] attention sinks (gpt-oss)
+) -> torch.Tensor:  # [T, H, D], contiguous
+    """rollout's paged attention for one layer. It also writes the step's K/V into the cache, which the
+    graph does not see; each layer's call consumes the previous layer's output, so the order holds."""
+    meta = _FORWARDS[int(step)].meta
+    out, _ = paged_attention_forward(types.SimpleNamespace(layer_idx=layer), query, key, value, scaling=scale,
+                                     sliding_window=window or None, softcap=softcap or None,
+                                     rollout_meta=meta, s_aux=sinks)
+    return out[0].contiguous()
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, step, layer, scale, softcap, window, sinks):
+    return query.new_empty(query.shape[2], query.shape[1], query.shape[3])
+
+
+@torch.library.custom_op("rollout::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's linear on a weight packed by `mkldnn._reorder_linear_weight` (what `rollout.linear` runs)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@packed_linear_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def compiled_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,  # [1, H, T, D]
+    key: torch.Tensor,  # [1, Hkv, T, D]
+    value: torch.Tensor,  # [1, Hkv, T, D]
+    attention_mask: torch.Tensor | None = None,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    dropout: float = 0.0,
+    rollout_step: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], no weights)
+    """The attention HF calls inside the compiled forward: the custom op (checks run at trace time)."""
+    if rollout_step is None:
+        raise RuntimeError(f"attention '{ATTN_NAME_COMPILED}' only runs inside rollout's compiled engine forward")
+    _check_kwargs(module, kwargs, dropout)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention_op(query, key, value, rollout_step, module.layer_idx, float(scale),
+                             float(softcap or 0.0), int(sliding_window or 0), s_aux)
+    return out[None], None
+
+
+def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return packed_linear_op(x, self._rollout_w, self.bias)
+
+
+def register() -> str:
+    """Register the compiled attention and its null mask with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(ATTN_NAME_COMPILED, compiled_attention_forward)
+    AttentionMaskInterface.register(ATTN_NAME_COMPILED, null_mask)
+    return ATTN_NAME_COMPILED
+
+
+class CompiledForward:
+    """Runs the engine view's forward compiled: `forward(rollout_meta=meta, input_ids=..., position_ids=...,
+    logits_to_keep=..., use_cache=False)`, the runner's call. Switches the view to the compiled attention
+    and its oneDNN linears (`rollout.linear`) to the packed-linear op."""
+
+    def __init__(self, view: torch.nn.Module) -> None:
+        view.set_attn_implementation(register())
+        self.handle = next(_HANDLES)
+        _FORWARDS[self.handle] = self
+        self.step = torch.tensor(self.handle)
+        self.meta = None  # NOTE: the step's AttentionMetadata, set for the length of one forward
+        self.linears = []
+        for module in view.modules():
+            if "_rollout_packed" in vars(module):  # NOTE: routed to oneDNN by rollout.linear
+                module.forward = types.MethodType(_packed_forward, module)
+                module._rollout_w = None
+                self.linears.append(module)
+        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+        self.fn = torch.compile(view.forward, fullgraph=True, dynamic=True, options=options)
+
+    def _refresh_packed(self) -> None:
+        """Pack each routed weight again when it changed (as `rollout.linear` does inside its forward)."""
+        for m in self.linears:
+            w, p = m.weight, m._rollout_packed
+            if p is None or p[1] != w._version or p[2] != w.data_ptr() or m._rollout_w is None:
+                p = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), w._version, w.data_ptr())
+                m._rollout_packed = p
+                m._rollout_w = p[0]
+
+    def __call__(self, rollout_meta, **kwargs):
+        self._refresh_packed()
+        self.meta = rollout_meta
+        try:
+            return self.fn(rollout_step=self.step, **kwargs)
+        finally:
+            self.meta = None
