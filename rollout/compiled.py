@@ -27,6 +27,7 @@ are read again at every call.
 from __future__ import annotations
 
 import itertools
+import logging
 import types
 import weakref
 
@@ -35,12 +36,15 @@ import torch
 from .attention import _check_kwargs, null_mask, paged_attention_forward
 from .linear import PACK_ROWS
 
+logger = logging.getLogger("rollout")
+
 ATTN_NAME_COMPILED = "rollout_paged_compiled"
 
 # NOTE: the one piece of module state: custom ops take tensors and numbers only, so the op reaches the
 # step's metadata through this table, keyed by the handle each `CompiledForward` passes in.
 _FORWARDS: weakref.WeakValueDictionary[int, CompiledForward] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
+_COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
 
 
 @torch.library.custom_op("rollout::paged_attention", mutates_args=())
@@ -136,7 +140,9 @@ class CompiledForward:
                 module._rollout_w = None
                 self.linears.append(module)
         options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.fn = torch.compile(view.forward, fullgraph=True, dynamic=True, options=options)
+        self.fn = torch.compile(_entry_point(view, self.handle), fullgraph=True, dynamic=True, options=options)
+        self.eager = view.forward
+        self.checked = False  # NOTE: set once a forward ran
 
     def _refresh_packed(self) -> None:
         """Pack each routed weight again when it changed (as `rollout.linear` does inside its forward)."""
@@ -151,6 +157,30 @@ class CompiledForward:
         self._refresh_packed()
         self.meta = rollout_meta
         try:
-            return self.fn(rollout_step=self.step, **kwargs)
+            try:
+                out = self.fn(rollout_step=self.step, **kwargs)
+            except Exception as e:
+                # NOTE: the first call compiles (any failure there: no compiler, an op dynamo cannot trace);
+                # later ones may compile again (a new thread count, past dynamo's recompile limit).
+                if self.fn is self.eager or (self.checked and not isinstance(e, _COMPILE_ERRORS)):
+                    raise
+                logger.warning("rollout: compiling the engine forward failed (%s: %s); this engine runs it "
+                               "uncompiled from now on", type(e).__name__, (str(e).splitlines() or [""])[0])
+                self.fn = self.eager
+                out = self.fn(rollout_step=self.step, **kwargs)
+            self.checked = True
+            return out
         finally:
             self.meta = None
+
+
+def _entry_point(view: torch.nn.Module, handle: int):
+    """`view.forward` behind a code object of its own: dynamo keeps its compiled graphs (and its limit of 8
+    per code object, past which a fullgraph compile raises) per code object, and HF's forwards share one
+    decorator wrapper's code, so without this every engine of the process would share one cache."""
+
+    def forward(**kwargs):
+        return view.forward(**kwargs)
+
+    code = forward.__code__.replace(co_name=f"rollout_forward_{handle}")
+    return types.FunctionType(code, forward.__globals__, code.co_name, None, forward.__closure__)
