@@ -42,8 +42,11 @@ class ContinuousBatchingConfig:
         attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, "flash" else "flex"
             on CUDA), "cpu" (C++ kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled
             FlexAttention over the paged cache), "flash" (flash-attn, CUDA). See `rollout.backends`.
+        default_compile_level: 0 (default) runs the forward eagerly; 1-3 (all the same here) compile it on
+            a CPU as one graph (`rollout.compiled`: seconds to a minute once per process and thread count,
+            faster steps after); no effect on other devices.
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
-        default_compile_level, varlen_compile_config, decode_compile_config, max_blocks_per_request,
+        varlen_compile_config, decode_compile_config, max_blocks_per_request,
         cpu_group_timeout, auto_switch_to_flash: accepted for API compatibility with transformers;
             the ones that need CUDA log once that they have no effect on a CPU.
     """
