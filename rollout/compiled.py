@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from .attention import _check_kwargs, null_mask, paged_attention_forward
+from .attention import _check_kwargs, paged_attention_forward
 from .linear import PACK_ROWS
 
 logger = logging.getLogger("rollout")
@@ -113,12 +113,11 @@ def _packed_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def register() -> str:
-    """Register the compiled attention and its null mask with transformers (idempotent)."""
+    """Register the compiled attention with transformers (idempotent; no mask function, as
+    `rollout.attention.register` explains)."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
 
     AttentionInterface.register(ATTN_NAME_COMPILED, compiled_attention_forward)
-    AttentionMaskInterface.register(ATTN_NAME_COMPILED, null_mask)
     return ATTN_NAME_COMPILED
 
 
