@@ -25,7 +25,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import greedy_config, make_model, rl_workload, training_step  # noqa: E402
+from common import greedy_config, make_model, rl_workload, run_vllm, training_step, vllm_available  # noqa: E402
 
 
 def build(model, compiled: bool):
@@ -57,10 +57,13 @@ def main() -> None:
     p.add_argument("--completion-len", type=int, nargs=2, default=[8, 128])
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--trainer-step", action="store_true", help="deep copy + a training step first (throughput.py)")
+    p.add_argument("--vllm", action="store_true", help="also vLLM-CPU in each rep (own process; common.run_vllm)")
     a = p.parse_args()
     from torch._dynamo.utils import counters
 
     threads = [int(t) for t in a.threads.split(",")]
+    if a.vllm and not vllm_available():
+        raise SystemExit("--vllm: vLLM-CPU's venv not found (common.VLLM_PYTHON)")
     model = make_model(a.model, a.dtype)
     wl = rl_workload(a.prompts, a.group, model.config.vocab_size, tuple(a.prompt_len), tuple(a.completion_len), seed=0)
     print(f"torch {torch.__version__}, {a.model} {a.dtype}, threads {threads}, {wl.describe()}", flush=True)
@@ -93,14 +96,25 @@ def main() -> None:
                 ok = out == outs["eager"]
                 print(f"  rep {rep} {mode:8s} {t} thr wall {wall:6.2f} s ({wl.useful_tokens / wall:6.0f} tok/s) "
                       f"greedy {'same' if ok else 'DIFFERENT'} load {os.getloadavg()[0]:.2f}", flush=True)
+            if a.vllm and t == max(threads):
+                r = run_vllm(model, wl)
+                times.setdefault(("vllm", t), []).append(r.seconds)
+                same = sum(x == y for x, y in zip(r.outputs, outs["eager"], strict=True))
+                print(f"  rep {rep} vllm     {t} thr wall {r.seconds:6.2f} s ({wl.useful_tokens / r.seconds:6.0f} tok/s) "
+                      f"greedy == ours {same}/{len(r.outputs)} load {os.getloadavg()[0]:.2f}", flush=True)
     late = counters["stats"].get("unique_graphs", 0)
     print(f"graphs compiled during the timed runs (recompilations): {late}")
     print("\nmode     | threads | tok/s (median) | vs eager same threads | vs eager 1 thread")
     for (mode, t), ws in sorted(times.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         med = statistics.median(ws)
         e = statistics.median(times[("eager", t)])
-        e1 = statistics.median(times[("eager", min(threads))])
+        e1 = statistics.median(times[("eager", min(threads))]) if mode != "vllm" else float("nan")
         print(f"{mode:8s} | {t:7d} | {wl.useful_tokens / med:14.0f} | {e / med:20.2f}x | {e1 / med:.2f}x")
+    for t in threads:
+        if ("vllm", t) in times:
+            v = statistics.median(times[("vllm", t)])
+            print(f"{t} thread(s): ours / vLLM-CPU (medians): eager {v / statistics.median(times[('eager', t)]):.2f}x, "
+                  f"compiled {v / statistics.median(times[('compiled', t)]):.2f}x")
 
 
 if __name__ == "__main__":
