@@ -216,8 +216,9 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
 
 
 PLAN = [
-    "gpu tests: pytest -m gpu (flex on CUDA exact vs generate and teacher forcing; no host sync in a flex "
-    "step; pinned CPU offload under pressure; flash refuses without flash-attn)",
+    "gpu tests: pytest -m gpu (flex kernel vs fp64; flex/sdpa on CUDA exact vs generate and teacher forcing; "
+    "no host sync in a flex step; pinned CPU offload under pressure; flash refuses without flash-attn; the RL "
+    "loop update/sleep/wake/close; seeded sampling; the GRPO trainer colocated on the GPU)",
     "exactness, ~0.6B Qwen3-arch random weights, fp32: ours (default backend) on the whole workload below, "
     "greedy tokens of 4 requests (2 groups) against unbatched generate",
     "throughput, same model in bf16, 32 prompts x G=8 (prompts 64-1024, completions 32-512): ours flex, "

@@ -1,6 +1,11 @@
 """GPU-only checks (`pytest -m gpu`; deselected by default, run by benchmarks/device_check.sh on a CUDA device).
 
 What "flex on CUDA", "no host sync per step" and "pinned offload" mean once a GPU is lent.
+
+Run on one H200 on 2026-11-30 (21 passed: benchmarks/logs/device_check_h200_run2_tests.log), except the
+last two, `test_seeded_sampling_on_cuda_is_reproducible_and_scored` and `test_grpo_trainer_colocated_on_cuda`,
+written after that session's device time was spent: prepared (their bodies pass on a CPU with the
+device checks taken out), NOT yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -169,3 +174,50 @@ def test_rl_loop_on_cuda_update_sleep_wake_close(backend):
     torch._C._cuda_clearCublasWorkspaces()
     # NOTE: what is left is the model's own (its parameters, AdamW's state freed above)
     assert torch.cuda.memory_allocated() <= base + 1024, torch.cuda.memory_allocated() - base
+
+
+def test_seeded_sampling_on_cuda_is_reproducible_and_scored():
+    """Sampling on CUDA (per-request generators on the device): a seed reproduces the call, another seed
+    differs, every sampled token's logprob is the temperature-scaled log-softmax of teacher forcing."""
+    from rollout import RolloutEngine
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_model("llama").cuda()
+    prompts = random_prompts(3, 10, 30, seed=7)
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=128)
+    gc = GenerationConfig(do_sample=True, eos_token_id=None, max_new_tokens=8, top_k=0, top_p=1.0)
+    with RolloutEngine(model, config=cfg, generation_config=gc) as engine:
+        a = engine.generate(prompts, temps=0.8, group_size=4, seed=11)
+        b = engine.generate(prompts, temps=0.8, group_size=4, seed=11)
+        c = engine.generate(prompts, temps=0.8, group_size=4, seed=12)
+        assert a.completion_ids.is_cuda and torch.equal(a.completion_ids, b.completion_ids)
+        assert not torch.equal(a.completion_ids, c.completion_ids)
+        for row in range(len(a)):
+            p = prompts[int(a.group_ids[row])]
+            got = a.completion_ids[row][a.completion_mask[row].bool()].tolist()
+            ref = (teacher_forced_logits(model, p, got) / 0.8).log_softmax(-1)
+            want = ref[torch.arange(len(got)), torch.tensor(got, device=ref.device)].cpu()
+            assert a.logprobs[row][: len(got)].cpu() == pytest.approx(want.tolist(), abs=1e-4)
+
+
+def test_grpo_trainer_colocated_on_cuda(tmp_path):
+    """The GRPO loop on one GPU (accelerate places the policy there): the engine shares the device, so
+    it sleeps around each update by default; after two steps the engine's logprobs still equal the
+    trainer's own recomputation (the weights reached the engine), and closing frees the engine's cache."""
+    from test_grpo import engine_vs_trainer, small_trainer
+
+    from trainers.tasks import AdditionTask, make_addition_tokenizer
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    tokenizer = make_addition_tokenizer()
+    dataset = AdditionTask(num_digits=3, seed=0).to_dataset(64)
+    trainer = small_trainer(tokenizer, dataset, tmp_path, algorithm="dapo", max_resample_rounds=1, beta=0.05)
+    try:
+        assert trainer.engine.device.type == "cuda" and trainer.sleeps is True
+        for _ in range(2):
+            metrics = trainer.step()
+            assert all(v == v for v in metrics.values() if isinstance(v, float))  # NOTE: no NaN
+        assert trainer.engine.cache_stats()["kv_bytes"] > 0  # awake again after the update
+        assert engine_vs_trainer(trainer, tokenizer) < 1e-4
+    finally:
+        trainer.close()

@@ -149,7 +149,7 @@ class GRPOTrainer(RLTrainer):
         merged, rewards = merge_batches(batches, self.engine.pad_token_id), torch.cat(scores)
         groups = nonconstant_group_mask(rewards, g).view(-1, g)[:, 0]  # [G]
         order = torch.cat([groups.nonzero().flatten(), (~groups).nonzero().flatten()])[: cfg.prompts_per_step]
-        index = (order[:, None] * g + torch.arange(g)).flatten().to(rewards.device)  # [N]
+        index = (order[:, None] * g + torch.arange(g, device=order.device)).flatten().to(rewards.device)  # [N]
         metrics["resample_rounds"] = float(rounds)
         return take_rows(merged, index), rewards[index]
 

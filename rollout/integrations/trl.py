@@ -177,8 +177,9 @@ class TRLRolloutFunc:
         mask = batch.completion_mask.bool()  # [N, T]
         gap = (logps.float() - batch.logprobs).abs()[mask]
         device = trainer.accelerator.device
-        local = torch.stack([gap.sum(), torch.tensor(float(gap.numel())), gap.max() if gap.numel() else
-                             torch.tensor(0.0)]).to(device)  # [3]
+        # NOTE: every piece on gap's device (torch.stack refuses a CPU scalar next to CUDA ones)
+        local = torch.stack([gap.sum(), gap.new_tensor(float(gap.numel())), gap.max() if gap.numel() else
+                             gap.new_tensor(0.0)]).to(device)  # [3]
         every = trainer.accelerator.gather(local.unsqueeze(0)).reshape(-1, 3)  # [W, 3]
         total, count = every[:, 0].sum(), every[:, 1].sum()
         _record(trainer, mode, GAP_MEAN, float(total / count) if count > 0 else 0.0)
