@@ -38,12 +38,15 @@ from transformers import AutoModelForCausalLM, Qwen3Config  # noqa: E402
 from benchmarks.common import (  # noqa: E402
     Workload,
     compare,
+    decode_workload,
     generate_one,
+    greedy_config,
     rl_workload,
     run_generate,
     run_hf_cb,
     run_ours,
 )
+from rollout import ContinuousBatchingConfig  # noqa: E402
 
 # ~0.6B: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 KV heads, head size 128, vocab 151936)
 GPU_MODEL = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
@@ -145,7 +148,6 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
     """Each system on the same model and requests; tokens/s of useful tokens, greedy agreement first.
 
     `save(partial)` is called after each system, so a run cut short still leaves its numbers."""
-    from rollout import ContinuousBatchingConfig
 
     spec, dtype = (CPU_MODEL, torch.float32) if dry_run else (GPU_MODEL, torch.bfloat16)
     n_prompts, group, plen, clen = CPU_WORKLOAD if dry_run else GPU_WORKLOAD
@@ -215,6 +217,48 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
     return out
 
 
+def step_profile(dry_run: bool, device: str, steps: int = 20) -> dict:
+    """Where a decode step's time goes: `steps` steady decode steps of ours (default backend) under
+    torch.profiler. On CUDA, GPU-busy time (the sum of kernel times) against the wall clock says whether
+    the step is bound by the host (Python, launches) or by the device; the top ops say by what."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rollout.core import EngineCore
+
+    spec, dtype = (CPU_MODEL, torch.float32) if dry_run else (GPU_MODEL, torch.bfloat16)
+    model = make_model(spec, dtype, device, "sdpa")
+    wl = decode_workload(4 if dry_run else 64, spec["vocab_size"], prompt_len=32 if dry_run else 256,
+                         new_tokens=steps + 8)
+    core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())
+    for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True)):
+        core.add(core.make_request(p, request_id=f"p{i}", max_new_tokens=n))
+    while any(r.num_computed_tokens < len(r.prompt_ids) for r in core.scheduler.running) or core.scheduler.waiting:
+        core.step()
+    for _ in range(3):  # NOTE: warm (compiles for the decode shape)
+        core.step()
+    _sync(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    t0 = time.perf_counter()
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            core.step()
+        _sync(device)
+    wall = (time.perf_counter() - t0) / steps
+    events = prof.key_averages()
+    out = {"backend": core.backend.name, "rows": len(core.scheduler.running), "steps": steps,
+           "wall_ms_per_step": round(1e3 * wall, 2),
+           "top_cpu_ops": [(e.key, round(e.self_cpu_time_total / 1e3 / steps, 3)) for e in
+                           sorted(events, key=lambda e: -e.self_cpu_time_total)[:12]]}
+    if device == "cuda":
+        busy = sum(e.self_device_time_total for e in events) / 1e3 / steps
+        out["gpu_busy_ms_per_step"] = round(busy, 2)
+        out["gpu_busy_share"] = round(busy / (1e3 * wall), 3)
+        out["top_cuda_kernels"] = [(e.key[:80], round(e.self_device_time_total / 1e3 / steps, 3)) for e in
+                                   sorted(events, key=lambda e: -e.self_device_time_total)[:12]]
+    del core
+    return out
+
+
 PLAN = [
     "gpu tests: pytest -m gpu (flex kernel vs fp64; flex/sdpa on CUDA exact vs generate and teacher forcing; "
     "no host sync in a flex step; pinned CPU offload under pressure; flash refuses without flash-attn; the RL "
@@ -224,6 +268,8 @@ PLAN = [
     "throughput, same model in bf16, 32 prompts x G=8 (prompts 64-1024, completions 32-512): ours flex, "
     "padded generate, transformers CB (flash_attention_2 or sdpa), ours sdpa; useful tok/s, greedy "
     "agreement with unbatched generate (bf16: informative only), peak and leaked GPU memory",
+    "step profile, same bf16 model, 64 requests decoding: wall ms per step against GPU-busy ms (host or "
+    "device bound?), top CPU ops and CUDA kernels per step",
 ]
 
 
@@ -237,6 +283,7 @@ def main() -> None:
     ap.add_argument("--skip-tests", action="store_true", help="throughput only")
     ap.add_argument("--systems", default=",".join(SYSTEM_ORDER), help=f"of {','.join(SYSTEM_ORDER)}, run in this order")
     ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 exactness run")
+    ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the step profile")
     args = ap.parse_args()
     t_start = time.perf_counter()
     deadline = t_start + args.budget
@@ -266,6 +313,14 @@ def main() -> None:
     if unknown:
         sys.exit(f"device_check: unknown --systems {unknown}; choose from {SYSTEM_ORDER}")
     save(throughput(args.dry_run, device, deadline, save, names, fp32_check=not args.no_fp32_check))
+    if args.profile and deadline - time.perf_counter() > 30:
+        try:
+            result["step_profile"] = step_profile(args.dry_run, device)
+        except Exception as e:  # NOTE: reported; the numbers above are kept
+            result["step_profile"] = {"error": f"{type(e).__name__}: {e}"[:800],
+                                      "traceback": traceback.format_exc().splitlines()[-12:]}
+        print("step_profile", result["step_profile"], flush=True)
+        save()
     print(f"device_check: wrote {args.out} in {result['seconds']} s", flush=True)
 
 

@@ -30,3 +30,6 @@ def test_device_check_dry_run_writes_its_plan_and_a_tiny_measurement(tmp_path):
     for name, entry in systems.items():
         assert "error" not in entry, (name, entry)
         assert entry["tokens_per_s"] > 0 and entry["greedy_exact_vs_generate"] == 1.0
+    prof = result["step_profile"]
+    assert "error" not in prof, prof
+    assert prof["rows"] == 4 and prof["wall_ms_per_step"] > 0 and prof["top_cpu_ops"]
