@@ -65,7 +65,7 @@ def main() -> None:
     core = EngineCore(model, GenerationConfig(do_sample=False, eos_token_id=None),
                       ContinuousBatchingConfig(page_size=a.page_size, num_blocks=pages, max_batch_tokens=8192,
                                                max_requests_per_batch=a.requests))
-    core.runner.model = StubForward(a.vocab)
+    core.runner.forward = StubForward(a.vocab)  # NOTE: what `ModelRunner.execute` calls
     core.runner.verified = True  # NOTE: the stub runs no attention layer to check
     g = torch.Generator().manual_seed(0)
     for i in range(a.requests):
