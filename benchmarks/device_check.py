@@ -14,6 +14,9 @@ measured) and the tests' whole output next to it (`*_tests.log`).
 `--dry-run` runs the same driver on a CPU with a ~5M model, a tiny workload and no compile-heavy system,
 lists the gpu tests it would run, and says what it would measure: CI runs it (tests/test_device_check.py).
 
+On the lent machine (its image has torch and triton but an older transformers): first, here,
+`bash benchmarks/device_wheels.sh`, then carry `.whl` (see that script's header for the install line).
+
     bash benchmarks/device_check.sh --out benchmarks/logs/device_check.json
     bash benchmarks/device_check.sh --dry-run --out /tmp/device_check.json
 """
