@@ -190,6 +190,19 @@ def rollout_version(repo: str | None = None) -> str:
     return f"{os.path.dirname(rollout.__file__)} at {head}{' + uncommitted changes' if dirty else ''}"
 
 
+def run_core(core, wl: Workload) -> tuple[float, float, list[list[int]]]:
+    """Every request of `wl` through an existing `EngineCore` (kept alive across runs, as in RL
+    training), greedy; returns (CPU seconds of this process, wall seconds, generated tokens)."""
+    reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
+            for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
+    c0, w0 = time.process_time(), time.perf_counter()
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        core.step()
+    return time.process_time() - c0, time.perf_counter() - w0, [r.generated for r in reqs]
+
+
 def run_ours(model, wl: Workload, cbc=None, pkg=None) -> RunResult:
     """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`.
 

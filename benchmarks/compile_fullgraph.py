@@ -20,12 +20,19 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import greedy_config, make_model, rl_workload, run_vllm, training_step, vllm_available  # noqa: E402
+from common import (  # noqa: E402
+    greedy_config,
+    make_model,
+    rl_workload,
+    run_core,
+    run_vllm,
+    training_step,
+    vllm_available,
+)
 
 
 def build(model, compiled: bool):
@@ -33,17 +40,6 @@ def build(model, compiled: bool):
     from rollout.core import EngineCore
 
     return EngineCore(model, greedy_config(), ContinuousBatchingConfig(default_compile_level=int(compiled)))
-
-
-def run(core, wl) -> tuple[float, float, list[list[int]]]:
-    reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
-            for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-    c0, w0 = time.process_time(), time.perf_counter()
-    for r in reqs:
-        core.add(r)
-    while core.has_work():
-        core.step()
-    return time.process_time() - c0, time.perf_counter() - w0, [r.generated for r in reqs]
 
 
 def main() -> None:
@@ -78,7 +74,7 @@ def main() -> None:
             counters.clear()
             if mode not in cores:
                 cores[mode] = build(model, mode == "compiled")
-            cpu, wall, out = run(cores[mode], wl)
+            cpu, wall, out = run_core(cores[mode], wl)
             outs.setdefault(mode, out)
             graphs = counters["stats"].get("unique_graphs", 0)
             print(f"{mode:8s} first run at {t} thread(s) {wall:6.1f} s wall ({cpu:6.1f} s CPU); graphs compiled {graphs}, "
@@ -91,7 +87,7 @@ def main() -> None:
         for t in (threads if rep % 2 == 0 else threads[::-1]):
             torch.set_num_threads(t)
             for mode in (("eager", "compiled") if rep % 2 == 0 else ("compiled", "eager")):
-                _, wall, out = run(cores[mode], wl)
+                _, wall, out = run_core(cores[mode], wl)
                 times.setdefault((mode, t), []).append(wall)
                 ok = out == outs["eager"]
                 print(f"  rep {rep} {mode:8s} {t} thr wall {wall:6.2f} s ({wl.useful_tokens / wall:6.0f} tok/s) "

@@ -20,12 +20,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import greedy_config, make_model, rl_workload  # noqa: E402
+from common import greedy_config, make_model, rl_workload, run_core  # noqa: E402
 
 MODES = {1: ("default", True), 2: ("max-autotune-no-cudagraphs", True), 3: ("max-autotune-no-cudagraphs", False)}
 
@@ -47,17 +46,6 @@ def build(model, level: int):
     else:
         AttentionInterface.register(attn.ATTN_NAME, attn.paged_attention_forward)
     return core
-
-
-def run(core, wl) -> tuple[float, float, list[list[int]]]:
-    reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
-            for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-    c0, w0 = time.process_time(), time.perf_counter()
-    for r in reqs:
-        core.add(r)
-    while core.has_work():
-        core.step()
-    return time.process_time() - c0, time.perf_counter() - w0, [r.generated for r in reqs]
 
 
 def main() -> None:
@@ -83,10 +71,10 @@ def main() -> None:
         torch._dynamo.reset()
         counters.clear()
         core = build(model, level)  # NOTE: one engine per level, kept alive across runs as in RL training
-        first_cpu, first_wall, out = run(core, wl)
+        first_cpu, first_wall, out = run_core(core, wl)
         ref = out if ref is None else ref
         graphs_first = counters["stats"].get("unique_graphs", 0)
-        best = min(run(core, wl)[0] for _ in range(a.reps))
+        best = min(run_core(core, wl)[0] for _ in range(a.reps))
         same = sum(x == y for x, y in zip(out, ref, strict=True))
         graphs = counters["stats"].get("unique_graphs", 0)
         breaks = sum(counters["graph_break"].values())

@@ -31,19 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _engine_run(model, wl) -> tuple[float, list[list[int]]]:
-    from benchmarks.common import greedy_config
+    """A fresh EngineCore (default config) over `wl`: (wall seconds, generated tokens)."""
+    from benchmarks.common import greedy_config, run_core
     from rollout import ContinuousBatchingConfig
     from rollout.core import EngineCore
 
-    core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())
-    reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
-            for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-    t0 = time.perf_counter()
-    for r in reqs:
-        core.add(r)
-    while core.has_work():
-        core.step()
-    return time.perf_counter() - t0, [r.generated for r in reqs]
+    _, wall, out = run_core(EngineCore(model, greedy_config(), ContinuousBatchingConfig()), wl)
+    return wall, out
 
 
 def _workload(model_name: str):
