@@ -71,22 +71,28 @@ STEPS = [
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 20.0)])
 def test_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
+    check_kernel(window, softcap, dtype, atol, "cpu")
+
+
+def check_kernel(window, softcap, dtype, atol, device: str) -> None:
+    """Every step of STEPS through the paged flex kernel on `device`, against the fp64 reference
+    (also run on CUDA by tests/test_gpu.py)."""
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
     v_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
     for i, specs in enumerate(STEPS):
         tables = make_step(g, specs, window, share=i == 0)
         width = max(map(len, tables))
-        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables])
-        starts = torch.tensor([s for s, _ in specs])
-        lens = torch.tensor([n for _, n in specs])
+        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables], device=device)
+        starts = torch.tensor([s for s, _ in specs], device=device)
+        lens = torch.tensor([n for _, n in specs], device=device)
         rows = int(lens.sum())
         q = torch.randn(1, H, rows, D, generator=g).to(dtype) * 0.5
         meta = build_flex_metadata(table, starts, lens, rows, PS, NUM_BLOCKS, window)
-        out = flex_paged_attention(q, k_cache, v_cache, meta, PS, softcap)
+        out = flex_paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), meta, PS, softcap)
+        assert out.device.type == device and out.shape == (1, H, rows, D) and out.dtype == dtype
         ref = reference(q, k_cache, v_cache, tables, specs, window, softcap)
-        assert out.shape == (1, H, rows, D) and out.dtype == dtype
-        err = (out.double() - ref).abs().max().item()
+        err = (out.cpu().double() - ref).abs().max().item()
         assert err < atol, f"step {i}: max error {err}"
 
 

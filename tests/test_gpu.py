@@ -27,28 +27,16 @@ GREEDY = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
 @pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 20.0)])
 def test_cuda_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
     """The paged flex kernel alone on CUDA (Triton) against the fp64 reference of test_flex_backend."""
-    from test_flex_backend import FREED, HKV, NUM_BLOCKS, PS, STEPS, D, H, make_step, reference
-
-    from rollout.backends.flex import build_flex_metadata, flex_paged_attention
+    from test_flex_backend import check_kernel
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
-    v_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
-    for i, specs in enumerate(STEPS):
-        tables = make_step(g, specs, window, share=i == 0)
-        width = max(map(len, tables))
-        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables], device="cuda")
-        starts = torch.tensor([s for s, _ in specs], device="cuda")
-        lens = torch.tensor([n for _, n in specs], device="cuda")
-        rows = int(lens.sum())
-        q = torch.randn(1, H, rows, D, generator=g).to(dtype) * 0.5
-        meta = build_flex_metadata(table, starts, lens, rows, PS, NUM_BLOCKS, window)
-        out = flex_paged_attention(q.cuda(), k_cache.cuda(), v_cache.cuda(), meta, PS, softcap)
-        assert out.is_cuda and out.shape == (1, H, rows, D) and out.dtype == dtype
-        ref = reference(q, k_cache, v_cache, tables, specs, window, softcap)
-        err = (out.cpu().double() - ref).abs().max().item()
-        assert err < atol, f"step {i}: max error {err}"
+    check_kernel(window, softcap, dtype, atol, "cuda")
+
+
+def teacher_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
+    """The log-probability of each of `tokens` under a teacher-forced forward at `temperature`."""
+    ref = (teacher_forced_logits(model, prompt, tokens) / temperature).log_softmax(-1)
+    return ref[torch.arange(len(tokens), device=ref.device), torch.tensor(tokens, device=ref.device)].tolist()
 
 
 def run(core: EngineCore, prompts: list[list[int]], n: int):
@@ -72,9 +60,7 @@ def test_cuda_greedy_matches_generate_and_logprobs_match_teacher_forcing(arch, b
     reqs = run(core, prompts, 8)
     for p, r in zip(prompts, reqs, strict=True):
         assert r.generated == hf_greedy(model, p, 8)
-        ref = teacher_forced_logits(model, p, r.generated).log_softmax(-1)
-        want = ref[torch.arange(len(r.generated)), torch.tensor(r.generated, device=ref.device)].tolist()
-        assert r.logprobs == pytest.approx(want, abs=1e-4)
+        assert r.logprobs == pytest.approx(teacher_logprobs(model, p, r.generated), abs=1e-4)
 
 
 def test_flex_step_runs_without_host_synchronisation():
@@ -138,9 +124,7 @@ def test_rl_loop_on_cuda_update_sleep_wake_close(backend):
         for i, p in enumerate(prompts):
             got = batch.completion_ids[i][batch.completion_mask[i].bool()].tolist()
             assert got == hf_greedy(model, p, 8)
-            ref = teacher_forced_logits(model, p, got).log_softmax(-1)
-            want = ref[torch.arange(len(got)), torch.tensor(got, device=ref.device)].cpu()
-            assert batch.logprobs[i][: len(got)].cpu() == pytest.approx(want.tolist(), abs=1e-4)
+            assert batch.logprobs[i][: len(got)].tolist() == pytest.approx(teacher_logprobs(model, p, got), abs=1e-4)
 
     engine = RolloutEngine(model, config=cfg, generation_config=gc)
     try:
@@ -195,9 +179,7 @@ def test_seeded_sampling_on_cuda_is_reproducible_and_scored():
         for row in range(len(a)):
             p = prompts[int(a.group_ids[row])]
             got = a.completion_ids[row][a.completion_mask[row].bool()].tolist()
-            ref = (teacher_forced_logits(model, p, got) / 0.8).log_softmax(-1)
-            want = ref[torch.arange(len(got)), torch.tensor(got, device=ref.device)].cpu()
-            assert a.logprobs[row][: len(got)].cpu() == pytest.approx(want.tolist(), abs=1e-4)
+            assert a.logprobs[row][: len(got)].tolist() == pytest.approx(teacher_logprobs(model, p, got, 0.8), abs=1e-4)
 
 
 def test_grpo_trainer_colocated_on_cuda(tmp_path):
