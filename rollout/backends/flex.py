@@ -249,7 +249,7 @@ class FlexBackend:
     def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> FlexGroup:
         dev, ps = self.device, self.page_size
         width = max(len(t) for t in tables)
-        flat = [x for t in tables for x in (t + [FREED] * (width - len(t)) if len(t) < width else t)]
+        flat = [x for t in tables for x in t + [FREED] * (width - len(t))]
         table = int_tensor(flat, dev, torch.int32).view(len(tables), width)  # [B, P]
         lens = int_tensor(step.lens_list, dev)  # [B]
         meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_blocks, window,
