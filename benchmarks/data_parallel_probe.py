@@ -16,6 +16,9 @@ It is a measurement, not an engine feature: a data-parallel engine would need sh
 (visible to the workers after in-place updates) and request routing by group.
 
     python benchmarks/data_parallel_probe.py [--reps 3] [--model 5m] [--matmul]
+
+`--matmul` also times two 1-thread 256^3 matmul loops alone and together (is the second core there?)
+and single decode-sized matmuls at 1 and 2 threads (how well torch splits one of them).
 """
 
 from __future__ import annotations
@@ -99,11 +102,41 @@ def _matmul(n: int, seconds: float, queue) -> None:
     queue.put(2 * n**3 * k / (time.perf_counter() - t0) / 1e9)
 
 
+def _split_matmuls() -> list[str]:
+    """One decode-sized matmul split by torch across 1 and 2 intra-op threads (us per call, median of 5 x 200)."""
+    import torch
+
+    lines = []
+    for m, k, n in ((64, 256, 256), (64, 256, 768), (64, 256, 4096), (1024, 1024, 1024)):
+        a, b = torch.randn(m, k), torch.randn(k, n)
+        us = {}
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            calls = 200 if m < 1024 else 10
+            for _ in range(10):
+                a @ b
+            reps = []
+            for _ in range(5):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    a @ b
+                reps.append((time.perf_counter() - t0) / calls * 1e6)
+            us[threads] = statistics.median(reps)
+        lines.append(f"torch.mm {m} x {k} x {n}: {us[1]:,.0f} us at 1 thread, {us[2]:,.0f} us at 2 "
+                     f"({us[1] / us[2]:.2f}x)")
+    return lines
+
+
+def _split_matmuls_proc(queue) -> None:
+    queue.put(_split_matmuls())
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--model", default="5m")
-    ap.add_argument("--matmul", action="store_true", help="also: 1-thread 256^3 matmul loops, alone and two at once")
+    ap.add_argument("--matmul", action="store_true",
+                    help="also: 1-thread 256^3 matmul loops, alone and two at once; one matmul at 1 and 2 threads")
     args = ap.parse_args()
     ctx = mp.get_context("spawn")
     print(f"load average {os.getloadavg()[0]:.2f}; model {args.model} fp32; reps {args.reps}", flush=True)
@@ -116,6 +149,11 @@ def main() -> None:
             [p.join() for p in ps]
             print(f"matmul 256^3, 1 thread, {procs} process(es) at once: {', '.join(f'{r:.1f}' for r in rates)} "
                   f"GFLOP/s (sum {sum(rates):.1f})", flush=True)
+        q = ctx.Queue()
+        p = ctx.Process(target=_split_matmuls_proc, args=(q,))
+        p.start()
+        print("\n".join(q.get()), flush=True)
+        p.join()
     useful = _workload(args.model).useful_tokens
     results, outputs = {}, {}
     for threads in (1, 2):
