@@ -10,6 +10,7 @@ Reported: the median over `--steps` decode steps of the whole `EngineCore.step()
 cProfile of those steps (top functions by own time).
 
     python benchmarks/step_overhead.py --requests 512 --context 2048 --page-size 16
+    python benchmarks/step_overhead.py --attn-backend flex     # the flex backend's metadata (the CUDA default)
     PYTHONPATH=/path/to/other/checkout python benchmarks/step_overhead.py ...   # another version, same script
 """
 
@@ -55,6 +56,7 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--attn-backend", default="auto", help="ContinuousBatchingConfig.attn_backend (auto, cpu, sdpa, flex)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
@@ -64,7 +66,7 @@ def main() -> None:
     pages = 2 * a.requests * (-(-(a.context + new) // a.page_size))  # NOTE: room beyond the safety margin
     core = EngineCore(model, GenerationConfig(do_sample=False, eos_token_id=None),
                       ContinuousBatchingConfig(page_size=a.page_size, num_blocks=pages, max_batch_tokens=8192,
-                                               max_requests_per_batch=a.requests))
+                                               max_requests_per_batch=a.requests, attn_backend=a.attn_backend))
     core.runner.forward = StubForward(a.vocab)  # NOTE: what `ModelRunner.execute` calls
     core.runner.verified = True  # NOTE: the stub runs no attention layer to check
     g = torch.Generator().manual_seed(0)
@@ -106,7 +108,7 @@ def main() -> None:
     ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
     print(f"rollout: {os.path.dirname(rollout.__file__)}")
     print(f"{a.requests} requests ({running} running) x {a.context}-token context, page size {a.page_size}, "
-          f"vocab {a.vocab}, forward stubbed; prefill {prefill:.1f} s; load average {os.getloadavg()[0]:.2f}")
+          f"vocab {a.vocab}, attn_backend {core.backend.name}, forward stubbed; prefill {prefill:.1f} s; load average {os.getloadavg()[0]:.2f}")
     print(f"median per decode step over {a.steps}, CPU time of the stepping thread: step {ms['step_cpu']:.2f} ms "
           f"(schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, the rest: stub forward, sampler, bookkeeping "
           f"{ms['step_cpu'] - ms['schedule'] - ms['prepare']:.2f}); wall clock {ms['step']:.2f} ms")

@@ -74,16 +74,30 @@ def test_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
     check_kernel(window, softcap, dtype, atol, "cpu")
 
 
-def check_kernel(window, softcap, dtype, atol, device: str) -> None:
+@pytest.mark.parametrize("window", [None, 24])
+def test_entries_past_a_requests_pages_are_never_read(window):
+    """The engine hands flex its persistent block table (rollout.block_table): past a request's own pages
+    a row holds zeros or a previous owner's page ids, here the pages the other requests of the step read."""
+    check_kernel(window, None, torch.float32, 2e-5, "cpu", stale_padding=True)
+
+
+def check_kernel(window, softcap, dtype, atol, device: str, stale_padding: bool = False) -> None:
     """Every step of STEPS through the paged flex kernel on `device`, against the fp64 reference
-    (also run on CUDA by tests/test_gpu.py)."""
+    (also run on CUDA by tests/test_gpu.py). Table rows are padded with FREED, or with `stale_padding`
+    with page ids in use this step (and two more columns)."""
     g = torch.Generator().manual_seed(0)
     k_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
     v_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
     for i, specs in enumerate(STEPS):
         tables = make_step(g, specs, window, share=i == 0)
         width = max(map(len, tables))
-        table = torch.tensor([t + [FREED] * (width - len(t)) for t in tables], device=device)
+        if stale_padding:
+            width += 2
+            used = [x for t in tables for x in t if x != FREED]
+            rows = [t + [used[(j + 3 * r) % len(used)] for j in range(width - len(t))] for r, t in enumerate(tables)]
+        else:
+            rows = [t + [FREED] * (width - len(t)) for t in tables]
+        table = torch.tensor(rows, device=device)
         starts = torch.tensor([s for s, _ in specs], device=device)
         lens = torch.tensor([n for _, n in specs], device=device)
         rows = int(lens.sum())

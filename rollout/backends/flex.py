@@ -248,9 +248,12 @@ class FlexBackend:
 
     def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> FlexGroup:
         dev, ps = self.device, self.page_size
+        # NOTE: the persistent table (rollout.block_table: on the device, updated by the pages appended), the
+        # step's rows narrowed to its widest request; nothing is rebuilt from the lists. Entries past a
+        # request's own pages (zeros, or a previous owner's) are never read: rows read logical pages up to
+        # their position only, and `live` stops at each request's end (build_flex_metadata).
         width = max(len(t) for t in tables)
-        flat = [x for t in tables for x in t + [FREED] * (width - len(t))]
-        table = int_tensor(flat, dev, torch.int32).view(len(tables), width)  # [B, P]
+        table = step.tables[window].index_select(0, step.rows)[:, :width]  # [B, P] int32
         lens = int_tensor(step.lens_list, dev)  # [B]
         meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_blocks, window,
                                    row_capacity=self.max_batch_tokens)
