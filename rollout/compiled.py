@@ -34,7 +34,7 @@ import weakref
 import torch
 
 from .attention import _check_kwargs, paged_attention_forward
-from .linear import PACK_ROWS
+from .linear import packed_weight
 
 logger = logging.getLogger("rollout")
 
@@ -144,13 +144,9 @@ class CompiledForward:
         self.checked = False  # NOTE: set once a forward ran
 
     def _refresh_packed(self) -> None:
-        """Pack each routed weight again when it changed (as `rollout.linear` does inside its forward)."""
+        """Pack each routed weight again when it changed (`rollout.linear.packed_weight`), outside the graph."""
         for m in self.linears:
-            w, p = m.weight, m._rollout_packed
-            if p is None or p[1] != w._version or p[2] != w.data_ptr() or m._rollout_w is None:
-                p = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), w._version, w.data_ptr())
-                m._rollout_packed = p
-                m._rollout_w = p[0]
+            m._rollout_w = packed_weight(m)
 
     def __call__(self, rollout_meta, **kwargs):
         self._refresh_packed()

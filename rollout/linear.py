@@ -64,19 +64,24 @@ def onednn_available() -> bool:
 PACK_ROWS = 16
 
 
+def packed_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """The module's weight in oneDNN's packed layout, packed again after any change the engine can see:
+    an in-place write bumps `_version`, a new storage moves `data_ptr`, and `update_weights` /
+    `reset_prefix_cache` drop every packed copy (`drop_packed`)."""
+    w, packed = module.weight, module._rollout_packed
+    if packed is None or packed[1] != w._version or packed[2] != w.data_ptr():
+        packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), w._version, w.data_ptr())
+        module._rollout_packed = packed
+    return packed[0]
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if x.dtype is w.dtype and w.dtype in DTYPES and x.device.type == "cpu" and w.device.type == "cpu" \
             and (b is None or b.dtype is w.dtype) \
             and (self._rollout_always or x.numel() >= MIN_ROWS * w.shape[1]) \
             and not torch.is_autocast_enabled("cpu"):  # NOTE: under autocast, torch's linear keeps its semantics
-        packed = self._rollout_packed
-        # NOTE: repacked after any change the engine can see: an in-place write bumps `_version`, a new
-        # storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every packed copy.
-        if packed is None or packed[1] != w._version or packed[2] != w.data_ptr():
-            packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), w._version, w.data_ptr())
-            self._rollout_packed = packed
-        return torch.ops.mkldnn._linear_pointwise(x, packed[0], b, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(self), b, "none", [], "")
     return F.linear(x, w, b)
 
 

@@ -253,7 +253,7 @@ class FlexBackend:
         # request's own pages (zeros, or a previous owner's) are never read: rows read logical pages up to
         # their position only, and `live` stops at each request's end (build_flex_metadata).
         width = max(len(t) for t in tables)
-        table = step.tables[window].index_select(0, step.rows)[:, :width]  # [B, P] int32
+        table = step.tables[window][:, :width].index_select(0, step.rows)  # [B, P] int32
         lens = int_tensor(step.lens_list, dev)  # [B]
         meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_blocks, window,
                                    row_capacity=self.max_batch_tokens)
