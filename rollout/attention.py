@@ -5,7 +5,7 @@ attention function through the model's forward kwargs (`rollout_meta=`), never a
 Cost grows with the sum over requests of (query tokens x that request's KV length):
 
 - on CPU, decode rows (one query token each) are attended in place over the paged cache by the C++
-  kernel of `rollout.cpu_kernels` (fp32, bf16 and fp16 caches), through the block tables;
+  kernel of `rollout.cpu_kernels` (fp32, bf16 and fp16 caches), through the page tables;
 - other decode rows (no compiler, `ROLLOUT_CPU_KERNELS=0`, an accelerator) are batched in buckets of
   similar KV length: their KV is
   gathered by slot index from the head-major cache `[Hkv, slots, D]` into `[B, Hkv, Lmax, D]` and
@@ -14,7 +14,7 @@ Cost grows with the sum over requests of (query tokens x that request's KV lengt
   when nothing is cached yet, else a gather of the request's slots).
 
 Layers are grouped by attention window (`GroupMetadata`): each group writes and reads through its
-own block tables, and a sliding-window group gathers only the keys still inside the window, so its
+own page tables, and a sliding-window group gathers only the keys still inside the window, so its
 cost per query is bounded by the window.
 
 No mask is ever built over the whole packed batch.
@@ -71,7 +71,7 @@ class PagedDecode:
     """Decode rows attended in place over the paged cache by `rollout.cpu_kernels.paged_decode_attention`."""
 
     rows: torch.Tensor  # [n] packed rows of the queries
-    table: torch.Tensor  # [R, P] block tables (int32 or int64)
+    table: torch.Tensor  # [R, P] page tables (int32 or int64)
     row: torch.Tensor  # [n] row of `table` of each query's request
     start: torch.Tensor  # [n] first position read (> 0 once a sliding window has moved on)
     end: torch.Tensor  # [n] one past the last position read (the row's own, just written)
@@ -81,7 +81,7 @@ class PagedDecode:
 class GroupMetadata:
     """Where the layers of one group (full attention, or one sliding window) write and read KV.
 
-    Every request has one block table per group, so slots differ between groups; the packed rows of
+    Every request has one page table per group, so slots differ between groups; the packed rows of
     the segments are the same for all groups.
     """
 

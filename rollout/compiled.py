@@ -4,7 +4,7 @@ Opt-in: `ContinuousBatchingConfig(default_compile_level=1)` (any level >= 1; off
 breaks the graph:
 
 - our paged attention (cache writes, the C++ decode kernel, SDPA over prompt chunks) is one opaque
-  custom op per layer, `rollout::paged_attention`. The per-step metadata (block tables, segments) is
+  custom op per layer, `rollout::paged_attention`. The per-step metadata (page tables, segments) is
   not a tensor, so the op finds it through the `CompiledForward` that runs the step: a 0-d tensor
   handle passed down HF's forward kwargs (`rollout_step`), never a constant baked into the graph;
 - the view's oneDNN linears on packed weights (`rollout.linear`) are a second custom op,

@@ -23,7 +23,7 @@ class ContinuousBatchingConfig:
 
     Args:
         page_size: tokens per KV page (>= 4).
-        num_blocks: pages in the KV cache; None sizes it from memory (see `rollout.kv_cache.plan_cache`).
+        num_blocks: pages in the KV cache; None sizes it from memory (see `rollout.memory_plan.plan_cache`).
         max_memory_percent: share of the free memory the cache may take; in (0, 1]. On a GPU the default
             0.8 of its free memory. On a CPU the cache shares host RAM with the trainer, so unless set
             explicitly it takes min(5% of the available RAM, 1 GiB); an explicit value is that share of

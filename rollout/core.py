@@ -17,17 +17,21 @@ from transformers import GenerationConfig
 from .backends import attention_memory
 from .backends import create as create_backend
 from .backends import resolve as resolve_backend
-from .block_manager import BlockManager
 from .config import ContinuousBatchingConfig
-from .kv_cache import (
-    KVShape,
-    PagedKVCache,
-    kv_shape_from_config,
-    plan_cache,
-    step_bytes_per_token,
-)
+from .kv_cache import PagedKVCache
 from .linear import drop_packed
+from .memory_plan import KVShape, kv_shape_from_config, plan_cache, step_bytes_per_token
+from .model_facts import (
+    eos_ids_of,
+    has_attention_sinks,
+    layer_groups,
+    layer_windows,
+    text_config,
+    versioned_tensors,
+    weights_version,
+)
 from .offload import CpuOffloadBuffer, plan_offload
+from .page_pool import PagePool
 from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, make_engine_view
@@ -37,66 +41,6 @@ from .scheduler import Scheduler, SchedulerOutput
 logger = logging.getLogger("rollout")
 
 STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens")
-
-
-def text_config(model: torch.nn.Module):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
-
-def has_attention_sinks(model: torch.nn.Module) -> bool:
-    """gpt-oss style learned sinks (a `sinks` tensor on the attention modules)."""
-    return any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in model.modules())
-
-
-def layer_windows(model: torch.nn.Module) -> list[int | None]:
-    """The attention window of each layer (None = full attention), as the HF attention modules use it.
-
-    `config.layer_types` decides where it exists (Gemma 2, Qwen2/3, gpt-oss: "sliding_attention"
-    layers slide, "full_attention" ones do not; any other type, e.g. Llama 4's "chunked_attention", is
-    a ValueError); otherwise a set `sliding_window` makes every layer slide (Mistral) unless
-    `use_sliding_window` is False. The attention function checks each layer's actual
-    `sliding_window` against this plan at run time.
-    """
-    cfg = text_config(model)
-    window = getattr(cfg, "sliding_window", None) or None
-    layer_types = getattr(cfg, "layer_types", None)
-    if layer_types:
-        unknown = sorted(set(layer_types) - set(LAYER_TYPES))
-        if unknown:
-            raise ValueError(
-                f"{type(model).__name__} has {unknown} layers, which rollout's paged attention does not implement "
-                f"(it runs {LAYER_TYPES}); treating them as full attention would give wrong outputs"
-            )
-        return [window if t == "sliding_attention" else None for t in layer_types]
-    slides = window is not None and getattr(cfg, "use_sliding_window", True)
-    return [window if slides else None] * cfg.num_hidden_layers
-
-
-def has_sliding_layers(model: torch.nn.Module) -> bool:
-    return any(w is not None for w in layer_windows(model))
-
-
-def layer_groups(windows: Sequence[int | None]) -> tuple[list[int | None], list[int]]:
-    """`(group windows, group of each layer)`: full attention first, then sliding windows by size."""
-    groups = sorted(set(windows), key=lambda w: (w is not None, w or 0))
-    return groups, [groups.index(w) for w in windows]
-
-
-def eos_ids_of(*sources) -> frozenset[int]:
-    """The union of EOS ids of `sources`: ints, lists of ints, None, or objects with `eos_token_id`
-    (a tokenizer, a `GenerationConfig`)."""
-    out: set[int] = set()
-    for src in sources:
-        if src is not None and not isinstance(src, (int, list, tuple, set, frozenset)):
-            src = getattr(src, "eos_token_id", None)
-        if src is None:
-            continue
-        out.update([src] if isinstance(src, int) else src)
-    return frozenset(int(t) for t in out)
 
 
 def _backend_name(name: str, model: torch.nn.Module) -> str:
@@ -111,24 +55,6 @@ def _backend_name(name: str, model: torch.nn.Module) -> str:
         raise ValueError(f"attn_backend={name!r} does not implement the attention sinks of {type(model).__name__} "
                          "(gpt-oss); use attn_backend='sdpa' or 'auto'")
     return name
-
-
-def _versioned_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters and buffers whose version counters reveal in-place changes (inference tensors have none)."""
-    out = []
-    for t in (*model.parameters(), *model.buffers()):
-        try:
-            _ = t._version
-        except RuntimeError:
-            continue
-        out.append(t)
-    return out
-
-
-def _weights_version(tensors: list[torch.Tensor]) -> int:
-    # NOTE: every in-place op bumps its tensor's counter and none goes down, so the sum moves iff one did.
-    # Writes through `.data` bypass the counters: those need `update_weights`.
-    return sum(t._version for t in tensors)
 
 
 def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
@@ -177,7 +103,7 @@ class EngineCore:
         max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
         attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,
                                        bool(getattr(tc, "attn_logit_softcapping", None)), max_pages)
-        num_blocks, self.max_batch_tokens = plan_cache(
+        num_pages, self.max_batch_tokens = plan_cache(
             shape, config.page_size, config.num_blocks, config.max_batch_tokens,
             config.max_memory_percent, self.device,
             step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
@@ -185,8 +111,8 @@ class EngineCore:
         )
         self.page_size = config.page_size
         self.backend = create_backend(attn_name, self.device, self.dtype, page_size=config.page_size,
-                                      num_blocks=num_blocks, max_batch_tokens=self.max_batch_tokens)
-        self.cache = PagedKVCache(num_blocks, config.page_size, self.device, self.dtype, groups,
+                                      num_pages=num_pages, max_batch_tokens=self.max_batch_tokens)
+        self.cache = PagedKVCache(num_pages, config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
         offload_pages = plan_offload(
             config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
@@ -194,9 +120,9 @@ class EngineCore:
         )
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
-        self.block_manager = BlockManager(num_blocks, config.page_size, enable_prefix_caching=sharing)
+        self.page_pool = PagePool(num_pages, config.page_size, enable_prefix_caching=sharing)
         self.scheduler = Scheduler(
-            self.block_manager, self.max_batch_tokens, config.max_requests_per_batch,
+            self.page_pool, self.max_batch_tokens, config.max_requests_per_batch,
             config.scheduler_type, config.safety_margin, fork_prompts=config.allow_block_sharing,
             windows=self.windows, offloader=self.cache.offload,
         )
@@ -211,12 +137,12 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # live (not final) requests by id
         self.stats = dict.fromkeys(STAT_COUNTERS, 0)
         self._arrival = itertools.count()
-        self._weights = _versioned_tensors(self.view)
-        self._weights_seen = _weights_version(self._weights)
+        self._weights = versioned_tensors(self.view)
+        self._weights_seen = weights_version(self._weights)
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
             "attention windows %s, CPU offload %d pages",
-            num_blocks, config.page_size, num_blocks * config.page_size * shape.bytes_per_token / 2**20,
+            num_pages, config.page_size, num_pages * config.page_size * shape.bytes_per_token / 2**20,
             self.max_batch_tokens, "on" if sharing else "off", self.windows, offload_pages,
         )
 
@@ -289,10 +215,10 @@ class EngineCore:
             )
         # NOTE: a sliding-window group holds at most its window's pages, whatever the length.
         need = self.scheduler.max_pages(total)
-        if need > self.block_manager.num_blocks:
+        if need > self.page_pool.num_pages:
             raise ValueError(
                 f"request {request_id!r} needs {need} KV pages ({total} tokens) but the whole cache has "
-                f"{self.block_manager.num_blocks} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
+                f"{self.page_pool.num_pages} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
             )
         sampling = self._sampling(temperature, top_k, top_p, seed)
         eos = frozenset() if ignore_eos else self.eos_ids
@@ -411,13 +337,13 @@ class EngineCore:
         if not self.scheduler.waiting or self.scheduler.running:
             return []
         req = self.scheduler.waiting[0]
-        self.fail(req, f"request needs more KV pages than are free in a cache of {self.block_manager.num_blocks} pages")
+        self.fail(req, f"request needs more KV pages than are free in a cache of {self.page_pool.num_pages} pages")
         return [req]
 
     def _check_weights(self) -> None:
         """Before admitting requests: parameters changed in place since the last check (an optimizer step
         on the trainer's own model, a `copy_` without `update_weights`) make every cached prefix stale."""
-        if _weights_version(self._weights) != self._weights_seen:
+        if weights_version(self._weights) != self._weights_seen:
             dropped = self.reset_prefix_cache()
             logger.info("parameters changed in place (version counters): dropped %d cached prefix pages", dropped)
 
@@ -427,8 +353,8 @@ class EngineCore:
         packed weight copies of `rollout.linear` (rebuilt at the next step from the current weights)."""
         self.scheduler.forget_prefixes()
         drop_packed(self.view)
-        self._weights_seen = _weights_version(self._weights)
-        return self.block_manager.reset_prefix_cache()
+        self._weights_seen = weights_version(self._weights)
+        return self.page_pool.reset_prefix_cache()
 
     def release_memory(self) -> int:
         """Free the KV tensors while idle (their contents, and so the prefix cache, are lost)."""
@@ -441,19 +367,19 @@ class EngineCore:
         return self.cache.reallocate()
 
     def cache_stats(self) -> dict:
-        bm = self.block_manager
+        bm = self.page_pool
         return {
-            "num_blocks": bm.num_blocks,
-            "free_blocks": bm.num_free_blocks,
+            "num_blocks": bm.num_pages,
+            "free_blocks": bm.num_free_pages,
             "page_size": bm.page_size,
             "cached_blocks": len(bm.cached),
             "preemptions": self.scheduler.num_preemptions,
-            "offloaded_blocks": self.scheduler.num_offloaded_blocks,
-            "restored_blocks": self.scheduler.num_restored_blocks,
+            "offloaded_blocks": self.scheduler.num_offloaded_pages,
+            "restored_blocks": self.scheduler.num_restored_pages,
             "offload_fallbacks": self.scheduler.num_offload_fallbacks,
             "offload_free_blocks": self.cache.offload.num_free if self.cache.offload else 0,
-            "recycled_blocks": self.scheduler.num_recycled_blocks,
-            "peak_used_blocks": self.scheduler.peak_used_blocks,
+            "recycled_blocks": self.scheduler.num_recycled_pages,
+            "peak_used_blocks": self.scheduler.peak_used_pages,
             "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "kv_bytes": self.cache.nbytes,
             "max_batch_tokens": self.max_batch_tokens,

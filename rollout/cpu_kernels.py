@@ -1,7 +1,7 @@
 """Optional C++ kernel for the CPU decode path, built once per machine by torch's JIT extension loader.
 
 `paged_decode_attention` attends decode rows (one query token per request) in place over the paged
-cache through block tables, for fp32, bf16 and fp16 caches. torch's CPU SDPA with one query row per
+cache through page tables, for fp32, bf16 and fp16 caches. torch's CPU SDPA with one query row per
 request runs at a third to a half of the memory bandwidth (PROFILE.md); this kernel streams each
 request's K and V once for all the query heads that share them, at each row's own length, so no row
 is padded. Without it (no compiler, `ROLLOUT_CPU_KERNELS=0`) decode rows take the gather + SDPA path

@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from .config import ContinuousBatchingConfig
-from .core import eos_ids_of
 from .manager import ContinuousBatchingManager
+from .model_facts import eos_ids_of
 from .requests import GenerationOutput, RequestStatus
 
 logger = logging.getLogger("rollout")

@@ -16,7 +16,8 @@ from collections import deque
 import psutil
 import torch
 
-from .kv_cache import GiB, PagedKVCache
+from .kv_cache import PagedKVCache
+from .memory_plan import GiB
 
 logger = logging.getLogger("rollout")
 
@@ -105,9 +106,9 @@ class CpuOffloadBuffer:
         return sum(t.numel() * t.element_size() for pair in self.host.values() for t in pair)
 
     def _paged(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The cache storage `key` viewed as `[Hkv, num_blocks, page_size, D]` (K and V)."""
+        """The cache storage `key` viewed as `[Hkv, num_pages, page_size, D]` (K and V)."""
         k, v = self.cache.storage(key)
-        shape = (key[1], self.cache.num_blocks, self.page_size, key[2])
+        shape = (key[1], self.cache.num_pages, self.page_size, key[2])
         return k.view(shape), v.view(shape)
 
     def _host(self, key: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -76,7 +76,7 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
-    block_ids: list[int] = field(default_factory=list)
+    page_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.PENDING
     finish_reason: str | None = None
     error: str | None = None

@@ -25,7 +25,7 @@ from .attention import (
 )
 from .backends import AttentionBackend
 from .backends import create as create_backend
-from .block_table import BlockTable, int_tensor
+from .device_page_tables import DevicePageTables, int_tensor
 from .kv_cache import PagedKVCache
 from .linear import use_onednn_linears
 from .scheduler import SchedulerOutput
@@ -78,7 +78,7 @@ class ModelRunner:
         model: the engine view (see `make_engine_view`).
         cache: the paged KV cache.
         windows: attention window of each layer group (None = full attention), in the order of the
-            scheduler's block tables; default one full-attention group.
+            scheduler's page tables; default one full-attention group.
         num_layers: attention layers the model announces; the first step checks that our attention ran
             in each of them (default: the cache's layers).
         backend: the attention backend (`rollout.backends`): builds each group's metadata and attends;
@@ -103,11 +103,11 @@ class ModelRunner:
         self.verified = False  # NOTE: set once a step saw our attention run in every layer
         self.device = cache.device
         self.page_size = cache.page_size
-        self.block_table = BlockTable(len(self.windows), self.device)  # NOTE: persistent, synced each step
+        self.device_page_tables = DevicePageTables(len(self.windows), self.device)  # NOTE: persistent, synced each step
 
     def release(self, request) -> None:
-        """`request` is final: its block-table row is free."""
-        self.block_table.release(request)
+        """`request` is final: its page-table row is free."""
+        self.device_page_tables.release(request)
 
     def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
         """Forward kwargs for the step, and the scheduled indices whose last logits are sampled."""
@@ -120,13 +120,13 @@ class ModelRunner:
         else:
             ids, keep, sampled, starts, lens = self._rows(out)
         dev = self.device
-        if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `block_ids`
-            tables = [[r.block_ids for r in requests]]
+        if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `page_ids`
+            tables = [[r.page_ids for r in requests]]
         else:
             tables = [list(t) for t in zip(*(s.tables for s in out.scheduled), strict=True)]
-        rows = self.block_table.sync(requests, tables)
+        rows = self.device_page_tables.sync(requests, tables)
         step = _StepIndex(starts, lens, rows, dev)
-        step.tables = {window: self.block_table.group(g) for g, window in enumerate(self.windows)}
+        step.tables = {window: self.device_page_tables.group(g) for g, window in enumerate(self.windows)}
         groups = [self.backend.build_group(window, tables[g], step, self.page_size)
                   for g, window in enumerate(self.windows)]
         kwargs = {
@@ -204,14 +204,14 @@ MIN_BUCKET_ROWS = 8
 
 class _StepIndex:
     """Per-request and per-token index tensors of one step (shared by every layer group), and the
-    persistent block tables (`tables[window]`, [R, P] int32; request b is row `rows[b]`)."""
+    persistent page tables (`tables[window]`, [R, P] int32; request b is row `rows[b]`)."""
 
     def __init__(self, starts: list[int], lens: list[int], rows: list[int], device: torch.device) -> None:
         self.starts_list = starts
         self.lens_list = lens
         self.device = device
         self.starts = int_tensor(starts, device)  # [B]
-        self.rows = int_tensor(rows, device)  # [B] block-table row of each request
+        self.rows = int_tensor(rows, device)  # [B] page-table row of each request
         self.tables: dict[int | None, torch.Tensor] = {}  # group window -> [R, P], set by the runner
         total = int(sum(lens))
         self.decode_only = total == len(lens)

@@ -6,8 +6,8 @@ a prompt takes what is left of the budget (chunked prefill), and a prefix-cache 
 request with some tokens already computed.
 
 Memory pressure: layers are grouped by attention window (full attention, or one sliding window), and
-each group keeps its own block table per request over the one shared pool
-(`block_manager.FullAttentionAllocator` / `SlidingWindowAllocator`); sliding tables recycle the pages
+each group keeps its own page table per request over the one shared pool
+(`page_pool.FullAttentionAllocator` / `SlidingWindowAllocator`); sliding tables recycle the pages
 their window no longer sees after every step. When the pool runs dry the newest running request is
 preempted: its live pages are parked in the CPU offload buffer if there is one and it has room (the
 request later resumes where it was), else dropped and recomputed from its tokens.
@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .block_manager import FREED, ROOT_HASH, BlockManager, BlockTables, page_hashes
+from .page_pool import ROOT_HASH, PagePool, page_hashes
+from .page_tables import FREED, PageTables
 from .requests import Request, RequestStatus
 
 
@@ -28,13 +29,13 @@ from .requests import Request, RequestStatus
 class ScheduledRequest:
     request: Request
     num_new_tokens: int  # query tokens this step, starting at request.num_computed_tokens
-    # NOTE: one block table per layer group (FREED where a sliding window recycled the page);
-    # None means the request's own `block_ids` is the only table.
-    block_tables: list[list[int]] | None = None
+    # NOTE: one page table per layer group (FREED where a sliding window recycled the page);
+    # None means the request's own `page_ids` is the only table.
+    page_tables: list[list[int]] | None = None
 
     @property
     def tables(self) -> list[list[int]]:
-        return self.block_tables if self.block_tables is not None else [self.request.block_ids]
+        return self.page_tables if self.page_tables is not None else [self.request.page_ids]
 
     @property
     def samples(self) -> bool:
@@ -46,7 +47,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # NOTE: (src_block, dst_block, num_tokens) page copies the runner applies before the forward
+    # NOTE: (src_page, dst_page, num_tokens) page copies the runner applies before the forward
     # (copy-on-write of the partial last prompt page when a request forks a group leader).
     copies: list[tuple[int, int, int]] = field(default_factory=list)
     # NOTE: set by the decode fast path: every row is a DECODING request computing its last token (one
@@ -81,7 +82,7 @@ class Scheduler:
     """Decides, each step, which requests run and how many of their tokens.
 
     Args:
-        block_manager: the page pool.
+        page_pool: the page pool.
         max_batch_tokens: query-token budget per step.
         max_requests_per_batch: cap on scheduled requests per step (None: no cap).
         policy: "fifo" (running requests first, then new ones) or "prefill_first" (requests still
@@ -91,13 +92,13 @@ class Scheduler:
         fork_prompts: a request whose prompt equals a running request's forks that request's KV
             (single full-attention group only).
         windows: attention window of each layer group (None = full attention); group 0's table is
-            `request.block_ids`, the others are kept here.
+            `request.page_ids`, the others are kept here.
         offloader: where preempted requests park their pages (None: preemption recomputes).
     """
 
     def __init__(
         self,
-        block_manager: BlockManager,
+        page_pool: PagePool,
         max_batch_tokens: int,
         max_requests_per_batch: int | None = None,
         policy: str = "fifo",
@@ -108,13 +109,13 @@ class Scheduler:
     ) -> None:
         if policy not in _POLICIES:
             raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
-        self.bm = block_manager
-        self.page_size = block_manager.page_size
+        self.bm = page_pool
+        self.page_size = page_pool.page_size
         self.max_batch_tokens = max_batch_tokens
         self.max_requests = max_requests_per_batch or 1 << 30
         self.policy = policy
-        self.safety_blocks = safety_margin * block_manager.num_blocks
-        self.tables = BlockTables(block_manager, windows)
+        self.safety_pages = safety_margin * page_pool.num_pages
+        self.tables = PageTables(page_pool, windows)
         self.offloader = offloader
         # NOTE: a fork shares the leader's full prompt pages in every layer group (a sliding group only
         # those still inside the fork's window); refcounts keep a shared page until nobody holds it.
@@ -130,11 +131,11 @@ class Scheduler:
         self.leaders: dict[tuple[int, ...], Request] = {}
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
-        self.num_offloaded_blocks = 0  # pages copied out to the offload buffer
-        self.num_restored_blocks = 0  # pages copied back
+        self.num_offloaded_pages = 0  # pages copied out to the offload buffer
+        self.num_restored_pages = 0  # pages copied back
         self.num_offload_fallbacks = 0  # preemptions that recomputed because the buffer was full
-        self.num_recycled_blocks = 0  # pages released by sliding windows
-        self.peak_used_blocks = 0  # most pages held by requests at once
+        self.num_recycled_pages = 0  # pages released by sliding windows
+        self.peak_used_pages = 0  # most pages held by requests at once
 
     def max_pages(self, num_tokens: int) -> int:
         """Most pages one request of `num_tokens` tokens ever needs at once (1-token steps)."""
@@ -173,7 +174,7 @@ class Scheduler:
         scheduled: set[int] = set()
         for phase in _POLICIES[self.policy]:
             budget = phase(self, out, budget, scheduled)
-        self.peak_used_blocks = max(self.peak_used_blocks, self.bm.num_blocks - self.bm.num_free_blocks)
+        self.peak_used_pages = max(self.peak_used_pages, self.bm.num_pages - self.bm.num_free_pages)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
@@ -188,8 +189,8 @@ class Scheduler:
                 continue
             want = min(len(req.token_ids) - req.num_computed_tokens, budget)
             n = 1 if want == 1 else self.tables.fit(req.num_computed_tokens, want)  # NOTE: a decode row always fits
-            # NOTE: every group's table has the length of `block_ids`: no page needed when the last has room
-            if req.num_computed_tokens + n > len(req.block_ids) * ps and not self._grow(req, req.num_computed_tokens + n, out, done):
+            # NOTE: every group's table has the length of `page_ids`: no page needed when the last has room
+            if req.num_computed_tokens + n > len(req.page_ids) * ps and not self._grow(req, req.num_computed_tokens + n, out, done):
                 # `req` itself was preempted: the running list shrank at or before i
                 continue
             out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req) if multi else None))
@@ -212,10 +213,10 @@ class Scheduler:
             c = req.num_computed_tokens
             if req.status is not decoding or len(req.token_ids) - c != 1:
                 return None
-            if c >= len(req.block_ids) * ps:
+            if c >= len(req.page_ids) * ps:
                 crossing.append(req)
         if crossing:
-            if sum(self.tables.growth(r, r.num_computed_tokens + 1) for r in crossing) > self.bm.num_free_blocks:
+            if sum(self.tables.growth(r, r.num_computed_tokens + 1) for r in crossing) > self.bm.num_free_pages:
                 return None  # NOTE: someone gets preempted: the general loop decides whom
             for req in crossing:
                 self.tables.grow(req, req.num_computed_tokens + 1)
@@ -259,8 +260,8 @@ class Scheduler:
             # held by others; a hit on an unreferenced cached page takes it off the free queue too.
             take = self.tables.footprint(computed, computed + n) - hit
             held = hit - self.bm.num_unreferenced(hashes[:hit])  # hit pages other requests hold
-            free_after = self.bm.num_free_blocks - take - (hit - held)
-            if free_after < 0 or (self.running and free_after < self.safety_blocks):
+            free_after = self.bm.num_free_pages - take - (hit - held)
+            if free_after < 0 or (self.running and free_after < self.safety_pages):
                 break  # head-of-line: keep fifo order, wait for pages
             if req.num_preemptions and self.running and self._cannot_catch_up(req, held):
                 break
@@ -268,8 +269,8 @@ class Scheduler:
             if restoring:
                 self._restore(req, computed + n)
             else:
-                req.block_ids = self.bm.match_prefix(hashes)
-                req.num_computed_tokens = len(req.block_ids) * self.page_size
+                req.page_ids = self.bm.match_prefix(hashes)
+                req.num_computed_tokens = len(req.page_ids) * self.page_size
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_cached_prompt_tokens += min(req.num_computed_tokens, req.num_prompt_tokens)
                 self.tables.grow(req, computed + n)
@@ -289,11 +290,11 @@ class Scheduler:
     def _cannot_catch_up(self, req: Request, held: int) -> bool:
         """A preempted request waits until it can get back to where it was and take one more step:
         readmitted earlier, it would only recompute a part and be preempted again (thrashing)."""
-        return self.bm.num_free_blocks + held < self.tables.max_pages(req.num_tokens + 1)
+        return self.bm.num_free_pages + held < self.tables.max_pages(req.num_tokens + 1)
 
     def _fork_source(self, req: Request) -> Request | str | None:
         """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
-        if not self.fork_enabled or req.num_computed_tokens or req.block_ids or req.num_prompt_tokens < 2:
+        if not self.fork_enabled or req.num_computed_tokens or req.page_ids or req.num_prompt_tokens < 2:
             return None
         leader = self.leaders.get(tuple(req.prompt_ids))
         if leader is None or leader is req or leader not in self.running:
@@ -322,10 +323,10 @@ class Scheduler:
         full, rest = divmod(shared, self.page_size)
         n = min(req.num_tokens - shared, budget)
         pages = self._fork_pages(req, leader)
-        fresh = self.bm.blocks_needed(shared + n) - full  # per group
-        new_blocks = self.tables.num_groups * fresh
-        free_after = self.bm.num_free_blocks - new_blocks
-        if free_after < 0 or free_after < self.safety_blocks:
+        fresh = self.bm.pages_needed(shared + n) - full  # per group
+        new_pages = self.tables.num_groups * fresh
+        free_after = self.bm.num_free_pages - new_pages
+        if free_after < 0 or free_after < self.safety_pages:
             return False
         self.waiting.popleft()
         for table, src in zip(self.tables.of(req), pages, strict=True):
@@ -349,7 +350,7 @@ class Scheduler:
         need = self.tables.growth(req, num_tokens)
         if not need:  # NOTE: most decode steps: the last page has room
             return True
-        while need > self.bm.num_free_blocks:
+        while need > self.bm.num_free_pages:
             # NOTE: the newest running request not yet scheduled this step, else `req` itself.
             victim = next((r for r in reversed(self.running) if id(r) not in done), req)
             self.preempt(victim)
@@ -386,14 +387,14 @@ class Scheduler:
         if slots is None:
             self.num_offload_fallbacks += 1
         else:
-            self.num_offloaded_blocks += len(pages)
+            self.num_offloaded_pages += len(pages)
         return slots
 
     def _restore(self, req: Request, num_tokens: int) -> None:
         """Readmit an offloaded request: fresh pages for every group, its saved KV copied back."""
         pages = self.tables.rebuild(req, num_tokens)
         self.offloader.restore(req.offloaded, pages)
-        self.num_restored_blocks += len(pages)
+        self.num_restored_pages += len(pages)
         req.offloaded = []
 
     # --------------------------------------------------------------- update
@@ -415,7 +416,7 @@ class Scheduler:
             if caching and req.num_computed_tokens // ps != req.num_registered_pages:
                 self._cache_full_pages(req)
             if sliding:
-                self.num_recycled_blocks += self.tables.recycle(req)
+                self.num_recycled_pages += self.tables.recycle(req)
 
     def _cache_full_pages(self, req: Request) -> None:
         if not self.bm.enable_prefix_caching or req.stale_kv:
@@ -425,7 +426,7 @@ class Scheduler:
             return
         hashes = self._hashes(req, full)
         for p in range(req.num_registered_pages, full):
-            self.bm.cache_page(req.block_ids[p], hashes[p])
+            self.bm.cache_page(req.page_ids[p], hashes[p])
             if self.inflight.get(hashes[p]) is req:
                 del self.inflight[hashes[p]]
         req.num_registered_pages = full

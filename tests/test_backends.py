@@ -138,7 +138,7 @@ def test_softcap_scores_are_built_in_bounded_chunks(monkeypatch, masked):
 def test_the_memory_plan_counts_attention_temporaries():
     """The gather backends' copies and the flex block masks shrink the cache a budget holds."""
     from rollout.backends import attention_memory
-    from rollout.kv_cache import GiB, KVShape, plan_cache
+    from rollout.memory_plan import GiB, KVShape, plan_cache
 
     shape = KVShape(4, 2, 64, torch.bfloat16)
     plans = {}

@@ -76,7 +76,7 @@ def test_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
 
 @pytest.mark.parametrize("window", [None, 24])
 def test_entries_past_a_requests_pages_are_never_read(window):
-    """The engine hands flex its persistent block table (rollout.block_table): past a request's own pages
+    """The engine hands flex its persistent block table (rollout.device_page_tables): past a request's own pages
     a row holds zeros or a previous owner's page ids, here the pages the other requests of the step read."""
     check_kernel(window, None, torch.float32, 2e-5, "cpu", stale_padding=True)
 

@@ -78,7 +78,7 @@ def drain(manager: ContinuousBatchingManager, timeout: float = TIMEOUT) -> dict[
 def assert_all_free(manager: ContinuousBatchingManager) -> None:
     with manager.step_lock:
         stats = manager.cache_stats()
-        manager.core.block_manager.check_invariants()
+        manager.core.page_pool.check_invariants()
     assert stats["free_blocks"] == stats["num_blocks"], stats
 
 

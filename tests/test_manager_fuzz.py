@@ -155,7 +155,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.manager.get_result(timeout=0) is None
         with self.manager.step_lock:
             stats = self.manager.cache_stats()
-            self.manager.core.block_manager.check_invariants()
+            self.manager.core.page_pool.check_invariants()
         assert stats["free_blocks"] == stats["num_blocks"] == BLOCKS, stats
         assert not self.manager.core.requests
 

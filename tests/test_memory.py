@@ -46,7 +46,7 @@ def run(model, prompts: list[list[int]], max_new: list[int] | int, cfg: Continuo
         core.add(r)
     while core.has_work():
         core.step()
-        core.block_manager.check_invariants()
+        core.page_pool.check_invariants()
     assert all(r.status == RequestStatus.FINISHED for r in reqs), [(r.status, r.error) for r in reqs]
     return [r.generated for r in reqs], core.cache_stats(), core
 

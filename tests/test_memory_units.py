@@ -9,11 +9,13 @@ import itertools
 import pytest
 import torch
 
-from rollout import ContinuousBatchingConfig, kv_cache
-from rollout.block_manager import FREED, BlockManager, FullAttentionAllocator, SlidingWindowAllocator
-from rollout.core import layer_groups, layer_windows
-from rollout.kv_cache import GiB, KVShape, PagedKVCache, plan_cache, storage_layout
+from rollout import ContinuousBatchingConfig, memory_plan
+from rollout.kv_cache import PagedKVCache, storage_layout
+from rollout.memory_plan import GiB, KVShape, plan_cache
+from rollout.model_facts import layer_groups, layer_windows
 from rollout.offload import CpuOffloadBuffer, plan_offload
+from rollout.page_pool import PagePool
+from rollout.page_tables import FREED, FullAttentionAllocator, SlidingWindowAllocator
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.scheduler import Scheduler
 
@@ -45,7 +47,7 @@ def step(s: Scheduler):
 
 
 def test_sliding_allocator_recycles_exactly_the_pages_the_window_left_behind():
-    pool = BlockManager(8, PS, enable_prefix_caching=False)
+    pool = PagePool(8, PS, enable_prefix_caching=False)
     alloc = SlidingWindowAllocator(pool, window=6)
     table: list[int] = []
     alloc.grow(table, 10)  # tokens 0..9 -> pages 0, 1, 2
@@ -62,12 +64,12 @@ def test_sliding_allocator_recycles_exactly_the_pages_the_window_left_behind():
     alloc.grow(table, 17)  # page 4 taken from the front of the free queue
     assert alloc.recycle(table, 17) == [2]
     assert table == [FREED, FREED, FREED, 3, 4]
-    assert pool.num_free_blocks == 8 - 2
+    assert pool.num_free_pages == 8 - 2
     pool.check_invariants()
 
 
 def test_allocator_page_bounds():
-    pool = BlockManager(64, 16, enable_prefix_caching=False)
+    pool = PagePool(64, 16, enable_prefix_caching=False)
     full, sliding = FullAttentionAllocator(pool), SlidingWindowAllocator(pool, window=24)
     assert [full.max_pages(n) for n in (1, 16, 17, 340)] == [1, 1, 2, 22]
     # a query and its 23 past keys span at most 3 pages of 16, short requests fewer
@@ -77,27 +79,27 @@ def test_allocator_page_bounds():
 
 
 def test_scheduler_keeps_one_table_per_group_and_recycles_after_each_step():
-    s = Scheduler(BlockManager(16, PS, enable_prefix_caching=False), 64, windows=(None, 8))
+    s = Scheduler(PagePool(16, PS, enable_prefix_caching=False), 64, windows=(None, 8))
     r = make_request("r", 10, max_new_tokens=10)
     s.add(r)
     out = step(s)
     assert out.scheduled[0].tables == [[0, 1, 2], [3, 4, 5]]
     assert s.tables.of(r) == [[0, 1, 2], [3, 4, 5]]  # first query at 10 sees 3..10: nothing dead yet
     step(s)  # computes token 10; the next query at 11 sees 4..11: page 3 (0..3) is dead
-    assert s.tables.of(r) == [[0, 1, 2], [FREED, 4, 5]] and s.num_recycled_blocks == 1
+    assert s.tables.of(r) == [[0, 1, 2], [FREED, 4, 5]] and s.num_recycled_pages == 1
     step(s)  # 11 -> the query at 12 needs a 4th page in both groups, from the front of the queue
     step(s)
     assert s.tables.of(r) == [[0, 1, 2, 6], [FREED, 4, 5, 7]]
     while s.has_work():
         step(s)
-    assert s.bm.num_free_blocks == 16 and r.status == RequestStatus.FINISHED
+    assert s.bm.num_free_pages == 16 and r.status == RequestStatus.FINISHED
     assert s.max_pages(20) == 5 + 3
 
 
 def test_a_fork_shares_full_pages_in_every_group_and_recycling_spares_held_pages():
     """Issue 13 item 5: a request with the leader's prompt forks both groups' full pages (the sliding one's
     still in its window), copies the partial pages, and the leader's recycling keeps pages the fork holds."""
-    s = Scheduler(BlockManager(32, PS, enable_prefix_caching=False), 64, windows=(None, 8), fork_prompts=True)
+    s = Scheduler(PagePool(32, PS, enable_prefix_caching=False), 64, windows=(None, 8), fork_prompts=True)
     a = make_request("a", 10, max_new_tokens=4)
     b = Request("b", list(a.prompt_ids), 4, SamplingParams(temperature=0.0), arrival=next(_arrival))
     s.add(a)
@@ -116,18 +118,18 @@ def test_a_fork_shares_full_pages_in_every_group_and_recycling_spares_held_pages
     assert s.tables.of(b)[1][0] == FREED and s.bm.ref_counts[3] == 0 and 3 in s.bm.free_queue
     while s.has_work():
         step(s)
-    assert s.bm.num_free_blocks == 32
+    assert s.bm.num_free_pages == 32
 
 
 def test_long_sliding_prompt_is_chunked_to_fit_the_pool():
-    s = Scheduler(BlockManager(3, PS, enable_prefix_caching=False), 64, windows=(6,))
+    s = Scheduler(PagePool(3, PS, enable_prefix_caching=False), 64, windows=(6,))
     r = make_request("r", 30, max_new_tokens=2)
     s.add(r)
     chunks = []
     while s.has_work():
         out = step(s)
         chunks += [x.num_new_tokens for x in out.scheduled]
-        assert s.bm.num_blocks - s.bm.num_free_blocks <= 3
+        assert s.bm.num_pages - s.bm.num_free_pages <= 3
     # 12 tokens fill the pool; then each step may reach the end of the pages it can hold
     assert chunks[0] == 12 and sum(chunks) == 30 + 1 and len(r.generated) == 2
 
@@ -163,7 +165,7 @@ class FakeOffloader:
 
 
 def three_requests(offloader, num_blocks=6):
-    s = Scheduler(BlockManager(num_blocks, PS, enable_prefix_caching=False), 64, offloader=offloader)
+    s = Scheduler(PagePool(num_blocks, PS, enable_prefix_caching=False), 64, offloader=offloader)
     reqs = [make_request(rid, 7, max_new_tokens=4) for rid in "abc"]
     for r in reqs:
         s.add(r)
@@ -178,19 +180,19 @@ def test_preempted_request_parks_its_pages_and_resumes_without_recompute():
     out = step(s)  # position 8: everyone needs a third page; c (newest) is preempted
     assert out.preempted == [c]
     assert off.log == [("save", [4, 5], [0, 1])]
-    assert c.offloaded == [0, 1] and c.num_computed_tokens == 8 and c.block_ids == []
-    assert a.block_ids == [0, 1, 5] and b.block_ids == [2, 3, 4]
+    assert c.offloaded == [0, 1] and c.num_computed_tokens == 8 and c.page_ids == []
+    assert a.page_ids == [0, 1, 5] and b.page_ids == [2, 3, 4]
     while c.status == RequestStatus.PENDING:
         out = step(s)
     # readmitted once a and b are gone: fresh pages, KV copied back, only its next token computed
     assert [(x.request.request_id, x.num_new_tokens) for x in out.scheduled] == [("c", 1)]
     assert off.log[1][0] == "restore" and off.log[1][1] == [0, 1]
-    assert c.block_ids[:2] == off.log[1][2] and c.offloaded == []
-    assert s.num_offloaded_blocks == s.num_restored_blocks == 2
+    assert c.page_ids[:2] == off.log[1][2] and c.offloaded == []
+    assert s.num_offloaded_pages == s.num_restored_pages == 2
     while s.has_work():
         step(s)
     assert len(c.generated) == 4 and off.free == [2, 3, 0, 1] and off.held == {}
-    assert s.bm.num_free_blocks == 6
+    assert s.bm.num_free_pages == 6
 
 
 def test_full_offload_buffer_falls_back_to_recompute():
@@ -212,7 +214,7 @@ def test_cancelling_an_offloaded_request_frees_its_slots():
 
 def test_offload_with_two_groups_saves_only_live_pages():
     off = FakeOffloader(16)
-    s = Scheduler(BlockManager(12, PS, enable_prefix_caching=False), 64, windows=(None, 4), offloader=off)
+    s = Scheduler(PagePool(12, PS, enable_prefix_caching=False), 64, windows=(None, 4), offloader=off)
     a, b = make_request("a", 9, max_new_tokens=12), make_request("b", 9, max_new_tokens=12)
     s.add(a)
     s.add(b)
@@ -236,7 +238,7 @@ def test_offload_with_two_groups_saves_only_live_pages():
     while s.has_work():
         step(s)
     assert [x[0] for x in off.log] == ["save", "restore"]
-    assert off.held == {} and s.bm.num_free_blocks == 12
+    assert off.held == {} and s.bm.num_free_pages == 12
     assert len(a.generated) == len(b.generated) == 12
 
 
@@ -327,7 +329,7 @@ def test_offload_sizing_is_capped_by_available_ram(monkeypatch):
 def test_every_page_and_slot_comes_back_after_random_preemptions(windows):
     """A small soak: many requests on a tight pool with offload; pages and host slots all return."""
     off = FakeOffloader(6)
-    s = Scheduler(BlockManager(10, PS, enable_prefix_caching=False), 16, windows=windows, offloader=off)
+    s = Scheduler(PagePool(10, PS, enable_prefix_caching=False), 16, windows=windows, offloader=off)
     reqs = [make_request(f"r{i}", 3 + (7 * i) % 11, max_new_tokens=4 + (5 * i) % 9) for i in range(10)]
     for r in reqs:
         s.add(r)
@@ -337,7 +339,7 @@ def test_every_page_and_slot_comes_back_after_random_preemptions(windows):
         step(s)
     assert not s.has_work()
     assert all(len(r.generated) == r.max_new_tokens for r in reqs)
-    assert s.bm.num_free_blocks == 10 and off.held == {} and len(off.free) == 6
+    assert s.bm.num_free_pages == 10 and off.held == {} and len(off.free) == 6
     assert s.num_preemptions > 0
 
 
@@ -345,7 +347,7 @@ def test_an_explicit_max_memory_percent_is_honoured_on_cpu(monkeypatch):
     class VM:
         available = 64 * GiB
 
-    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: VM)
+    monkeypatch.setattr(memory_plan.psutil, "virtual_memory", lambda: VM)
     page = 256 * SHAPE.bytes_per_token
     cpu = torch.device("cpu")
     default = ContinuousBatchingConfig()
@@ -368,11 +370,11 @@ def test_an_engine_sizes_its_cpu_cache_from_an_explicit_max_memory_percent(monke
     class VM:
         available = 64 * GiB
 
-    monkeypatch.setattr(kv_cache.psutil, "virtual_memory", lambda: VM)
+    monkeypatch.setattr(memory_plan.psutil, "virtual_memory", lambda: VM)
     model = make_model("qwen3")
-    page_bytes = 16 * kv_cache.kv_shape_from_config(model.config, torch.float32).bytes_per_token
+    page_bytes = 16 * memory_plan.kv_shape_from_config(model.config, torch.float32).bytes_per_token
     small = EngineCore(model, None, ContinuousBatchingConfig(page_size=16, max_memory_percent=0.001))
     # NOTE: the attention backend's fixed temporaries (rollout.backends.attention_memory) share the budget
-    shape = kv_cache.kv_shape_from_config(model.config, torch.float32)
+    shape = memory_plan.kv_shape_from_config(model.config, torch.float32)
     fixed = attention_memory(small.backend.name, shape, 16, None, False, 1024 // 16).fixed
-    assert small.block_manager.num_blocks == (int(64 * GiB * 0.001) - fixed) // page_bytes
+    assert small.page_pool.num_pages == (int(64 * GiB * 0.001) - fixed) // page_bytes

@@ -73,7 +73,7 @@ def test_every_block_is_free_after_the_run_and_cached_pages_stay_reusable():
     s = core.cache_stats()
     assert s["free_blocks"] == s["num_blocks"]
     assert s["cached_blocks"] > 0  # freed, but their hashes are kept for later hits
-    core.block_manager.check_invariants()
+    core.page_pool.check_invariants()
 
 
 def test_repeat_hits_every_full_page_and_reset_makes_it_miss():

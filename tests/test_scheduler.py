@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.block_manager import BlockManager
+from rollout.page_pool import PagePool
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.scheduler import Scheduler, SchedulerOutput
 
@@ -31,7 +31,7 @@ def make_request(rid: str, prompt: list[int] | int, max_new_tokens: int = 4) -> 
 
 def make_scheduler(num_blocks: int = 64, budget: int = 12, caching: bool = True, **kwargs) -> Scheduler:
     kwargs.setdefault("safety_margin", 0.0)
-    return Scheduler(BlockManager(num_blocks, PS, enable_prefix_caching=caching), budget, **kwargs)
+    return Scheduler(PagePool(num_blocks, PS, enable_prefix_caching=caching), budget, **kwargs)
 
 
 def chunks(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -45,7 +45,7 @@ def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     for sched in out.scheduled:
         req = sched.request
         # the request holds pages for everything it will have computed after this step
-        assert len(req.block_ids) * PS >= req.num_computed_tokens + sched.num_new_tokens
+        assert len(req.page_ids) * PS >= req.num_computed_tokens + sched.num_new_tokens
         assert sched.num_new_tokens >= 1
     sampled = [sched.request for sched in out.scheduled if sched.samples]
     s.after_step(out)
@@ -66,7 +66,7 @@ def run_to_end(s: Scheduler, max_steps: int = 500) -> list[list[tuple[str, int]]
         out, _ = step(s)
         trace.append(chunks(out))
         assert len(trace) < max_steps, "scheduler made no progress"
-    assert s.bm.num_free_blocks == s.bm.num_blocks
+    assert s.bm.num_free_pages == s.bm.num_pages
     return trace
 
 
@@ -80,18 +80,18 @@ def test_long_prompt_is_prefilled_in_budget_sized_chunks_then_decodes():
     assert a.status == RequestStatus.PENDING
     out, _ = step(s)
     assert chunks(out) == [("a", 12)]
-    assert a.block_ids == [0, 1, 2]
+    assert a.page_ids == [0, 1, 2]
     assert a.status == RequestStatus.PREFILLING and not a.generated
     out, _ = step(s)
     assert chunks(out) == [("a", 12)]
-    assert a.block_ids == [0, 1, 2, 3, 4, 5]
+    assert a.page_ids == [0, 1, 2, 3, 4, 5]
     out, _ = step(s)
     assert chunks(out) == [("a", 6)]
-    assert a.block_ids == list(range(8))  # 30 tokens -> 8 pages
+    assert a.page_ids == list(range(8))  # 30 tokens -> 8 pages
     assert a.status == RequestStatus.DECODING and a.generated == [7]
     assert a.num_computed_tokens == 30 and a.remaining == 1
     assert run_to_end(s) == [[("a", 1)], [("a", 1)]]
-    assert len(a.generated) == 3 and a.block_ids == []
+    assert len(a.generated) == 3 and a.page_ids == []
 
 
 def test_running_requests_and_new_ones_share_the_budget():
@@ -204,15 +204,15 @@ def test_newest_running_request_is_preempted_when_the_pool_is_exhausted():
         s.add(r)
     out, _ = step(s)
     assert chunks(out) == [("a", 7), ("b", 7), ("c", 7)]
-    assert (a.block_ids, b.block_ids, c.block_ids) == ([0, 1], [2, 3], [4, 5])
+    assert (a.page_ids, b.page_ids, c.page_ids) == ([0, 1], [2, 3], [4, 5])
     out, _ = step(s)  # position 7: still inside each second page
     assert chunks(out) == [("a", 1), ("b", 1), ("c", 1)] and not out.preempted
     out, _ = step(s)  # position 8: every request needs a third page, none is free
     assert out.preempted == [c]
     assert chunks(out) == [("a", 1), ("b", 1)]
     # c's pages were freed tail first and went to a, then b
-    assert a.block_ids == [0, 1, 5] and b.block_ids == [2, 3, 4]
-    assert c.status == RequestStatus.PENDING and c.block_ids == [] and c.num_computed_tokens == 0
+    assert a.page_ids == [0, 1, 5] and b.page_ids == [2, 3, 4]
+    assert c.status == RequestStatus.PENDING and c.page_ids == [] and c.num_computed_tokens == 0
     assert c.num_preemptions == 1 and s.num_preemptions == 1
     assert list(s.waiting) == [c] and s.running == [a, b]
     assert c.generated == [7, 7]  # generated tokens are kept: it recomputes prompt + them
@@ -274,7 +274,7 @@ def test_new_request_hitting_freed_cached_pages_in_a_nearly_full_pool():
     s.add(x)
     s.add(a)
     step(s)
-    assert a.status == RequestStatus.FINISHED and s.bm.num_free_blocks == 4
+    assert a.status == RequestStatus.FINISHED and s.bm.num_free_pages == 4
     # 17 tokens: 5 pages, 2 of them hits on a's freed pages -> really needs all 4 free pages + 1
     s.add(make_request("b", list(range(10, 18)) + list(range(30, 39)), max_new_tokens=1))
     out, _ = step(s)
@@ -304,9 +304,9 @@ def test_shared_prefix_request_waits_for_the_pages_in_flight_then_hits_them():
     out, _ = step(s)
     assert chunks(out) == [("a", 1), ("b", 4)]  # b hits the 4 prefix pages = 16 tokens
     assert b.num_cached_tokens == 16 and s.num_cached_prompt_tokens == 16
-    assert b.block_ids[:4] == a.block_ids[:4]
-    assert [s.bm.ref_counts[blk] for blk in a.block_ids[:4]] == [2, 2, 2, 2]
-    assert b.block_ids[4] not in a.block_ids  # the page with its own suffix is b's alone
+    assert b.page_ids[:4] == a.page_ids[:4]
+    assert [s.bm.ref_counts[blk] for blk in a.page_ids[:4]] == [2, 2, 2, 2]
+    assert b.page_ids[4] not in a.page_ids  # the page with its own suffix is b's alone
     run_to_end(s)
 
 
@@ -328,10 +328,10 @@ def test_identical_prompt_is_computed_once(fork_prompts):
     shared = 18 if fork_prompts else 16
     assert chunks(out) == [("a", 1), ("b", 19 - shared)]
     assert b.num_cached_tokens == shared and s.num_cached_prompt_tokens == shared
-    assert b.block_ids[:4] == a.block_ids[:4]
-    assert b.block_ids[4] != a.block_ids[4]  # the partial page is never shared
+    assert b.page_ids[:4] == a.page_ids[:4]
+    assert b.page_ids[4] != a.page_ids[4]  # the partial page is never shared
     if fork_prompts:
-        assert out.copies == [(a.block_ids[4], b.block_ids[4], 2)]  # copy-on-write of its 2 tokens
+        assert out.copies == [(a.page_ids[4], b.page_ids[4], 2)]  # copy-on-write of its 2 tokens
     run_to_end(s)
 
 
@@ -346,7 +346,7 @@ def test_prefix_hit_on_freed_pages_after_the_first_request_finished():
     s.add(b)
     out, _ = step(s)
     assert chunks(out) == [("b", 1)]
-    assert b.block_ids[:3] == first_blocks and b.num_cached_tokens == 12
+    assert b.page_ids[:3] == first_blocks and b.num_cached_tokens == 12
 
 
 def test_no_deferral_and_no_hits_without_prefix_caching_or_forking():
@@ -390,10 +390,10 @@ def _shadow_check(out: SchedulerOutput, slots: dict[int, tuple[int, ...]]) -> No
         req = sched.request
         start, end = req.num_computed_tokens, req.num_computed_tokens + sched.num_new_tokens
         for p in range(start):
-            slot = req.block_ids[p // PS] * PS + p % PS
+            slot = req.page_ids[p // PS] * PS + p % PS
             assert slots.get(slot) == tuple(req.token_ids[: p + 1]), f"{req.request_id} reads stale KV at {p}"
         for p in range(start, end):
-            slots[req.block_ids[p // PS] * PS + p % PS] = tuple(req.token_ids[: p + 1])
+            slots[req.page_ids[p // PS] * PS + p % PS] = tuple(req.token_ids[: p + 1])
 
 
 WORKLOAD = st.lists(
@@ -434,7 +434,7 @@ def _random_workload(workload, num_blocks, budget, max_requests, policy, margin,
         assert len({id(x.request) for x in out.scheduled}) == len(out.scheduled)
         rescheduled = {id(x.request) for x in out.scheduled}
         for victim in out.preempted:  # released, back in the queue (or re-admitted in the same step)
-            assert id(victim) in rescheduled or (victim.block_ids == [] and victim in s.waiting)
+            assert id(victim) in rescheduled or (victim.page_ids == [] and victim in s.waiting)
         _shadow_check(out, slots)
         sampled = [x.request for x in out.scheduled if x.samples]
         s.after_step(out)
@@ -444,11 +444,11 @@ def _random_workload(workload, num_blocks, budget, max_requests, policy, margin,
                 s.remove(req)
                 req.status = RequestStatus.FINISHED
         s.bm.check_invariants()
-        held = [b for r in s.running for b in r.block_ids]
-        assert s.bm.num_free_blocks == s.bm.num_blocks - len(set(held))
+        held = [b for r in s.running for b in r.page_ids]
+        assert s.bm.num_free_pages == s.bm.num_pages - len(set(held))
     assert not s.has_work(), "workload did not finish"
     assert all(len(r.generated) == r.max_new_tokens for _, r in reqs)
-    assert s.bm.num_free_blocks == num_blocks
+    assert s.bm.num_free_pages == num_blocks
 
 
 POLICY_ARGS = dict(

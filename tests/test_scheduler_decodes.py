@@ -13,7 +13,7 @@ import itertools
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.block_manager import BlockManager
+from rollout.page_pool import PagePool
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.scheduler import Scheduler
 
@@ -39,7 +39,7 @@ def _requests(workload) -> list[tuple[int, Request]]:
 
 
 def _trace(cls, workload, num_blocks, budget, max_requests, policy, windows, caching):
-    s = cls(BlockManager(num_blocks, PS, enable_prefix_caching=caching), budget,
+    s = cls(PagePool(num_blocks, PS, enable_prefix_caching=caching), budget,
             max_requests_per_batch=max_requests, policy=policy, windows=windows)
     reqs = _requests(workload)
     trace, fast_steps = [], 0
@@ -56,7 +56,7 @@ def _trace(cls, workload, num_blocks, budget, max_requests, policy, windows, cac
                 assert x.num_new_tokens == 1 and x.samples and x.request.status == RequestStatus.DECODING
         trace.append((
             [(x.request.request_id, x.num_new_tokens, [list(t) for t in x.tables]) for x in out.scheduled],
-            [r.request_id for r in out.preempted], list(out.copies), s.bm.num_free_blocks,
+            [r.request_id for r in out.preempted], list(out.copies), s.bm.num_free_pages,
         ))
         sampled = [x.request for x in out.scheduled if x.samples]
         s.after_step(out)

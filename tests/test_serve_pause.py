@@ -53,7 +53,7 @@ def test_keep_freezes_running_holds_new_cancel_of_held_and_resume(manager, model
     results = {r: guarded(lambda r=r: manager.get_result(r, timeout=60), 90) for r in (long, short)}
     assert len(results[long].generated_tokens) == 500
     assert results[short].generated_tokens == hf_greedy(model, [1, 2, 3, 4], 6)
-    assert core.block_manager.num_free_blocks == core.block_manager.num_blocks
+    assert core.page_pool.num_free_pages == core.page_pool.num_pages
 
 
 def test_abort_cancels_live_and_wait_drains(manager):

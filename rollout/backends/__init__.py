@@ -1,7 +1,7 @@
 """Attention backends: how the paged attention of one step runs (`ContinuousBatchingConfig.attn_backend`).
 
 Each backend is one small object with two jobs, as vLLM v1's backends: `build_group` turns the step's
-block tables into the tensors its kernel wants, once per step and layer group, and `attend` runs
+page tables into the tensors its kernel wants, once per step and layer group, and `attend` runs
 one layer over the paged cache. The runner and the registered attention function call those two
 methods and never ask which backend runs. The K/V of the step are written into the cache before
 `attend` (one code path for every backend). Backends:
@@ -9,7 +9,7 @@ methods and never ask which backend runs. The K/V of the step are written into t
 - `cpu`: the C++ kernel of `rollout.cpu_kernels` for decode rows, SDPA for prompt chunks (`cpu`);
 - `sdpa`: gather of each request's pages + torch SDPA, the portable reference (`sdpa`);
 - `flex`: torch FlexAttention over the whole paged cache, compiled (`flex`);
-- `flash`: flash-attn with block tables, CUDA only (`flash`; refuses to run elsewhere).
+- `flash`: flash-attn with page tables, CUDA only (`flash`; refuses to run elsewhere).
 
 `"auto"` picks `cpu` on a CPU (`sdpa`, with one warning, when the kernel cannot build) and `flex` on
 CUDA (`flash` there once it is implemented).
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from ..config import ATTN_BACKENDS
-from ..kv_cache import AttnMemory, KVShape
+from ..memory_plan import AttnMemory, KVShape
 
 logger = logging.getLogger("rollout")
 
@@ -38,7 +38,7 @@ class AttentionBackend(Protocol):
     def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int):
         """The metadata of one layer group for this step (has `.window` and `.slot_mapping` [T]).
 
-        `tables`: each scheduled request's block table of this group; `step`: the runner's
+        `tables`: each scheduled request's page table of this group; `step`: the runner's
         `_StepIndex` (positions, starts, lengths of the step's requests)."""
 
     def attend(
@@ -70,7 +70,7 @@ def resolve(name: str, device: torch.device, dtype: torch.dtype) -> str:
 
 def attention_memory(name: str, shape: KVShape, page_size: int, max_batch_tokens: int | None,
                      softcap: bool, max_pages: int) -> AttnMemory:
-    """The step temporaries of backend `name` (resolved) for the memory plan (`rollout.kv_cache.plan_cache`).
+    """The step temporaries of backend `name` (resolved) for the memory plan (`rollout.memory_plan.plan_cache`).
 
     `shape`: the cache's storages; `max_pages`: the most pages one request can hold.
     """

@@ -23,12 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from ..block_table import int_tensor
+from ..device_page_tables import int_tensor
 
 # NOTE: query rows per tile of the block mask. Rows of one tile read the union of their requests'
 # pages (masked per row), so a small tile keeps decode rows from reading each other's pages.
 Q_BLOCK = 16
-FREED = -1  # a table entry with no page (rollout.block_manager.FREED, or padding)
+FREED = -1  # a table entry with no page (rollout.page_tables.FREED, or padding)
 # NOTE: smallest static sizes of the mask mod's tables (rows, flattened block tables, pages): a new
 # size is a new compile, so they start large enough for the default engine (8192 tokens a step).
 ROW_FLOOR, TABLE_FLOOR, PAGE_FLOOR = 8192, 16384, 65536
@@ -220,20 +220,20 @@ class FlexBackend:
     """FlexAttention over the paged cache (see the module docstring).
 
     Args:
-        page_size, num_blocks: the cache's pages (a page is one KV block of the block mask).
+        page_size, num_pages: the cache's pages (a page is one KV block of the block mask).
         max_batch_tokens: the engine's step budget: the static size of the per-row mask tables.
         device: where the cache lives.
     """
 
     page_size: int
-    num_blocks: int
+    num_pages: int
     max_batch_tokens: int
     device: torch.device
     name: str = "flex"
     reads_unwritten_slots: bool = True  # NOTE: a page's unwritten slots get weight 0, and 0 * NaN = NaN
 
     @classmethod
-    def create(cls, device: torch.device, dtype: torch.dtype, page_size: int = 16, num_blocks: int = 1,
+    def create(cls, device: torch.device, dtype: torch.dtype, page_size: int = 16, num_pages: int = 1,
                max_batch_tokens: int = 8192, **_) -> FlexBackend:
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"attn_backend='flex' runs on CPU or CUDA; the model is on {device}")
@@ -244,18 +244,18 @@ class FlexBackend:
         if device.type == "cpu" and not _has_cxx():
             raise ValueError("attn_backend='flex' on CPU compiles a C++ kernel and no C++ compiler was found; "
                              "use attn_backend='sdpa'")
-        return cls(page_size, num_blocks, max_batch_tokens, device)
+        return cls(page_size, num_pages, max_batch_tokens, device)
 
     def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> FlexGroup:
         dev, ps = self.device, self.page_size
-        # NOTE: the persistent table (rollout.block_table: on the device, updated by the pages appended), the
+        # NOTE: the persistent table (rollout.device_page_tables: on the device, updated by the pages appended), the
         # step's rows narrowed to its widest request; nothing is rebuilt from the lists. Entries past a
         # request's own pages (zeros, or a previous owner's) are never read: rows read logical pages up to
         # their position only, and `live` stops at each request's end (build_flex_metadata).
         width = max(len(t) for t in tables)
         table = step.tables[window][:, :width].index_select(0, step.rows)  # [B, P] int32
         lens = int_tensor(step.lens_list, dev)  # [B]
-        meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_blocks, window,
+        meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_pages, window,
                                    row_capacity=self.max_batch_tokens)
         pos = step.positions  # [T]
         slots = table[step.request_of_token, torch.div(pos, ps, rounding_mode="floor")].long() * ps + pos % ps  # [T]

@@ -2,7 +2,7 @@
 
 One handler per route; each turns the request into samples (prompt-major: choice `i * n + j` is sample
 j of prompt i), submits them all, then either collects them or streams them as server-sent events.
-A client that disconnects cancels its samples, and the engine frees their blocks.
+A client that disconnects cancels its samples, and the engine frees their pages.
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
             yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [],
                                          "usage": _usage(samples, prompts, req.n)}) + "\n\n"
         yield "data: [DONE]\n\n"
-    finally:  # NOTE: also on disconnect (the generator is cancelled / closed): free the engine's blocks
+    finally:  # NOTE: also on disconnect (the generator is cancelled / closed): free the engine's pages
         bridge.cancel([r for r, s in by_rid.items() if not s.done])
 
 

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rollout.block_manager import BlockManager, page_hashes
+from rollout.page_pool import PagePool, page_hashes
 
 PS = 4  # tokens per page in these tests
 
@@ -24,7 +24,7 @@ def hashes_of(tokens: list[int]) -> list[bytes]:
     return page_hashes(tokens, PS, len(tokens) // PS)
 
 
-def cache_all(bm: BlockManager, blocks: list[int], tokens: list[int]) -> None:
+def cache_all(bm: PagePool, blocks: list[int], tokens: list[int]) -> None:
     for block, h in zip(blocks, hashes_of(tokens), strict=False):
         bm.cache_page(block, h)
 
@@ -33,13 +33,13 @@ def cache_all(bm: BlockManager, blocks: list[int], tokens: list[int]) -> None:
 
 
 def test_fresh_pool_allocates_in_id_order_and_frees_to_the_back_tail_first():
-    bm = BlockManager(8, PS)
+    bm = PagePool(8, PS)
     assert bm.allocate(3) == [0, 1, 2]
     assert bm.allocate(2) == [3, 4]
-    assert bm.num_free_blocks == 3
+    assert bm.num_free_pages == 3
     assert bm.ref_counts == [1, 1, 1, 1, 1, 0, 0, 0]
     bm.free([0, 1, 2])
-    assert bm.num_free_blocks == 6
+    assert bm.num_free_pages == 6
     # never-used blocks first, then the freed ones, tail page first
     assert list(bm.free_queue) == [5, 6, 7, 2, 1, 0]
     assert bm.allocate(4) == [5, 6, 7, 2]
@@ -48,17 +48,17 @@ def test_fresh_pool_allocates_in_id_order_and_frees_to_the_back_tail_first():
 
 
 def test_allocate_more_than_free_raises_and_takes_nothing():
-    bm = BlockManager(4, PS)
+    bm = PagePool(4, PS)
     bm.allocate(3)
     with pytest.raises(MemoryError):
         bm.allocate(2)
-    assert bm.num_free_blocks == 1
+    assert bm.num_free_pages == 1
     assert bm.allocate(1) == [3]
     bm.check_invariants()
 
 
 def test_double_free_is_an_error():
-    bm = BlockManager(4, PS)
+    bm = PagePool(4, PS)
     blocks = bm.allocate(1)
     bm.free(blocks)
     with pytest.raises(RuntimeError):
@@ -66,20 +66,20 @@ def test_double_free_is_an_error():
 
 
 def test_blocks_needed_rounds_up():
-    bm = BlockManager(4, PS)
-    assert [bm.blocks_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
+    bm = PagePool(4, PS)
+    assert [bm.pages_needed(n) for n in (0, 1, 4, 5, 8, 9)] == [0, 1, 1, 2, 2, 3]
 
 
 def test_fork_shares_blocks_until_the_last_reference_goes():
-    bm = BlockManager(4, PS)
+    bm = PagePool(4, PS)
     blocks = bm.allocate(2)
     bm.fork(blocks)
     assert [bm.ref_counts[b] for b in blocks] == [2, 2]
     bm.free(blocks)
     assert [bm.ref_counts[b] for b in blocks] == [1, 1]
-    assert bm.num_free_blocks == 2  # still held once
+    assert bm.num_free_pages == 2  # still held once
     bm.free(blocks)
-    assert bm.num_free_blocks == 4
+    assert bm.num_free_pages == 4
     bm.check_invariants()
 
 
@@ -87,7 +87,7 @@ def test_fork_shares_blocks_until_the_last_reference_goes():
 
 
 def test_identical_prefix_hits_the_same_blocks_and_takes_references():
-    bm = BlockManager(8, PS)
+    bm = PagePool(8, PS)
     tokens = list(range(1, 13))  # 3 full pages
     a = bm.allocate(3)
     cache_all(bm, a, tokens)
@@ -104,7 +104,7 @@ def test_identical_prefix_hits_the_same_blocks_and_takes_references():
 
 
 def test_hashes_are_chained_a_different_first_page_means_no_hit_on_the_second():
-    bm = BlockManager(8, PS)
+    bm = PagePool(8, PS)
     tokens = [1, 2, 3, 4, 5, 6, 7, 8]
     cache_all(bm, bm.allocate(2), tokens)
     other = [9, 9, 9, 9, 5, 6, 7, 8]  # same second page, different first page
@@ -142,31 +142,31 @@ def test_page_keys_are_a_strong_chained_digest_of_the_token_bytes():
 
 
 def test_first_writer_wins_for_a_hash():
-    bm = BlockManager(4, PS)
+    bm = PagePool(4, PS)
     h = hashes_of([1, 2, 3, 4])[0]
     a, b = bm.allocate(2)
     bm.cache_page(a, h)
     bm.cache_page(b, h)  # same content computed twice: the first block stays the cached one
     assert bm.cached == {h: a}
-    assert bm.block_hash[b] is None
+    assert bm.page_hash[b] is None
     bm.check_invariants()
 
 
 def test_freed_cached_blocks_count_as_free_and_a_hit_revives_them():
-    bm = BlockManager(6, PS)
+    bm = PagePool(6, PS)
     tokens = list(range(1, 9))
     a = bm.allocate(2)
     cache_all(bm, a, tokens)
     bm.free(a)
-    assert bm.num_free_blocks == 6
+    assert bm.num_free_pages == 6
     assert bm.match_prefix(hashes_of(tokens)) == a
-    assert bm.num_free_blocks == 4
+    assert bm.num_free_pages == 4
     assert a[0] not in bm.free_queue and a[1] not in bm.free_queue
     bm.check_invariants()
 
 
 def test_lru_eviction_order_of_freed_cached_blocks():
-    bm = BlockManager(8, PS)
+    bm = PagePool(8, PS)
     ta = list(range(1, 13))  # A: 3 pages
     tb = list(range(50, 58))  # B: 2 pages
     a = bm.allocate(3)
@@ -189,14 +189,14 @@ def test_lru_eviction_order_of_freed_cached_blocks():
     assert bm.allocate(1) == [4]
     assert bm.peek_prefix(hashes_of(tb)) == 1  # B's tail page is gone, its first page still hits
     assert bm.match_prefix(hashes_of(tb)) == [3]
-    assert bm.num_free_blocks == 0
+    assert bm.num_free_pages == 0
     bm.free([0, 1])
     assert list(bm.free_queue) == [1, 0]
     bm.check_invariants()
 
 
 def test_reset_prefix_cache_forgets_every_hash_but_not_references():
-    bm = BlockManager(6, PS)
+    bm = PagePool(6, PS)
     tokens = list(range(1, 13))
     a = bm.allocate(3)
     cache_all(bm, a, tokens)
@@ -206,7 +206,7 @@ def test_reset_prefix_cache_forgets_every_hash_but_not_references():
     assert bm.peek_prefix(hashes_of(tokens)) == 0
     assert bm.match_prefix(hashes_of(tokens)) == []
     assert [bm.ref_counts[b] for b in a] == [1, 1, 0]
-    assert bm.num_free_blocks == 4
+    assert bm.num_free_pages == 4
     # the blocks can be cached again under the same hashes
     cache_all(bm, a[:2], tokens)
     assert bm.match_prefix(hashes_of(tokens)) == a[:2]
@@ -214,7 +214,7 @@ def test_reset_prefix_cache_forgets_every_hash_but_not_references():
 
 
 def test_prefix_caching_disabled_never_hits():
-    bm = BlockManager(4, PS, enable_prefix_caching=False)
+    bm = PagePool(4, PS, enable_prefix_caching=False)
     tokens = list(range(1, 9))
     a = bm.allocate(2)
     cache_all(bm, a, tokens)
@@ -244,7 +244,7 @@ OPS = st.lists(
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(num_blocks=st.integers(1, 12), ops=OPS)
 def test_random_operations_keep_invariants(num_blocks, ops):
-    bm = BlockManager(num_blocks, PS)
+    bm = PagePool(num_blocks, PS)
     content: dict[int, int | None] = {}  # block -> hash of the page it holds
     live: list[tuple[list[int], list[int]]] = []  # (blocks, tokens)
     for op, family, pages, sel in ops:
@@ -258,9 +258,9 @@ def test_random_operations_keep_invariants(num_blocks, ops):
             for p, b in enumerate(hits):
                 assert content.get(b) == hashes[p], "prefix hit on a block holding other tokens"
             need = pages - len(hits)
-            if need > bm.num_free_blocks:
+            if need > bm.num_free_pages:
                 bm.free(hits)  # NOTE: hits on unreferenced cached pages go back to the free queue
-                if need > bm.num_free_blocks:
+                if need > bm.num_free_pages:
                     with pytest.raises(MemoryError):
                         bm.allocate(need)
                 continue
@@ -276,7 +276,7 @@ def test_random_operations_keep_invariants(num_blocks, ops):
             bm.free(blocks)
         elif op == "extend" and live:
             blocks, tokens = live[sel % len(live)]
-            if bm.num_free_blocks:
+            if bm.num_free_pages:
                 (b,) = bm.allocate(1)
                 assert all(b not in other for other, _ in live)
                 tokens += [sel % 89 + 300 + i for i in range(PS)]
@@ -290,8 +290,8 @@ def test_random_operations_keep_invariants(num_blocks, ops):
         held = [b for blocks, _ in live for b in blocks]
         for b in range(num_blocks):
             assert bm.ref_counts[b] == held.count(b)
-        assert bm.num_free_blocks == sum(1 for b in range(num_blocks) if b not in held)
+        assert bm.num_free_pages == sum(1 for b in range(num_blocks) if b not in held)
     for blocks, _ in live:
         bm.free(blocks)
-    assert bm.num_free_blocks == num_blocks
+    assert bm.num_free_pages == num_blocks
     bm.check_invariants()

@@ -1,4 +1,4 @@
-"""The persistent block table (rollout/block_table.py): rows follow the scheduler's lists incrementally.
+"""The persistent block table (rollout/device_page_tables.py): rows follow the scheduler's lists incrementally.
 
 Engine-level exactness with it (every architecture, sliding windows, preemption, prefix sharing) is in
 test_correctness.py, test_cpu_kernels.py and test_prefix_cache.py; here the bookkeeping itself.
@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import torch
 
-from rollout.block_table import MIN_ROWS, MIN_WIDTH, BlockTable
+from rollout.device_page_tables import MIN_ROWS, MIN_WIDTH, DevicePageTables
 
 
 class Req:
     """A stand-in request (the table keys rows by object)."""
 
 
-def rows_of(bt: BlockTable, reqs, tables):
+def rows_of(bt: DevicePageTables, reqs, tables):
     """Sync `tables[i][g]` (request i's list of group g) and read the rows back in that layout."""
     rows = bt.sync(reqs, [list(col) for col in zip(*tables, strict=True)])
     return [[bt.group(g)[r, : len(t)].tolist() for g, t in enumerate(ts)] for r, ts in zip(rows, tables, strict=True)]
 
 
 def test_rows_follow_appends_new_lists_and_release():
-    bt = BlockTable(2, torch.device("cpu"))
+    bt = DevicePageTables(2, torch.device("cpu"))
     a, b = Req(), Req()
     ta, tb = [[3, 4], [7]], [[9], [1, 2, 5]]
     assert rows_of(bt, [a, b], [ta, tb]) == [ta, tb]
@@ -42,7 +42,7 @@ def test_rows_follow_appends_new_lists_and_release():
 
 
 def test_rows_and_width_grow_keeping_contents():
-    bt = BlockTable(1, torch.device("cpu"))
+    bt = DevicePageTables(1, torch.device("cpu"))
     reqs = [Req() for _ in range(MIN_ROWS + 5)]
     tables = [[[i, i + 1]] for i in range(len(reqs))]
     assert rows_of(bt, reqs, tables) == tables

@@ -1,9 +1,9 @@
-"""`BlockTable`: the block tables of the running requests as one persistent int32 tensor per layer group.
+"""`DevicePageTables`: the page tables of the running requests as one persistent int32 tensor per layer group.
 
-The scheduler keeps each request's block table as a Python list per layer group (`ScheduledRequest.tables`).
+The scheduler keeps each request's page table as a Python list per layer group (`ScheduledRequest.tables`).
 Turning those lists into a `[B, P]` tensor every step costs time in the number of pages (B x P Python
 ints per group, ~25 ms at 512 requests x 4k tokens with 16-token pages). Here each request owns a row
-of a `[rows, width]` int32 tensor per group, kept across steps (as vLLM's `BlockTable`); a step writes
+of a `[rows, width]` int32 tensor per group, kept across steps (as vLLM's `DevicePageTables`); a step writes
 only what changed: the pages appended since the last sync, or the whole row when the request's list
 is another list object than the one synced (a fork, a preemption, a restore build new lists).
 
@@ -39,7 +39,7 @@ def int_tensor(values: list[int], device: torch.device, dtype: torch.dtype = tor
     return t.to(device)
 
 
-class BlockTable:
+class DevicePageTables:
     """Args: num_groups: layer groups (one table each); device: where the tables live."""
 
     def __init__(self, num_groups: int, device: torch.device) -> None:
