@@ -321,7 +321,7 @@ def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
             with manager.driving():
                 rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
                         for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-                outs = engine._collect(rids, progress=False)
+                outs = manager.collect(rids)
         else:
             rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
                     for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]

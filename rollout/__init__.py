@@ -1,9 +1,11 @@
 """rollout: a continuous-batching RL rollout engine for Hugging Face causal LMs."""
 
+from .batch import RolloutBatch
 from .config import ContinuousBatchingConfig
-from .engine import RolloutBatch, RolloutEngine
+from .engine import RolloutEngine
+from .factories import continuous_batching_context_manager, init_continuous_batching
 from .generate import generate_batch
-from .manager import ContinuousBatchingManager, continuous_batching_context_manager, init_continuous_batching
+from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput, RequestStatus
 
 __all__ = [

@@ -27,8 +27,6 @@ from .model_facts import (
     layer_groups,
     layer_windows,
     text_config,
-    versioned_tensors,
-    weights_version,
 )
 from .offload import CpuOffloadBuffer, plan_offload
 from .page_pool import PagePool
@@ -37,6 +35,7 @@ from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, make_engine_view
 from .sampler import Sampler
 from .scheduler import Scheduler, SchedulerOutput
+from .weights import versioned_tensors, weights_version
 
 logger = logging.getLogger("rollout")
 

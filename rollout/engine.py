@@ -1,4 +1,9 @@
-"""`RolloutEngine`: the RL-facing API on top of one persistent `ContinuousBatchingManager`."""
+"""`RolloutEngine`: the RL-facing API on top of one persistent `ContinuousBatchingManager`.
+
+`generate` encodes the prompts, submits every sample of every group at once and steps the engine on the
+calling thread (`manager.collect`) until they are done, then pads them into a `RolloutBatch`
+(`rollout.batch`). `update_weights` copies new weights in (`rollout.weights`) between steps.
+"""
 
 from __future__ import annotations
 
@@ -6,64 +11,21 @@ import copy
 import logging
 import math
 import threading
-import time
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
+from .batch import RolloutBatch, pack_batch
+from .chat import chat_template_ids
 from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .model_facts import eos_ids_of
-from .requests import GenerationOutput, RequestStatus
+from .requests import RequestStatus
+from .seeding import row_seed
+from .weights import copy_weights
 
 logger = logging.getLogger("rollout")
-
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
-
-
-@dataclass
-class RolloutBatch:
-    """Loss-ready rollouts: N = len(prompts) x group_size rows, a group's samples adjacent.
-
-    Tensors live on the model's device. Logprobs are fp32 and 0 where the mask is 0.
-    """
-
-    prompt_ids: torch.Tensor  # [N, P] left-padded
-    prompt_mask: torch.Tensor  # [N, P] 1 on prompt tokens
-    completion_ids: torch.Tensor  # [N, T] right-padded
-    completion_mask: torch.Tensor  # [N, T] 1 on generated tokens
-    logprobs: torch.Tensor  # [N, T] fp32
-    group_ids: torch.Tensor  # [N] index of the prompt each row answers
-    temperatures: torch.Tensor  # [N] fp32
-    finish_reasons: list[str]  # [N] "stop" | "length" | ...
-    policy_version: int
-    completions_text: list[str] | None = None  # [N] decoded completions when a tokenizer is known
-
-    @property
-    def input_ids(self) -> torch.Tensor:  # [N, P + T]
-        return torch.cat([self.prompt_ids, self.completion_ids], dim=1)
-
-    @property
-    def attention_mask(self) -> torch.Tensor:  # [N, P + T]
-        return torch.cat([self.prompt_mask, self.completion_mask], dim=1)
-
-    @property
-    def completion_lengths(self) -> torch.Tensor:  # [N]
-        return self.completion_mask.sum(dim=1)
-
-    def __len__(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    def to(self, device: torch.device | str) -> RolloutBatch:
-        moved = {
-            f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)
-            else getattr(self, f.name)
-            for f in fields(self)
-        }
-        return RolloutBatch(**moved)
 
 
 class RolloutEngine:
@@ -115,7 +77,7 @@ class RolloutEngine:
     # ------------------------------------------------------------- properties
     @property
     def policy_version(self) -> int:
-        return self.manager._core().policy_version
+        return self.manager.policy_version
 
     @property
     def pad_token_id(self) -> int:
@@ -126,6 +88,11 @@ class RolloutEngine:
             eos = self.generation_config.eos_token_id
             pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
         return int(pad)
+
+    @property
+    def is_asleep(self) -> bool:
+        """Whether `sleep()` released the KV cache (the next `generate` or `wake()` takes it back)."""
+        return self._asleep
 
     def cache_stats(self) -> dict:
         return self.manager.cache_stats()
@@ -168,32 +135,33 @@ class RolloutEngine:
             self._calls += 1
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
                 rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed)
-                outputs = self._collect(rids, progress)
+                outputs = self.manager.collect(rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")
-        return self._to_batch(ids, outputs, temps, group_size)
+        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
+                          self.tokenizer)
 
     def _encode(self, prompt, apply_chat_template: bool) -> list[int]:
+        core = self.manager.core
         if isinstance(prompt, str) or (apply_chat_template and isinstance(prompt, list) and prompt
                                        and isinstance(prompt[0], dict)):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: pass tokenizer= to RolloutEngine")
             if apply_chat_template:
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-                return self.manager._core().check_prompt(out["input_ids"] if isinstance(out, Mapping) else out)
-            return self.manager._core().check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        return self.manager._core().check_prompt(prompt)
+                return core.check_prompt(chat_template_ids(self.tokenizer, messages))
+            return core.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return core.check_prompt(prompt)
 
     def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
-        core = self.manager._core()
+        core = self.manager.core
         reqs = [
             core.make_request(
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
                 temperature=temps[i], top_k=top_k, top_p=top_p,
-                seed=None if seed is None else _row_seed(seed, i * group_size + j), prompt_checked=True,
+                seed=None if seed is None else row_seed(seed, i * group_size + j), prompt_checked=True,
             )
             for i, prompt in enumerate(ids)
             for j in range(group_size)
@@ -201,65 +169,6 @@ class RolloutEngine:
         if not self.manager.submit(reqs):
             raise RuntimeError("the rollout engine's manager is not running")
         return [r.request_id for r in reqs]
-
-    def _collect(self, rids: list[str], progress: bool) -> list[GenerationOutput]:
-        """Step the engine on this thread until every request of `rids` has its result; call inside
-        `manager.driving()` (one OpenMP team, the caller's, then runs the forward passes)."""
-        outputs: dict[str, GenerationOutput] = {}
-        manager = self.manager
-        with tqdm(total=len(rids), desc="rollout", unit="seq", disable=not progress, leave=False) as bar:
-            pending = set(rids)
-            while pending:
-                out = manager.get_result(timeout=0)
-                if out is None:
-                    if not manager.is_running():
-                        raise RuntimeError("the rollout engine's manager stopped with requests pending")
-                    if not manager.step_here():  # NOTE: nothing to step: another thread holds our results
-                        out = manager.get_result(timeout=0.05)
-                    if out is None:
-                        continue
-                if out.request_id in pending:
-                    pending.discard(out.request_id)
-                    outputs[out.request_id] = out
-                    bar.update(1)
-        return [outputs[r] for r in rids]
-
-    def _to_batch(self, ids, outputs, temps, group_size) -> RolloutBatch:
-        n = len(outputs)
-        pad = self.pad_token_id
-        p_len = max((len(p) for p in ids), default=0)
-        t_len = max((len(o.generated_tokens) for o in outputs), default=0)
-        prompt_ids = torch.full((n, p_len), pad, dtype=torch.long)
-        prompt_mask = torch.zeros((n, p_len), dtype=torch.long)
-        completion_ids = torch.full((n, t_len), pad, dtype=torch.long)
-        completion_mask = torch.zeros((n, t_len), dtype=torch.long)
-        logprobs = torch.zeros((n, t_len), dtype=torch.float32)
-        for row, out in enumerate(outputs):
-            p = ids[row // group_size]
-            if p:
-                prompt_ids[row, p_len - len(p):] = torch.tensor(p)
-                prompt_mask[row, p_len - len(p):] = 1
-            k = len(out.generated_tokens)
-            if k:
-                completion_ids[row, :k] = torch.tensor(out.generated_tokens)
-                completion_mask[row, :k] = 1
-                logprobs[row, :k] = torch.tensor(out.logprobs, dtype=torch.float32)
-        texts = None
-        if self.tokenizer is not None:
-            texts = self.tokenizer.batch_decode([o.generated_tokens for o in outputs], skip_special_tokens=True)
-        batch = RolloutBatch(
-            prompt_ids=prompt_ids,
-            prompt_mask=prompt_mask,
-            completion_ids=completion_ids,
-            completion_mask=completion_mask,
-            logprobs=logprobs,
-            group_ids=torch.arange(len(ids)).repeat_interleave(group_size),
-            temperatures=torch.tensor(temps, dtype=torch.float32).repeat_interleave(group_size),
-            finish_reasons=[o.finish_reason for o in outputs],
-            policy_version=min((o.policy_version for o in outputs), default=self.policy_version),
-            completions_text=texts,
-        )
-        return batch.to(self.device)
 
     # ---------------------------------------------------------- weight update
     def update_weights(self, source, in_flight: str = "finish") -> int:
@@ -275,83 +184,31 @@ class RolloutEngine:
         self._check_open()
         if in_flight not in ("finish", "abort", "keep"):
             raise ValueError(f"in_flight must be 'finish', 'abort' or 'keep', got {in_flight!r}")
-        if in_flight == "keep" and self.manager._paused != "keep":
+        if in_flight == "keep" and self.manager.pause_mode != "keep":
             raise ValueError("in_flight='keep' needs the manager paused with mode='keep'")
         if in_flight == "abort":
-            self._abort_live()
+            self.manager.abort_live()
         with self._lock:  # NOTE: a generate() running in another thread finishes first
             if in_flight != "keep":
-                self._wait_idle()
+                self.manager.wait_idle()
             with self.manager.step_lock:
-                core = self.manager._core()
+                core = self.manager.core
                 try:
-                    copied = self._copy_weights(source)
+                    copied = copy_weights(core.view, source)
                 finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
                     core.reset_prefix_cache()
                 core.policy_version += 1
             logger.info("policy weights updated (version %d, %d tensors copied)", core.policy_version, copied)
             return core.policy_version
 
-    def _abort_live(self) -> None:
-        # NOTE: every request not yet delivered, not only `core.requests`: a request the loop has taken
-        # from the inbox but not yet added to the core (or one still queued) would otherwise run on.
-        with self.manager._cv:
-            live = list(self.manager._live)
-        for rid in live:
-            self.manager.cancel_request(rid)
-
-    def _wait_idle(self, poll: float = 0.002) -> None:
-        core = self.manager._core()
-        while True:
-            with self.manager.step_lock:
-                if not core.has_work() and not self.manager._inbox:
-                    return
-            time.sleep(poll)
-
-    def _copy_weights(self, source) -> int:
-        module = _unwrap(source) if isinstance(source, torch.nn.Module) else None
-        # NOTE: copy into the tensors the engine runs, its view's. Built on the trainer's model they are the
-        # trainer's own tensors (same data_ptr: nothing is copied), unless the trainer has since replaced
-        # its parameters (e.g. `load_state_dict(..., assign=True)`): then they are copied like any source.
-        view = self.manager._core().view
-        targets = dict(view.named_parameters(remove_duplicate=False))
-        targets.update(dict(view.named_buffers(remove_duplicate=False)))
-        if module is not None:
-            source = module.state_dict()
-        if isinstance(source, Mapping):
-            # NOTE: check a whole dict before copying anything, so that a rejected update changes nothing
-            # (a stream is copied as it comes, never held in memory at once).
-            unknown = [name for name, value in source.items() if _target_of(targets, name, value) is None]
-            if unknown:
-                raise ValueError(_unknown_names(unknown))
-            items: Iterable = source.items()
-        else:
-            items = source
-        copied, unknown = 0, []
-        done: set[tuple[int, int]] = set()  # (target, value) storages: a tied weight is copied once
-        with torch.no_grad():
-            for name, value in items:
-                target = _target_of(targets, name, value)
-                if target is None:
-                    unknown.append(name)
-                    continue
-                pair = (target.data_ptr(), value.data_ptr())
-                if pair[0] != pair[1] and pair not in done:
-                    target.copy_(value)
-                    done.add(pair)
-                    copied += 1
-        if unknown:
-            raise ValueError(_unknown_names(unknown))
-        return copied
-
     # ---------------------------------------------------------------- memory
     def sleep(self) -> int:
         """Release the KV cache (and any offload buffer) between rollouts; returns the bytes freed."""
         self._check_open()
         with self._lock:
-            self._wait_idle()
+            self.manager.wait_idle()
             with self.manager.step_lock:
-                freed = self.manager._core().release_memory()
+                freed = self.manager.core.release_memory()
             self._asleep = True
             return freed
 
@@ -360,7 +217,7 @@ class RolloutEngine:
         self._check_open()
         with self._lock, self.manager.step_lock:
             self._asleep = False
-            return self.manager._core().restore_memory()
+            return self.manager.core.restore_memory()
 
     # --------------------------------------------------------------- closing
     def close(self) -> None:
@@ -377,52 +234,3 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-_MASK64 = (1 << 64) - 1
-
-
-def _mix64(x: int) -> int:
-    """splitmix64's finaliser: a bijection of 64-bit ints that scatters nearby inputs."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def _row_seed(seed: int, row: int) -> int:
-    """The seed of one sample's stream. NOTE: not `seed + row`, which makes seed s+1 replay the
-    streams of seed s shifted by one row (same prompt -> the same samples again)."""
-    return _mix64((_mix64(seed & _MASK64) + row) & _MASK64) >> 1  # >> 1: fits a signed int64
-
-
-def _target_of(targets: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> torch.Tensor | None:
-    """The engine tensor `name` (wrapper prefixes stripped) updates, None if unknown; ValueError on a
-    shape mismatch."""
-    target = targets.get(_strip_prefixes(name))
-    if target is not None and target.shape != value.shape:
-        raise ValueError(f"update_weights: {name} has shape {tuple(value.shape)}, expected {tuple(target.shape)}")
-    return target
-
-
-def _unknown_names(names: list[str]) -> str:
-    return f"update_weights: unknown parameter names {names[:5]}{'...' if len(names) > 5 else ''}"
-
-
-def _unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while True:
-        inner = getattr(module, "module", None) or getattr(module, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return module
-        module = inner
-
-
-def _strip_prefixes(name: str) -> str:
-    changed = True
-    while changed:
-        changed = False
-        for prefix in WRAPPER_PREFIXES:
-            if name.startswith(prefix):
-                name = name[len(prefix):]
-                changed = True
-    return name

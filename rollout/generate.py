@@ -1,16 +1,14 @@
-"""`generate_batch`: run a list of prompts to completion on the calling thread."""
+"""`generate_batch`: run a list of prompts to completion, stepping the engine on the calling thread."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 
 import torch
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from .config import ContinuousBatchingConfig
-from .core import EngineCore
+from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput
 
 
@@ -26,19 +24,17 @@ def generate_batch(
 
     `request_kwargs` (max_new_tokens, temperature, top_k, top_p, seed) apply to every request.
     Bad input raises ValueError before anything runs. With `progress_bar=True` a tqdm bar shows
-    finished requests and generated tokens/s.
+    finished requests and generated tokens/s. A manager of its own runs the requests (the same rounds
+    as `RolloutEngine.generate`: `ContinuousBatchingManager.collect`) and is destroyed at the end.
     """
-    core = EngineCore(model, generation_config, continuous_batching_config)
-    reqs = [core.make_request(ids, request_id=f"req_{i}", **request_kwargs) for i, ids in enumerate(inputs)]
-    for req in reqs:
-        core.add(req)
-    bar = tqdm(total=len(reqs), desc="generate_batch", unit="req", disable=not progress_bar)
-    start = time.perf_counter()
-    with bar:
-        while core.has_work():
-            done = [r for r in core.step() if r.status.is_final]
-            if done:
-                rate = core.stats["generated_tokens"] / max(time.perf_counter() - start, 1e-9)
-                bar.set_postfix(tok_s=f"{rate:.0f}")
-                bar.update(len(done))
-    return {r.request_id: r.to_output() for r in reqs}
+    manager = ContinuousBatchingManager(model, generation_config, continuous_batching_config)
+    try:
+        core = manager.core
+        reqs = [core.make_request(ids, request_id=f"req_{i}", **request_kwargs) for i, ids in enumerate(inputs)]
+        manager.start()
+        with manager.driving():  # NOTE: before submitting, so the background thread never takes a step
+            manager.submit(reqs)
+            outputs = manager.collect([r.request_id for r in reqs], progress=progress_bar, desc="generate_batch")
+    finally:
+        manager.destroy()
+    return {out.request_id: out for out in outputs}

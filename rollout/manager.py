@@ -1,17 +1,18 @@
-"""`ContinuousBatchingManager`: the engine loop on a background thread, and its queues.
+"""`ContinuousBatchingManager`: one `EngineCore`, its inbox, its outbox, and who steps it.
+
+There is one stepping path, `_round` (apply the queued commands, then one engine step, then publish the
+news), and two drivers of it: the manager's own background thread (`rollout serve`, and the seed API's
+`add_request` / `get_result` / `for result in manager`), and a caller that blocks on its own requests
+(`collect`, inside `driving()`: `RolloutEngine.generate`, `generate_batch`), while the thread parks.
+Both run equally fast: a thread that waits for the other to compute gives back its OpenMP team
+(`rollout.openmp`), so the waiting trainer's idle workers do not throttle the engine thread's.
 
 Differences from transformers' manager, on purpose:
   - `for result in manager` ends once every request submitted so far has delivered its final result;
   - a cancelled request delivers one final CANCELLED result;
   - one bad or oversized request fails alone, and an exception inside a step fails only that step;
   - the thread is a daemon and an idle manager sleeps on a condition variable (no polling);
-  - `persistent_manager=True` honours a later call's generation config;
-  - a caller that blocks on its own requests can step the engine on its own thread (`driving`,
-    `step_here`; `RolloutEngine.generate` does): the background thread parks meanwhile. With libgomp,
-    every thread that runs parallel torch work keeps its own OpenMP team, and once the teams add up
-    to more threads than CPUs their idle workers stop spinning, so every parallel region of a step
-    pays a futex wake-up: an engine thread stepping beside a trainer's main thread (which always has
-    a team) ran slower at 2 threads than at 1 (benchmarks/PROFILE.md, "Threads").
+  - `persistent_manager=True` honours a later call's generation config (`rollout.factories`).
 """
 
 from __future__ import annotations
@@ -22,32 +23,27 @@ import logging
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from .config import ContinuousBatchingConfig
 from .core import EngineCore
-from .requests import GenerationOutput, Request, RequestStatus
+from .inbox import Inbox
+from .openmp import release_thread_team
+from .outbox import Outbox
+from .requests import GenerationOutput, Request
 
 logger = logging.getLogger("rollout")
 
 HARD_STOP_ERROR = "manager stopped with hard_stop=True before the request finished"
+PAUSE_MODES = ("abort", "wait", "keep")
 
-
-
-def _step_or_fail(core) -> list:
-    """One engine step; an exception outside a step's own handling fails every live request instead."""
-    try:
-        return core.step()
-    except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
-        logger.exception("engine loop error; failing all live requests")
-        return core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
 
 class ContinuousBatchingManager:
-    """Runs an `EngineCore` on a background thread; safe to call from any thread.
+    """Runs an `EngineCore` for callers on any thread (see the module docstring).
 
     Args:
         model: a Hugging Face causal LM (shared, never copied; its own attention is left untouched).
@@ -55,45 +51,89 @@ class ContinuousBatchingManager:
         continuous_batching_config: engine configuration.
     """
 
+    PAUSE_MODES = PAUSE_MODES
+
     def __init__(
         self,
         model: torch.nn.Module,
         generation_config: GenerationConfig | None = None,
         continuous_batching_config: ContinuousBatchingConfig | None = None,
     ) -> None:
-        # NOTE: the model is held weakly: a persistent manager is kept alive by its model (see
-        # `_PERSISTENT`), so a strong reference back would keep both forever.
+        # NOTE: the model is held weakly: a persistent manager is kept alive by its model
+        # (`rollout.factories`), so a strong reference back would keep both forever.
         self._model_ref = weakref.ref(model)
         self.config = continuous_batching_config or ContinuousBatchingConfig()
-        self.core: EngineCore | None = EngineCore(model, generation_config, self.config)
+        self._core: EngineCore | None = EngineCore(model, generation_config, self.config)
         self._cv = threading.Condition()
         # NOTE: a manager dropped without destroy() wakes its thread, which then ends (see `_engine_loop`).
         weakref.finalize(self, _notify, self._cv)
-        self.step_lock = threading.RLock()  # held by the loop during a step; others may pause it
-        self._inbox: deque[tuple[str, object]] = deque()
-        self._results: deque[GenerationOutput] = deque()
-        self._streams: dict[str, deque[GenerationOutput]] = {}
-        self._live: set[str] = set()  # submitted, final result not yet delivered to a consumer
+        self.step_lock = threading.RLock()  # held during a round; hold it to keep steps out
+        self._inbox = Inbox(self._cv)
+        self._outbox = Outbox(self._cv)
         self._thread: threading.Thread | None = None
         self._accepting = False
         self._stop_mode: str | None = None  # None, "drain" or "hard"
         self._destroyed = False
         self._paused: str | None = None  # None, or the pause mode: "abort", "wait" or "keep"
-        # NOTE: the mode the loop has reached: pause/resume travel through the inbox, so a request
-        # submitted before pause() runs as in flight and one submitted after it is held.
-        self._loop_paused: str | None = None
-        self._held: deque[Request] = deque()  # requests submitted while paused, admitted on resume
-        self._listeners: list[Callable[[GenerationOutput], bool]] = []
-        self._drivers = 0  # callers stepping the engine on their own thread (see `driving`)
+        self._drivers = 0  # callers stepping on their own thread (see `driving`)
         _LIVE_MANAGERS.add(self)
 
+    # ------------------------------------------------------------ inspection
     @property
     def model(self) -> torch.nn.Module | None:
         """The model this manager serves (its engine view once the caller dropped it; None once destroyed)."""
         model = self._model_ref()
-        if model is None and self.core is not None:
-            return self.core.view
+        if model is None and self._core is not None:
+            return self._core.view
         return model
+
+    @property
+    def core(self) -> EngineCore:
+        """The engine core (cache, scheduler, runner, sampler); RuntimeError once destroyed. Mutate it only
+        while holding `step_lock`."""
+        if self._core is None:
+            raise RuntimeError("this manager was destroyed")
+        return self._core
+
+    @property
+    def policy_version(self) -> int:
+        return self.core.policy_version
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The background engine thread of the current session (None before the first `start`)."""
+        return self._thread
+
+    @property
+    def is_destroyed(self) -> bool:
+        return self._destroyed
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the current pause ("abort", "wait", "keep"), None when not paused."""
+        return self._paused
+
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def is_paused(self) -> bool:
+        return self._paused is not None
+
+    def live_request_ids(self) -> frozenset[str]:
+        """Requests submitted whose final result has not been delivered yet."""
+        with self._cv:
+            return frozenset(self._outbox.live)
+
+    def cache_stats(self) -> dict:
+        return self.core.cache_stats()
+
+    def debug_state(self) -> dict:
+        """Test hook: sizes of the internal queues, and whether the calling thread holds the manager's lock."""
+        lock_held = self._cv._is_owned()  # NOTE: before taking it below
+        with self._cv:
+            ob = self._outbox
+            return {"live": set(ob.live), "results": [o.request_id for o in ob.results], "streams": set(ob.streams),
+                    "inbox": len(self._inbox), "held": len(self._inbox.held), "lock_held": lock_held}
 
     # -------------------------------------------------------------- lifecycle
     def start(self) -> None:
@@ -114,9 +154,6 @@ class ContinuousBatchingManager:
                                         name="rollout-engine", daemon=True)
         self._thread.start()
 
-    def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def stop(self, hard_stop: bool = False, block: bool = True, timeout: float | None = None) -> None:
         """Refuse new work, then drain queued and active requests (or fail them at once if `hard_stop`)."""
         with self._cv:
@@ -131,37 +168,35 @@ class ContinuousBatchingManager:
         """Stop at once and free the KV cache for good."""
         self.stop(hard_stop=True)
         with self.step_lock:
-            if self.core is not None:
-                self.core.cache.release()
-                self.core = None
+            if self._core is not None:
+                self._core.cache.release()
+                self._core = None
         self._destroyed = True
         _LIVE_MANAGERS.discard(self)
 
     def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
         with self.step_lock:
-            self._core().set_generation_config(generation_config)
+            self.core.set_generation_config(generation_config)
 
     # ---------------------------------------------------------------- pausing
-    PAUSE_MODES = ("abort", "wait", "keep")
-
     def pause(self, mode: str = "keep", timeout: float | None = None) -> None:
         """Hold new requests until `resume()`; what happens to the live ones depends on `mode`:
         "abort" cancels them (each delivers a final CANCELLED result), "wait" lets them finish,
         "keep" freezes them where they are (no step runs; they continue on resume). Returns once that
         state is reached (for "wait", once the running requests have finished)."""
-        if mode not in self.PAUSE_MODES:
-            raise ValueError(f"mode must be one of {self.PAUSE_MODES}, got {mode!r}")
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
         with self._cv:
             self._paused = mode
-            self._inbox.append(("pause", mode))
+            self._inbox.push("pause", mode)
             self._cv.notify_all()
         deadline = None if timeout is None else time.monotonic() + timeout
-        # NOTE: the loop holds step_lock for a whole step: once we get it, no step is under way.
+        # NOTE: a round holds step_lock from start to end: once we get it, no step is under way.
         while self.is_running():
             with self.step_lock, self._cv:
                 if self._paused != mode:
                     return
-                if self._loop_paused == mode and (mode == "keep" or not self._core().has_work()):
+                if self._inbox.paused == mode and (mode == "keep" or not self.core.has_work()):
                     return
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"pause(mode={mode!r}) did not settle within {timeout} s")
@@ -171,17 +206,33 @@ class ContinuousBatchingManager:
         """Admit the held requests and run again."""
         with self._cv:
             self._paused = None
-            self._inbox.append(("resume", None))
+            self._inbox.push("resume")
             self._cv.notify_all()
 
-    def is_paused(self) -> bool:
-        return self._paused is not None
+    def wait_idle(self, timeout: float | None = None, poll: float = 0.002) -> None:
+        """Block until no request is queued or running (steps go on meanwhile); TimeoutError after `timeout`."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self.step_lock:
+                if not self.core.has_work() and not self._inbox:
+                    return
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the engine did not become idle within {timeout} s")
+            time.sleep(poll)
+
+    def abort_live(self) -> list[str]:
+        """Cancel every request not yet delivered (queued, held or running); returns their ids."""
+        # NOTE: every live id, not only the core's requests: one still in the inbox would otherwise run on.
+        live = sorted(self.live_request_ids())
+        for rid in live:
+            self.cancel_request(rid)
+        return live
 
     def add_listener(self, fn: Callable[[GenerationOutput], bool]) -> None:
-        """Call `fn(output)` from the engine thread for every piece of news (final results, and chunks of
+        """Call `fn(output)` from the stepping thread for every piece of news (final results, and chunks of
         streaming requests). If it returns True it has taken the output: the manager keeps no copy, and a
         final one counts as delivered. `fn` must be quick and must not call into the manager."""
-        self._listeners.append(fn)
+        self._outbox.listeners.append(fn)
 
     # ------------------------------------------------------------- submission
     def add_request(
@@ -205,10 +256,10 @@ class ContinuousBatchingManager:
         if not self._accepting or self._destroyed:
             logger.warning("add_request refused: the manager is stopped (call start() first)")
             return None
-        if request_id is not None and request_id in self._live:
+        if request_id is not None and request_id in self._outbox.live:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
-        # NOTE: validated outside the lock: the engine loop takes it between steps.
-        req = self._core().make_request(
+        # NOTE: validated outside the lock: a round takes it between steps.
+        req = self.core.make_request(
             input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids,
             ignore_eos,
         )
@@ -225,7 +276,7 @@ class ContinuousBatchingManager:
             logger.warning("add_requests refused: the manager is stopped (call start() first)")
             return []
         stamp = time.monotonic_ns()
-        core = self._core()
+        core = self.core
         reqs = [core.make_request(ids_i, request_id=f"req_{stamp}_{i}", **kwargs) for i, ids_i in enumerate(inputs)]
         order = list(range(len(reqs)))
         if self.config.allow_block_sharing:
@@ -243,48 +294,28 @@ class ContinuousBatchingManager:
                 return False
             seen: set[str] = set()
             for req in requests:
-                if req.request_id in self._live or req.request_id in seen:
+                if req.request_id in self._outbox.live or req.request_id in seen:
                     raise ValueError(f"request_id {req.request_id!r} is already in use by a live request")
                 seen.add(req.request_id)
+            self._outbox.expect(requests)
             for req in requests:
-                self._live.add(req.request_id)
-                self._streams.pop(req.request_id, None)  # NOTE: never a stale stream of an earlier same-id request
-                if req.streaming:
-                    self._streams[req.request_id] = deque()
-                self._inbox.append(("add", req))
+                self._inbox.push("add", req)
             self._cv.notify_all()
             return True
 
     def cancel_request(self, request_id: str) -> bool:
         """Cancel a live request; it delivers one final CANCELLED result. False if it is not live."""
         with self._cv:
-            if request_id not in self._live or not self.is_running():
+            if request_id not in self._outbox.live or not self.is_running():
                 return False
-            self._inbox.append(("cancel", request_id))
+            self._inbox.push("cancel", request_id)
             self._cv.notify_all()
             return True
 
     # ---------------------------------------------------------------- results
     def get_result(self, request_id: str | None = None, timeout: float | None = None) -> GenerationOutput | None:
         """The next final result (or the next for `request_id`); None on timeout or if none can come."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while True:
-                for i, out in enumerate(self._results):
-                    if request_id is None or out.request_id == request_id:
-                        del self._results[i]
-                        # NOTE: the final chunk is already in the stream deque a request_id_iter holds.
-                        self._streams.pop(out.request_id, None)
-                        self._delivered(out.request_id)
-                        return out
-                if (request_id is None and not self._live) or (request_id is not None and request_id not in self._live):
-                    return None
-                if not self.is_running() and not self._inbox:
-                    return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                self._cv.wait(remaining)
+        return self._outbox.get(request_id, timeout, self._producing, release_team=not self._drivers)
 
     def __iter__(self) -> Iterator[GenerationOutput]:
         """Each final result as it finishes; ends once every request submitted so far has delivered."""
@@ -296,46 +327,16 @@ class ContinuousBatchingManager:
 
     def request_id_iter(self, request_id: str) -> Iterator[GenerationOutput]:
         """Partial outputs of a streaming request as they grow; the last one has a final status."""
-        with self._cv:
-            stream = self._streams.get(request_id)
-        if stream is None:
-            out = self.get_result(request_id)
-            if out is not None:
-                yield out
-            return
-        while True:
-            with self._cv:
-                while not stream and self.is_running():
-                    self._cv.wait()
-                if not stream:
-                    self._streams.pop(request_id, None)
-                    return
-                chunk = stream.popleft()
-                if chunk.status.is_final:
-                    self._streams.pop(request_id, None)
-                    self._results = deque(o for o in self._results if o.request_id != request_id)
-                    self._delivered(request_id)
-            yield chunk
-            if chunk.status.is_final:
-                return
+        return self._outbox.stream(request_id, self.is_running, release_team=not self._drivers)
 
-    def _delivered(self, request_id: str) -> None:
-        self._live.discard(request_id)
-        self._cv.notify_all()
+    def _producing(self) -> bool:
+        return self.is_running() or bool(self._inbox)
 
-    def cache_stats(self) -> dict:
-        return self._core().cache_stats()
-
-    def _core(self) -> EngineCore:
-        if self.core is None:
-            raise RuntimeError("this manager was destroyed")
-        return self.core
-
-    # ------------------------------------------------------------------- loop
+    # ------------------------------------------------ stepping on the caller
     @contextlib.contextmanager
     def driving(self) -> Iterator[None]:
-        """While inside, the caller steps the engine with `step_here` and the background loop parks
-        (unless the manager is stopping); on exit the loop takes over whatever work is left."""
+        """While inside, the caller steps the engine (`run_once`, `collect`) and the background thread parks
+        (unless the manager is stopping); on exit the thread takes over whatever work is left."""
         with self._cv:
             self._drivers += 1
         try:
@@ -345,119 +346,79 @@ class ContinuousBatchingManager:
                 self._drivers -= 1
                 self._cv.notify_all()
 
-    def step_here(self) -> bool:
-        """One round of the engine loop on the calling thread (queued commands, then one step); False
-        when there was nothing to do (or the loop is paused). Use inside `driving()`."""
-        core = self._core()
-        with self._cv:
-            commands = list(self._inbox)
-            self._inbox.clear()
-        if not commands and not (core.has_work() and self._loop_paused != "keep"):
-            return False
-        with self.step_lock:
-            news = self._apply(core, commands)
-            if core.has_work() and self._loop_paused != "keep":
-                news += _step_or_fail(core)
-        self._publish(news)
-        return True
+    def run_once(self) -> bool:
+        """One round on the calling thread (queued commands, then one step); False when there was nothing
+        to do (or the manager is paused in "keep" mode). Use inside `driving()`."""
+        return self._round()[0]
 
+    def collect(self, request_ids: Sequence[str], progress: bool = False, desc: str = "rollout") -> list[GenerationOutput]:
+        """Step the engine on this thread until every request of `request_ids` has delivered its final
+        result; returns the results in that order. Enters `driving()` itself (enter it before submitting
+        to be sure the background thread never takes one of their steps)."""
+        outputs: dict[str, GenerationOutput] = {}
+        pending = set(request_ids)
+        start, generated = time.perf_counter(), self.core.stats["generated_tokens"]
+        with self.driving(), tqdm(total=len(pending), desc=desc, unit="seq", disable=not progress, leave=False) as bar:
+            while pending:
+                out = self.get_result(timeout=0)
+                if out is None:
+                    if not self.is_running():
+                        raise RuntimeError("the manager stopped with requests pending")
+                    if not self.run_once():  # NOTE: nothing to step: another thread holds our results
+                        out = self.get_result(timeout=0.05)
+                    if out is None:
+                        continue
+                if out.request_id in pending:
+                    pending.discard(out.request_id)
+                    outputs[out.request_id] = out
+                    rate = (self.core.stats["generated_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
+                    bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
+                    bar.update(1)
+        return [outputs[r] for r in request_ids]
+
+    # ------------------------------------------------------------ the round
     def _idle(self) -> bool:
-        """Nothing to do until notified, or a caller is driving (called under `_cv`)."""
+        """The background thread has nothing to do until notified, or a caller drives (under `_cv`)."""
         if self._drivers and self._stop_mode is None:
             return True
-        return (not self._inbox and not (self._core().has_work() and self._loop_paused != "keep")
+        return (not self._inbox and not (self.core.has_work() and self._inbox.paused != "keep")
                 and self._stop_mode is None)
 
-    def _run_once(self) -> bool:
-        """One round of the engine loop: apply the queued commands, run a step; False once it must end."""
-        core = self._core()
+    def _round(self) -> tuple[bool, bool]:
+        """The one stepping path: apply the queued commands, run one step, publish the news.
+        Returns (whether anything was done, whether the background loop goes on)."""
+        core = self.core
         with self._cv:
-            commands = list(self._inbox)
-            self._inbox.clear()
+            commands = self._inbox.take()
             stop_mode = self._stop_mode
             if stop_mode is not None:  # NOTE: a stop ends the pause: held requests drain (or fail)
                 self._paused = None
                 commands.append(("resume", None))
+        stepping = core.has_work() and self._inbox.paused != "keep"
+        if not commands and not stepping and stop_mode is None:
+            return False, True
         with self.step_lock:
-            news = self._apply(core, commands)
+            news = self._inbox.apply(core, commands)
             if stop_mode == "hard":
                 news += core.fail_all(HARD_STOP_ERROR)
-            elif core.has_work() and self._loop_paused != "keep":
+            elif core.has_work() and self._inbox.paused != "keep":
                 news += _step_or_fail(core)
-        self._publish(news)
+        self._outbox.publish(news)
         if stop_mode is not None and not core.has_work():
             with self._cv:
                 if not self._inbox:
                     self._cv.notify_all()
-                    return False
-        return True
+                    return True, False
+        return True, True
 
-    def _apply(self, core: EngineCore, commands: list[tuple[str, object]]) -> list[Request]:
-        news: list[Request] = []
-        for kind, arg in commands:
-            if kind == "add" and self._loop_paused is not None:
-                with self._cv:
-                    self._held.append(arg)
-            elif kind == "pause":
-                with self._cv:
-                    self._loop_paused = arg
-                if arg == "abort":
-                    news += [r for r in (core.cancel(rid) for rid in list(core.requests)) if r is not None]
-                    news += self._cancel_held(lambda r: True)
-            elif kind == "resume":
-                with self._cv:
-                    self._loop_paused = None
-                    held, self._held = list(self._held), deque()
-                news += self._apply(core, [("add", r) for r in held])
-            elif kind == "add":
-                try:
-                    core.add(arg)
-                except ValueError as e:  # NOTE: raced with a live id; fail this request alone
-                    arg.status, arg.finish_reason, arg.error = RequestStatus.FAILED, "error", str(e)
-                    news.append(arg)
-            elif kind == "cancel":
-                req = core.cancel(arg)
-                if req is not None:
-                    news.append(req)
-                news += self._cancel_held(lambda r, rid=arg: r.request_id == rid)
-        return news
 
-    def _cancel_held(self, match: Callable[[Request], bool]) -> list[Request]:
-        with self._cv:
-            gone = [r for r in self._held if match(r)]
-            self._held = deque(r for r in self._held if not match(r))
-        for req in gone:
-            req.status, req.finish_reason = RequestStatus.CANCELLED, "cancelled"
-        return gone
-
-    def _publish(self, news: list[Request]) -> None:
-        if not news:
-            return
-        with self._cv:
-            for req in news:
-                out = req.to_output()
-                if self._taken(out):
-                    continue
-                stream = self._streams.get(req.request_id)
-                if stream is not None:
-                    stream.append(out)
-                if out.status.is_final:
-                    self._results.append(out)
-            self._cv.notify_all()
-
-    def _taken(self, out: GenerationOutput) -> bool:
-        for fn in self._listeners:
-            try:
-                taken = fn(out)
-            except Exception:  # NOTE: a listener's bug must not kill the engine loop
-                logger.exception("manager listener failed")
-                continue
-            if taken:
-                if out.status.is_final:
-                    self._streams.pop(out.request_id, None)
-                    self._live.discard(out.request_id)
-                return True
-        return False
+def _step_or_fail(core: EngineCore) -> list[Request]:
+    """One engine step; an exception outside a step's own handling fails every live request instead."""
+    try:
+        return core.step()
+    except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
+        logger.exception("engine loop error; failing all live requests")
+        return core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
 
 
 # NOTE: a safety net only: every wake-up that matters (submissions, stops, the manager's finalizer) notifies.
@@ -465,9 +426,11 @@ IDLE_RECHECK_S = 30.0
 
 
 def _engine_loop(ref: weakref.ref[ContinuousBatchingManager], cv: threading.Condition) -> None:
-    """The engine thread. It holds the manager only while it works on it; idle, it waits on the condition
-    variable holding nothing but `ref`, so an unreferenced manager is collected and its finalizer's
-    notify ends the thread."""
+    """The background thread. It holds the manager only while it works on it; idle, it waits on the
+    condition variable holding nothing but `ref`, so an unreferenced manager is collected and its
+    finalizer's notify ends the thread. Before idling it gives back its OpenMP team (rollout.openmp), so
+    that a trainer's work on its own thread runs unthrottled meanwhile."""
+    team = False  # NOTE: whether a step may have built an OpenMP team since the last release
     while True:
         manager = ref()
         if manager is None:
@@ -475,10 +438,17 @@ def _engine_loop(ref: weakref.ref[ContinuousBatchingManager], cv: threading.Cond
         with cv:
             if manager._idle():
                 del manager
+                if team:
+                    team = False
+                    release_thread_team()
                 if ref() is not None:  # NOTE: collected just now (in this thread): no notify will come
                     cv.wait(IDLE_RECHECK_S)
                 continue
-        if not manager._run_once():
+        worked, going = manager._round()
+        team = team or worked
+        if not going:
+            if team:
+                release_thread_team()
             return
         del manager
 
@@ -497,45 +467,3 @@ def _stop_all_at_exit() -> None:
     for manager in list(_LIVE_MANAGERS):
         with contextlib.suppress(Exception):
             manager.stop(hard_stop=True, block=True, timeout=2.0)
-
-
-_PERSISTENT: weakref.WeakKeyDictionary[torch.nn.Module, ContinuousBatchingManager] = weakref.WeakKeyDictionary()
-
-
-def init_continuous_batching(
-    model: torch.nn.Module,
-    generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
-) -> ContinuousBatchingManager:
-    """A new manager for `model` (not started: call `start()`)."""
-    return ContinuousBatchingManager(model, generation_config, continuous_batching_config)
-
-
-@contextlib.contextmanager
-def continuous_batching_context_manager(
-    model: torch.nn.Module,
-    generation_config: GenerationConfig | None = None,
-    continuous_batching_config: ContinuousBatchingConfig | None = None,
-    persistent_manager: bool = False,
-) -> Iterator[ContinuousBatchingManager]:
-    """Start a manager, yield it, then drain and stop it on exit (and destroy it unless persistent).
-
-    With `persistent_manager=True` the manager and its cache are kept for the next `with` on the same
-    model; that call's `generation_config` replaces the previous one."""
-    manager = _PERSISTENT.get(model) if persistent_manager else None
-    if manager is not None and (manager._destroyed or (continuous_batching_config is not None
-                                                       and continuous_batching_config != manager.config)):
-        manager = None
-    if manager is None:
-        manager = init_continuous_batching(model, generation_config, continuous_batching_config)
-        if persistent_manager:
-            _PERSISTENT[model] = manager
-    elif generation_config is not None:
-        manager.set_generation_config(generation_config)
-    manager.start()
-    try:
-        yield manager
-    finally:
-        manager.stop(hard_stop=False, block=True)
-        if not persistent_manager:
-            manager.destroy()

@@ -69,21 +69,3 @@ def eos_ids_of(*sources) -> frozenset[int]:
             continue
         out.update([src] if isinstance(src, int) else src)
     return frozenset(int(t) for t in out)
-
-
-def versioned_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    """The parameters and buffers whose version counters reveal in-place changes (inference tensors have none)."""
-    out = []
-    for t in (*model.parameters(), *model.buffers()):
-        try:
-            _ = t._version
-        except RuntimeError:
-            continue
-        out.append(t)
-    return out
-
-
-def weights_version(tensors: list[torch.Tensor]) -> int:
-    # NOTE: every in-place op bumps its tensor's counter and none goes down, so the sum moves iff one did.
-    # Writes through `.data` bypass the counters: those need `update_weights`.
-    return sum(t._version for t in tensors)

@@ -50,7 +50,7 @@ def test_random_rollout_calls_equal_generate(arch, backend):
                         r = i * group + j
                         got = batch.completion_ids[r][batch.completion_mask[r].bool()].tolist()
                         assert got == want, f"case {case} ({cfg}), call {call}, prompt {i}, sample {j}"
-            pool = engine.manager._core().page_pool
+            pool = engine.manager.core.page_pool
             pool.check_invariants()
             assert pool.num_free_pages == pool.num_pages, f"case {case}: pages held after the calls"
         finally:

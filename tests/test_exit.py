@@ -32,7 +32,7 @@ PRELUDE = textwrap.dedent(
     manager = init_continuous_batching(make_model("qwen3"), generation_config=gc,
                                        continuous_batching_config=ContinuousBatchingConfig(page_size=16, num_blocks=64))
     manager.start()
-    assert manager._thread.daemon
+    assert manager.thread.daemon
     """
 )
 
@@ -50,7 +50,7 @@ ACTIVE = PRELUDE + textwrap.dedent(
 IDLE = PRELUDE + textwrap.dedent(
     """
     def idle_cpu(seconds=1.0):
-        thread_clock = time.pthread_getcpuclockid(manager._thread.ident)
+        thread_clock = time.pthread_getcpuclockid(manager.thread.ident)
         p0, t0 = time.process_time(), time.clock_gettime(thread_clock)
         time.sleep(seconds)
         return time.process_time() - p0, time.clock_gettime(thread_clock) - t0

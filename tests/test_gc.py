@@ -34,7 +34,7 @@ def assert_freed(owner_ref: weakref.ref, thread, core_ref: weakref.ref, kv_ref: 
 def refs_of(manager) -> tuple:
     kv = next(iter(manager.core.cache.keys.values()))  # allocated by the first forward
     assert isinstance(kv, torch.Tensor)
-    return manager._thread, weakref.ref(manager.core), weakref.ref(kv)
+    return manager.thread, weakref.ref(manager.core), weakref.ref(kv)
 
 
 def test_a_dropped_rollout_engine_is_freed():

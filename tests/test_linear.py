@@ -100,7 +100,7 @@ def test_update_weights_drops_packed_copies_even_for_writes_through_data(monkeyp
             p.data.copy_(q.data)  # NOTE: no version bump: only update_weights tells the engine
         eng.update_weights(model)
         assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(other, p, 6) for p in prompts]
-        view = eng.manager._core().view
+        view = eng.manager.core.view
         assert any(getattr(m, "_rollout_packed", None) is not None for m in view.modules())
         eng.sleep()  # NOTE: the packed copies go with the KV cache, and come back at the next step
         assert all(getattr(m, "_rollout_packed", None) is None for m in view.modules())

@@ -125,7 +125,7 @@ def test_guide_example_terminates_with_greedy_results(model, oracle):
         assert r.status == RequestStatus.FINISHED and r.finish_reason == "length" and r.error is None
         assert r.prompt_ids == prompt
         assert r.generated_tokens == oracle(prompt, budgets[rid])
-    assert manager._destroyed  # not persistent: destroyed on exit
+    assert manager.is_destroyed  # not persistent: destroyed on exit
     with pytest.raises(RuntimeError):
         manager.start()
 

@@ -225,7 +225,7 @@ def test_client_disconnect_mid_stream_frees_blocks(server):
     while metric(server, "rollout_free_blocks") < NUM_BLOCKS:
         assert time.monotonic() < deadline, "a disconnected stream kept its blocks"
         time.sleep(0.05)
-    assert not server.engine.manager._core().requests
+    assert not server.engine.manager.core.requests
     assert metric(server, "rollout_generated_tokens_total") - before < 980  # cancelled, not run to the end
 
 

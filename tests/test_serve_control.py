@@ -63,7 +63,7 @@ def in_thread(fn):
 
 
 def live_requests(server) -> dict:
-    return dict(server.engine.manager._core().requests)
+    return dict(server.engine.manager.core.requests)
 
 
 def test_pause_keep_holds_new_and_running_then_resume_releases(server):
@@ -167,7 +167,7 @@ def test_trainer_process_pushes_weights_over_gloo(server):
 def test_sleep_holds_requests_until_wake_up(server):
     want = tokens(greedy(server))
     assert call(server, "POST", "/sleep").json()["is_sleeping"] is True
-    assert server.engine.manager._core().cache.nbytes == 0 or server.engine._asleep
+    assert server.engine.manager.core.cache.nbytes == 0 or server.engine.is_asleep
     held, box = in_thread(lambda: greedy(server))
     time.sleep(0.3)
     assert held.is_alive()

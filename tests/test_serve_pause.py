@@ -93,5 +93,6 @@ def test_listener_takes_outputs_so_the_manager_keeps_none(manager):
     assert guarded(lambda: manager.get_result(other, timeout=30), 60).finish_reason == "length"
     wait_for(lambda: any(o.request_id == "mine" and o.status.is_final for o in seen))
     assert [len(o.generated_tokens) for o in seen if o.request_id == "mine"] == [1, 2, 3]
-    assert manager.get_result("mine", timeout=0) is None and "mine" not in manager._live
-    assert not manager._results and "mine" not in manager._streams
+    assert manager.get_result("mine", timeout=0) is None and "mine" not in manager.live_request_ids()
+    state = manager.debug_state()
+    assert not state["results"] and "mine" not in state["streams"]

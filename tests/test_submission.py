@@ -120,7 +120,7 @@ def test_a_groups_prompt_is_checked_once_outside_the_lock(model, monkeypatch):
     check = rollout.core.check_token_ids
 
     def counting_check(ids, vocab_size):
-        assert not engine.manager._cv._is_owned(), "a prompt was validated under the manager's lock"
+        assert not engine.manager.debug_state()["lock_held"], "a prompt was validated under the manager's lock"
         checks.append(len(ids))
         return check(ids, vocab_size)
 

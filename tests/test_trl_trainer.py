@@ -96,7 +96,7 @@ def test_policy_version_follows_the_optimizer_steps(run):
     assert versions == [0.0, 1.0]
     model = trainer.accelerator.unwrap_model(trainer.model)
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))  # it trained
-    view = rollout.inner.engine.manager._core().view  # NOTE: the engine runs the trainer's own tensors
+    view = rollout.inner.engine.manager.core.view  # NOTE: the engine runs the trainer's own tensors
     for a, b in zip(model.parameters(), view.parameters(), strict=True):
         assert a.data_ptr() == b.data_ptr()
 

@@ -59,7 +59,7 @@ def test_engine_on_the_trainers_model_after_an_optimizer_step(foreach, packed, m
     with RolloutEngine(trainer, config=CBC, generation_config=GC) as engine:
         ref = copy.deepcopy(trainer).eval()
         assert engine.generate(PROMPTS, temps=0.0).completion_ids.tolist() == [hf_greedy(ref, p, 6) for p in PROMPTS]
-        view = engine.manager._core().view
+        view = engine.manager.core.view
         assert any(getattr(m, "_rollout_packed", None) is not None for m in view.modules()) == packed
         ids = torch.tensor([PROMPTS[0]])
         trainer(ids, labels=ids).loss.backward()

@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from rollout.chat import is_conversational
+
 RewardFn = Callable[..., Sequence[float | None]]
 
 # NOTE: the row keys that are not passed on as dataset columns (TRL's list).
@@ -35,11 +37,6 @@ def reward_name(fn: RewardFn, index: int) -> str:
     """A metric name for a reward function: its ``__name__`` (or its class's), else ``reward_{index}``."""
     name = getattr(fn, "__name__", None) or type(fn).__name__
     return name if name and name != "function" else f"reward_{index}"
-
-
-def is_conversational(prompt: Any) -> bool:
-    """True for a prompt given as a list of chat messages (dicts with "role" and "content")."""
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], Mapping) and "role" in prompt[0]
 
 
 def expand_rows(rows: Sequence[Mapping[str, Any]], group_size: int) -> tuple[list[Any], dict[str, list[Any]]]:

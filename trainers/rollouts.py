@@ -4,24 +4,15 @@ or selecting rows of `RolloutBatch`es (DAPO's dynamic sampling refills a batch f
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from rollout import RolloutBatch
-from trainers.rewards import is_conversational
-
-
-def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` through the tokenizer's chat template, ready for the assistant turn."""
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise ValueError(
-            "a conversational prompt (or chat_template=True) needs a tokenizer with a chat template"
-        )
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(out["input_ids"] if isinstance(out, Mapping) else out)
+from rollout.chat import chat_template_ids as chat_ids  # NOTE: module-level name: tests patch it
+from rollout.chat import is_conversational
 
 
 def encode_prompt(tokenizer, prompt: Any, chat_template: bool = False) -> Any:

@@ -24,8 +24,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
+from ..batch import RolloutBatch
+from ..chat import chat_template_ids, is_conversational
 from ..config import ContinuousBatchingConfig
-from ..engine import RolloutBatch, RolloutEngine
+from ..engine import RolloutEngine
 
 logger = logging.getLogger("rollout")
 
@@ -205,10 +207,6 @@ def _runs(prompts: Sequence) -> list[tuple[Any, int]]:
     return runs
 
 
-def _is_conversational(prompt) -> bool:
-    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], dict) and "role" in prompt[0]
-
-
 def _tokenize(trainer, prompts: list) -> list[list[int]]:
     """Prompt ids as TRL's own generation path makes them: the chat template (with the trainer's
     `tools`, `chat_template` and `chat_template_kwargs`) for conversational prompts, else the
@@ -218,20 +216,13 @@ def _tokenize(trainer, prompts: list) -> list[list[int]]:
     processing = trainer.processing_class
     if hasattr(processing, "image_processor"):
         raise ValueError("processing_class: multimodal processors are not supported by the rollout backend")
-    kinds = {_is_conversational(p) for p in prompts}
+    kinds = {is_conversational(p) for p in prompts}
     if len(kinds) > 1:
         raise ValueError("prompts: a batch mixes conversational and plain-text prompts")
     if kinds == {True}:
-        out = processing.apply_chat_template(
-            conversation=prompts,
-            tools=getattr(trainer, "tools", None) or None,
-            chat_template=getattr(trainer, "chat_template", None),
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=True,
-            **(getattr(trainer, "chat_template_kwargs", None) or {}),
-        )
-        return [list(ids) for ids in out["input_ids"]]
+        kwargs = dict(tools=getattr(trainer, "tools", None) or None, chat_template=getattr(trainer, "chat_template", None),
+                      **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        return [chat_template_ids(processing, p, **kwargs) for p in prompts]
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts: each prompt must be a string or a list of chat messages")
     return [list(ids) for ids in processing(text=prompts)["input_ids"]]

@@ -16,8 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import RolloutEngine, _row_seed
+from ..engine import RolloutEngine
+from ..openmp import team_released_after
 from ..requests import GenerationOutput
+from ..seeding import row_seed
 from .protocol import APIError
 
 
@@ -45,7 +47,7 @@ class EngineBridge:
     def __init__(self, engine: RolloutEngine, max_model_len: int | None = None) -> None:
         self.engine = engine
         self.manager = engine.manager
-        core = self.manager._core()
+        core = self.manager.core
         self.vocab_size: int = core.vocab_size
         limits = [x for x in (core.max_context, max_model_len) if x]
         self.max_model_len: int | None = min(limits) if limits else None
@@ -96,7 +98,7 @@ class EngineBridge:
         return Sampling(
             max_new_tokens=max_new_tokens, temperature=float(req.temperature),
             top_k=max(0, req.top_k), top_p=float(req.top_p),
-            seed=None if req.seed is None else _row_seed(req.seed, sample),
+            seed=None if req.seed is None else row_seed(req.seed, sample),
             stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
         )
 
@@ -104,7 +106,7 @@ class EngineBridge:
         """Queue samples, all or none; their outputs (partial ones too when `streaming`) go to `queue`.
         Returns their ids in order."""
         loop = asyncio.get_running_loop()
-        core = self.manager._core()
+        core = self.manager.core
         reqs = []
         try:
             for ids, sp in samples:
@@ -154,8 +156,8 @@ class EngineBridge:
     def update_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module) -> int:
         """Copy new weights in (all or nothing for a mapping); returns the new version. Requests in flight
         finish first under the old weights (paused with mode=keep: they stay, and go on under the new)."""
-        with self._control:
-            if self.manager._paused == "keep":
+        with self._control, team_released_after():
+            if self.manager.pause_mode == "keep":
                 return self.engine.update_weights(source, in_flight="keep")
             return self._while_paused(lambda: self.engine.update_weights(source))
 
@@ -165,30 +167,32 @@ class EngineBridge:
 
     def _reset(self) -> int:
         with self.manager.step_lock:
-            return self.manager._core().reset_prefix_cache()
+            return self.manager.core.reset_prefix_cache()
 
     def sleep(self) -> None:
         with self._control:
             if self.asleep:
                 return
-            if self.manager._paused == "keep" and self.manager._core().has_work():
+            if self.manager.pause_mode == "keep" and self.manager.core.has_work():
                 raise APIError("sleep needs no requests in flight: resume, or pause with mode=abort|wait", None, 409)
-            self.manager.pause(self.manager._paused or "wait")
-            self.engine.sleep()
+            self.manager.pause(self.manager.pause_mode or "wait")
+            with team_released_after():
+                self.engine.sleep()
             self.asleep = True
 
     def wake_up(self) -> None:
         with self._control:
             if not self.asleep:
                 return
-            self.engine.wake()
+            with team_released_after():
+                self.engine.wake()
             self.asleep = False
             if self.user_paused is None:
                 self.manager.resume()
 
     def _while_paused(self, fn):
         """Run `fn` with no step under way and no new request admitted, finishing in-flight work first."""
-        own = self.manager._paused is None
+        own = self.manager.pause_mode is None
         if own:
             self.manager.pause("wait")
         try:

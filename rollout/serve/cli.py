@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError as e:
         raise SystemExit(f"rollout serve needs the [serve] extra (pip install 'rollout[serve]'): {e}") from None
     from ..engine import RolloutEngine
+    from ..openmp import release_thread_team
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -102,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"rollout serve: {e}") from None
     model, tokenizer, gc = load(args.model_path, args.dtype)
     engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
+    release_thread_team()  # NOTE: loading ran torch work here; the engine thread steps from now on
     try:
         app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key, args.max_model_len,
                         args.max_body_bytes)

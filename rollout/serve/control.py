@@ -1,7 +1,8 @@
 """RL control routes (vLLM dev-mode and SGLang names): pause / resume, prefix cache, sleep, weights.
 
 Blocking work (waiting for requests to drain, copying weights, joining a process group) runs on worker
-threads, so the server keeps answering other requests meanwhile.
+threads, so the server keeps answering other requests meanwhile. A worker thread that ran torch work gives
+its OpenMP team back when done (`rollout.openmp`): an idle team slows the engine thread's steps.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
 
+from ..openmp import team_released_after
 from .bridge import EngineBridge
 from .protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
 from .weights import WeightReceiver, check_update, load_checkpoint
@@ -20,6 +22,16 @@ router = APIRouter()
 
 def _bridge(request: Request) -> EngineBridge:
     return request.app.state.bridge
+
+
+def _releasing(fn):
+    """`fn` for a worker thread: it frees the thread's OpenMP team once done."""
+
+    def run(*args):
+        with team_released_after():
+            return fn(*args)
+
+    return run
 
 
 @router.post("/pause")
@@ -72,7 +84,7 @@ async def get_weight_version(request: Request) -> dict:
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request) -> dict:
     bridge = _bridge(request)
-    tensors = await asyncio.to_thread(load_checkpoint, req.model_path)
+    tensors = await asyncio.to_thread(_releasing(load_checkpoint), req.model_path)
     version = await _apply(bridge, tensors, "model_path")
     return {"success": True, "weight_version": version, "message": f"loaded {len(tensors)} tensors"}
 
@@ -128,12 +140,12 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
     receiver: WeightReceiver | None = t["receiver"]
     if receiver is None or receiver.staged is None:
         raise APIError("call /init_weight_transfer_engine and /start_weight_update first", None, 409)
-    view = _bridge(request).manager._core().view
+    view = _bridge(request).manager.core.view
     targets = dict(view.named_parameters(remove_duplicate=False))
     targets.update(dict(view.named_buffers(remove_duplicate=False)))
     info = req.update_info
     items = check_update(targets, info.get("names"), info.get("dtype_names"), info.get("shapes"))
-    t["pending"].append(asyncio.get_running_loop().run_in_executor(t["pool"], receiver.receive, items))
+    t["pending"].append(asyncio.get_running_loop().run_in_executor(t["pool"], _releasing(receiver.receive), items))
     return {"success": True}
 
 

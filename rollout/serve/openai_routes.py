@@ -11,11 +11,12 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from ..chat import chat_template_ids
 from .bridge import EngineBridge
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import SampleText
@@ -46,13 +47,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
         raise APIError("this model's tokenizer has no chat template", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
     try:
-        out = state.tokenizer.apply_chat_template(
-            req.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt, tokenize=True,
-            **kwargs,
-        )
+        ids = chat_template_ids(state.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
+                                tools=req.tools, **kwargs)
     except Exception as e:  # NOTE: a template error is the caller's input (bad messages or kwargs)
         raise APIError(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
-    ids = list(out["input_ids"] if isinstance(out, Mapping) else out)
     return await _serve(request, req, [ids], "messages", chat=True)
 
 

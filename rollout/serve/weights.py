@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ..engine import _strip_prefixes
+from ..weights import strip_prefixes
 from .protocol import APIError
 
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32",
@@ -58,7 +58,7 @@ def check_update(targets: dict[str, torch.Tensor], names: list, dtypes: list, sh
         raise APIError("update_info: 'names', 'dtype_names' and 'shapes' differ in length", "update_info")
     out = []
     for name, dname, shape in zip(names, dtypes, shapes, strict=True):
-        target = targets.get(_strip_prefixes(str(name)))
+        target = targets.get(strip_prefixes(str(name)))
         if target is None:
             raise APIError(f"update_info: unknown parameter name {name!r}", "update_info")
         dtype = DTYPES.get(str(dname).removeprefix("torch."))
