@@ -1,0 +1,103 @@
+"""The transformers-compatibility fields of `ContinuousBatchingConfig`, documented in one place.
+
+rollout accepts every field of transformers' `ContinuousBatchingConfig` so that code written for
+transformers' continuous batching runs unchanged. The fields below are accepted and validated
+(`rollout.config` declares them, with their defaults and rules, in transformers' field order) but
+have no effect on rollout's engine. `COMPAT_FIELDS` says, for each, what it does in transformers (why
+it is accepted) and what it does here; `log_unavailable_features` is the one place that says so at
+run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA,
+`cpu_group_timeout` for tensor parallelism); they stay fields of the config for that reason.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger("rollout")
+
+
+@dataclass(frozen=True, slots=True)
+class CompatField:
+    """One accepted-for-compatibility field: `transformers` is what it does there, `here` what it does in
+    rollout. `note`: when `log_unavailable_features` mentions it: "cuda" (set on a machine without CUDA),
+    "compile" (set at all: rollout does not apply per-path compile configs), or None (never)."""
+
+    transformers: str
+    here: str
+    note: str | None = None
+
+
+COMPAT_FIELDS: dict[str, CompatField] = {
+    "use_cuda_graph": CompatField(
+        "captures the step in CUDA graphs (padded to fixed shapes)",
+        "nothing yet (planned on CUDA); when True without CUDA, a warning that it needs CUDA",
+        note="cuda",
+    ),
+    "q_padding_interval_size": CompatField(
+        "pads a step's query tokens to a multiple of it, to bound the CUDA graph shapes",
+        "nothing (no CUDA graphs); validated as an int >= 1",
+    ),
+    "kv_padding_interval_size": CompatField(
+        "pads a step's KV length to a multiple of it, to bound the CUDA graph shapes",
+        "nothing (no CUDA graphs); validated as an int >= 1",
+    ),
+    "use_async_batching": CompatField(
+        "double-buffers the step inputs so batch preparation on the CPU overlaps the GPU step",
+        "nothing yet (planned on CUDA); as in transformers it requires use_cuda_graph=True (ValueError); "
+        "when True without CUDA, a warning that it needs CUDA",
+        note="cuda",
+    ),
+    "varlen_compile_config": CompatField(
+        "the CompileConfig of the varlen (prefill) forward",
+        "not applied; when set, a warning: default_compile_level >= 1 compiles the whole forward on a CPU "
+        "(rollout.compiled)",
+        note="compile",
+    ),
+    "decode_compile_config": CompatField(
+        "the CompileConfig of the decode fast-path forward",
+        "not applied; when set, the same warning as varlen_compile_config",
+        note="compile",
+    ),
+    "max_blocks_per_request": CompatField(
+        "sizes the block table of the flash_attn_with_kvcache decode fast path (0 disables that path)",
+        "nothing: rollout's page tables grow as a request needs; validated as None or an int >= 0",
+    ),
+    "cpu_group_timeout": CompatField(
+        "timeout in seconds of the CPU process group used under tensor parallelism",
+        "nothing yet (planned for tensor parallelism); validated as a number > 0",
+    ),
+    "auto_switch_to_flash": CompatField(
+        "switches a model's sdpa/eager attention to flash attention when available",
+        "nothing: rollout runs its own paged attention, chosen by attn_backend; validated as a bool",
+    ),
+}
+
+_COMPILE_FIELDS = tuple(name for name, f in COMPAT_FIELDS.items() if f.note == "compile")
+_CUDA_FIELDS = tuple(name for name, f in COMPAT_FIELDS.items() if f.note == "cuda")
+# NOTE: the notes already logged in this process: each says the same for every engine, so it is said once
+# per process (not once per engine or config object: an RL loop builds many engines, and a config holds no
+# logging state). Keyed by the message, which names the fields it is about.
+_LOGGED: set[str] = set()
+
+
+def log_unavailable_features(config: Any, has_cuda: bool) -> None:
+    """Warn (once per process per message) about the compat fields of `config` that are set but cannot
+    take effect: per-path compile configs (never applied), GPU-only ones on a machine without CUDA."""
+    if any(getattr(config, name) for name in _COMPILE_FIELDS):
+        # NOTE: `default_compile_level >= 1` compiles the whole forward on a CPU (rollout.compiled); the
+        # per-shape CompileConfigs of transformers are not used.
+        _warn_once(f"{' / '.join(_COMPILE_FIELDS)} are accepted but not applied by rollout's engine; "
+                   "default_compile_level >= 1 compiles the engine forward on a CPU")
+    if has_cuda:
+        return
+    ignored = [name for name in _CUDA_FIELDS if getattr(config, name)]
+    if ignored:
+        _warn_once(f"{', '.join(ignored)} need CUDA and have no effect on this CPU-only machine")
+
+
+def _warn_once(message: str) -> None:
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.warning("%s", message)
