@@ -149,47 +149,6 @@ def timed(fn, *args, **kwargs) -> RunResult:
     return r
 
 
-def rollout_snapshot(commit: str, repo: str | None = None):
-    """Import `rollout/` as it was at `commit` under another name (`rollout_<commit>`), beside the live one.
-
-    The package only uses relative imports, so the extracted copy runs as is. Both register their
-    attention function under the same name; every `EngineCore` re-registers its own at construction, so
-    runs must not overlap (they never do here).
-    """
-    import importlib
-    import subprocess
-    import sys
-    import tempfile
-
-    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    name = f"rollout_{commit[:10]}"
-    if name in sys.modules:
-        return sys.modules[name]
-    root = tempfile.mkdtemp(prefix="rollout_snapshot_")
-    archive = subprocess.run(["git", "-C", repo, "archive", commit, "rollout"], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", root], input=archive, check=True)
-    os.rename(os.path.join(root, "rollout"), os.path.join(root, name))
-    sys.path.insert(0, root)
-    return importlib.import_module(name)
-
-
-def rollout_version(repo: str | None = None) -> str:
-    """The live `rollout` package: its path, the HEAD commit and whether rollout/ has uncommitted changes."""
-    import subprocess
-
-    import rollout
-
-    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    try:
-        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
-                              text=True).stdout.strip()
-        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--", "rollout"], capture_output=True,
-                               text=True).stdout.strip()
-    except Exception:
-        head, dirty = "?", ""
-    return f"{os.path.dirname(rollout.__file__)} at {head}{' + uncommitted changes' if dirty else ''}"
-
-
 def run_core(core, wl: Workload) -> tuple[float, float, list[list[int]]]:
     """Every request of `wl` through an existing `EngineCore` (kept alive across runs, as in RL
     training), greedy; returns (CPU seconds of this process, wall seconds, generated tokens)."""
@@ -203,15 +162,10 @@ def run_core(core, wl: Workload) -> tuple[float, float, list[list[int]]]:
     return time.process_time() - c0, time.perf_counter() - w0, [r.generated for r in reqs]
 
 
-def run_ours(model, wl: Workload, cbc=None, pkg=None) -> RunResult:
-    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`.
-
-    `pkg`: another copy of the package (see `rollout_snapshot`); the live `rollout` by default."""
-    import importlib
-
-    pkg_name = pkg.__name__ if pkg is not None else "rollout"
-    ContinuousBatchingConfig = importlib.import_module(pkg_name).ContinuousBatchingConfig
-    EngineCore = importlib.import_module(pkg_name + ".core").EngineCore
+def run_ours(model, wl: Workload, cbc=None) -> RunResult:
+    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`."""
+    from rollout import ContinuousBatchingConfig
+    from rollout.core import EngineCore
 
     t0 = time.perf_counter()
     core = EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
@@ -232,7 +186,7 @@ def run_ours(model, wl: Workload, cbc=None, pkg=None) -> RunResult:
     # NOTE: the last token of each request is sampled but never fed back; recomputation after preemption
     # is not included (see extra["preemptions"]).
     body = st["computed_prompt_tokens"] + st["generated_tokens"] - len(reqs)
-    return RunResult(pkg_name, dt, [o.generated_tokens for o in outs], body, st["generated_tokens"],
+    return RunResult("ours", dt, [o.generated_tokens for o in outs], body, st["generated_tokens"],
                      dict(steps=steps, cached_prompt_tokens=st["cached_prompt_tokens"], preemptions=st["preemptions"],
                           num_blocks=st["num_blocks"], page_size=st["page_size"],
                           max_batch_tokens=st["max_batch_tokens"]))

@@ -17,7 +17,7 @@ lists the gpu tests it would run, and says what it would measure: CI runs it (te
 On the lent machine (its image has torch and triton but an older transformers): first, here,
 `bash benchmarks/device_wheels.sh`, then carry `.whl` (see that script's header for the install line).
 
-    bash benchmarks/device_check.sh --out benchmarks/logs/device_check.json
+    bash benchmarks/device_check.sh --out benchmarks/logs/gpu/device_check.json
     bash benchmarks/device_check.sh --dry-run --out /tmp/device_check.json
 """
 
@@ -279,7 +279,7 @@ PLAN = [
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny model, no gpu tests run (collected only)")
-    ap.add_argument("--out", default="benchmarks/logs/device_check.json")
+    ap.add_argument("--out", default="benchmarks/logs/gpu/device_check.json")
     ap.add_argument("--test-timeout", type=float, default=200.0, help="seconds for the gpu tests")
     ap.add_argument("--budget", type=float, default=420.0,
                     help="seconds for the whole check: a system that would start in its last 45 s is skipped")

@@ -1,6 +1,6 @@
 """Markdown tables for RESULTS.md from the JSON files `throughput.py --json` wrote.
 
-    python benchmarks/summarize.py benchmarks/logs/5m_fp32_g4.json ... [--scaling benchmarks/logs/scaling_5m_fp32.json ...]
+    python benchmarks/summarize.py benchmarks/logs/throughput/5m_fp32_g4.json ... [--scaling benchmarks/logs/concurrency/5m_fp32.json ...]
         [--live COMMIT]    # name the live tree's commit in the labels
 """
 
@@ -34,13 +34,13 @@ def throughput_tables(paths: list[str]) -> str:
         for r in rows:
             ratio = "-" if r is ours else f"{ours['tok_s_cpu'] / r['tok_s_cpu']:.2f}x"
             ex = f"{r['executed_flops_cpu'] / 1e9:.1f}" if r.get("executed_flops_cpu") else "-"
-            lines.append(f"| {tag} | {label(r['system'], a)} | {fmt(r['tok_s_cpu'])} | {fmt(r['tok_s_wall'])} | {ratio} | "
+            lines.append(f"| {tag} | {label(r['system'])} | {fmt(r['tok_s_cpu'])} | {fmt(r['tok_s_wall'])} | {ratio} | "
                          f"{r['useful_flops_cpu'] / 1e9:.1f} | {r['useful_flops_cpu'] / peak:.1%} | {ex} |")
             tag = ""
         tag = f"{a['model']} {a['dtype']} G={a['group']}"
         for k, v in d["checks"].items():
             if k.endswith("fp32 greedy agreement"):
-                checks.append(f"| {tag} | {label(k.split(':')[0], a)}: tokens that are the fp32 argmax given their own "
+                checks.append(f"| {tag} | {label(k.split(':')[0])}: tokens that are the fp32 argmax given their own "
                               f"prefix | {v['agree']:.1%} | - | {v['tokens']} tokens | off by median {v['gap_median']:.2f}"
                               f" / max {v['gap_max']:.2f} logits |")
                 tag = ""
@@ -62,14 +62,10 @@ def throughput_tables(paths: list[str]) -> str:
 LIVE: str | None = None  # --live: the commit the live tree was at when the JSON was written
 
 
-def label(system: str, args: dict) -> str:
+def label(system: str) -> str:
     if system == "ours":
-        if args.get("ours_commit"):
-            return f"ours @ {args['ours_commit'][:7]}"
         return f"ours @ {LIVE[:7]}" if LIVE else "ours (live tree)"
-    if system == "ours_base":
-        return f"ours @ {args['baseline'][:7]} (before)"
-    return {"hf_cb": "transformers CB (tuned)", "generate": "HF generate (padded)"}[system]
+    return {"hf_cb": "transformers CB (tuned)", "generate": "HF generate (padded)"}.get(system, system)
 
 
 def scaling_table(path: str) -> str:
@@ -79,7 +75,7 @@ def scaling_table(path: str) -> str:
     peak = d["peaks"][a["dtype"]][1]
     title = (f"**{a['model']} {a['dtype']}**: each of N distinct {a['scaling_prompt_len']}-token prompts decodes "
              f"{a['scaling_new_tokens']} tokens; matmul peak {peak / 1e9:.0f} GFLOP/s per CPU-second\n\n")
-    head = title + "| concurrent | " + " | ".join(label(s, a) + " tok/s" for s in systems) + " | ours GFLOP/s (% peak) |"
+    head = title + "| concurrent | " + " | ".join(label(s) + " tok/s" for s in systems) + " | ours GFLOP/s (% peak) |"
     lines = [head, "|" + "---|" * (len(systems) + 2)]
     for row in d["scaling"]:
         cells = " | ".join(f"{fmt(row[s])} ({fmt(row[s + '_wall'])})" for s in systems)

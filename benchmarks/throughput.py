@@ -55,10 +55,7 @@ from benchmarks.common import (  # noqa: E402
     matmul_peak,
     num_params,
     rl_workload,
-    rollout_snapshot,
-    rollout_version,
     run_hf_cb,
-    run_ours,
     timed,
     training_step,
     vllm_available,
@@ -76,10 +73,6 @@ def parse_args(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--init-range", type=float, default=0.3, help="initializer_range (peaked logits, stable greedy)")
     p.add_argument("--systems", default="ours,hf_cb,generate")
-    p.add_argument("--ours-commit", metavar="COMMIT",
-                   help="pin 'ours' to rollout/ as committed at COMMIT (default: the live working tree)")
-    p.add_argument("--baseline", metavar="COMMIT",
-                   help="also run rollout/ as it was at COMMIT (system 'ours_base', imported beside the live one)")
     p.add_argument("--reps", type=int, default=1, help="timed repetitions of each system (interleaved)")
     p.add_argument("--threads", default="1",
                    help="torch intra-op threads, or a comma list (e.g. 1,2): every system runs at each count, "
@@ -339,26 +332,6 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     print(f"machine: {machine_info()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"command: python benchmarks/throughput.py {' '.join(sys.argv[1:] if argv is None else argv)}")
-    if args.ours_commit:
-        import functools
-
-        SYSTEMS["ours"] = functools.partial(run_ours, pkg=rollout_snapshot(args.ours_commit))
-        LABELS["ours"] = f"ours @ {args.ours_commit[:7]}"
-        print(f"ours: rollout at {args.ours_commit} (snapshot)")
-    else:
-        print(f"ours: {rollout_version()}")
-    if args.baseline:
-        import functools
-
-        base = rollout_snapshot(args.baseline)
-        SYSTEMS["ours_base"] = functools.partial(run_ours, pkg=base)
-        LABELS["ours_base"] = f"ours @ {args.baseline[:7]} (baseline)"
-        for attr in ("systems", "scaling_systems"):
-            names = [x for x in getattr(args, attr).split(",") if x]
-            if "ours_base" not in names:
-                names.insert(names.index("ours") + 1 if "ours" in names else 0, "ours_base")
-            setattr(args, attr, ",".join(names))
-        print(f"ours_base: rollout at {args.baseline} (imported as {base.__name__})")
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(f"torch.matmul 2048^3 peak (per CPU-second / by wall clock): fp32 {peaks['fp32'][1] / 1e9:.1f} / "
           f"{peaks['fp32'][0] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'][1] / 1e9:.1f} / {peaks['bf16'][0] / 1e9:.1f} GFLOP/s",

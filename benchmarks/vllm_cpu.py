@@ -21,6 +21,9 @@ import time
 
 
 def main() -> None:
+    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
     src, dst = sys.argv[1], sys.argv[2]
     with open(src) as f:
         job = json.load(f)

@@ -2,7 +2,7 @@
 
 What "flex on CUDA", "no host sync per step" and "pinned offload" mean once a GPU is lent.
 
-Run on one H200 on 2026-11-30 (21 passed: benchmarks/logs/device_check_h200_run2_tests.log), except the
+Run on one H200 on 2026-11-30 (21 passed: benchmarks/logs/gpu/device_check_h200_run2_tests.log), except the
 last two, `test_seeded_sampling_on_cuda_is_reproducible_and_scored` and `test_grpo_trainer_colocated_on_cuda`,
 written after that session's device time was spent: prepared (their bodies pass on a CPU with the
 device checks taken out), NOT yet run on a GPU.
