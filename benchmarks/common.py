@@ -266,6 +266,7 @@ def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
     steps the engine); `drive=False` waits while the manager's background thread steps (the engine loop of
     a server, and what `generate` did before)."""
     from rollout import ContinuousBatchingConfig, RolloutEngine
+    from rollout.collect import collect
 
     engine = RolloutEngine(model, config=ContinuousBatchingConfig(), generation_config=greedy_config())
     t0 = time.perf_counter()  # NOTE: a trainer builds its engine once; vLLM's start-up is not timed either
@@ -275,7 +276,7 @@ def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
             with manager.driving():
                 rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
                         for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-                outs = manager.collect(rids)
+                outs = collect(manager, rids)
         else:
             rids = [manager.add_request(p, request_id=f"req_{i}", max_new_tokens=n, temperature=0.0)
                     for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
@@ -448,6 +449,23 @@ def matmul_peak(dtype: torch.dtype, n: int = 2048, min_seconds: float = 1.0) -> 
         best_cpu = max(best_cpu, 2 * n**3 / max(time.process_time() - c0, 1e-9))
         total += 1
     return best_wall, best_cpu
+
+
+def rollout_version(repo: str | None = None) -> str:
+    """The live `rollout` package: its path, the HEAD commit and whether rollout/ has uncommitted changes."""
+    import subprocess
+
+    import rollout
+
+    repo = repo or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        head = subprocess.run(["git", "-C", repo, "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", repo, "status", "--porcelain", "--", "rollout"], capture_output=True,
+                               text=True).stdout.strip()
+    except Exception:
+        head, dirty = "?", ""
+    return f"{os.path.dirname(rollout.__file__)} at {head}{' + uncommitted changes' if dirty else ''}"
 
 
 def machine_info() -> str:

@@ -55,6 +55,7 @@ from benchmarks.common import (  # noqa: E402
     matmul_peak,
     num_params,
     rl_workload,
+    rollout_version,
     run_hf_cb,
     timed,
     training_step,
@@ -332,6 +333,7 @@ def main(argv=None) -> None:
     t_start = time.perf_counter()
     print(f"machine: {machine_info()}; load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     print(f"command: python benchmarks/throughput.py {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"ours: {rollout_version()}")
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(f"torch.matmul 2048^3 peak (per CPU-second / by wall clock): fp32 {peaks['fp32'][1] / 1e9:.1f} / "
           f"{peaks['fp32'][0] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'][1] / 1e9:.1f} / {peaks['bf16'][0] / 1e9:.1f} GFLOP/s",

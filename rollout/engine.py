@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from .batch import RolloutBatch, pack_batch
 from .chat import chat_template_ids
+from .collect import collect
 from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .model_facts import eos_ids_of
@@ -135,7 +136,7 @@ class RolloutEngine:
             self._calls += 1
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
                 rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed)
-                outputs = self.manager.collect(rids, progress)
+                outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")

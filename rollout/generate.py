@@ -7,6 +7,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from .collect import collect
 from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput
@@ -25,7 +26,7 @@ def generate_batch(
     `request_kwargs` (max_new_tokens, temperature, top_k, top_p, seed) apply to every request.
     Bad input raises ValueError before anything runs. With `progress_bar=True` a tqdm bar shows
     finished requests and generated tokens/s. A manager of its own runs the requests (the same rounds
-    as `RolloutEngine.generate`: `ContinuousBatchingManager.collect`) and is destroyed at the end.
+    as `RolloutEngine.generate`: `rollout.collect`) and is destroyed at the end.
     """
     manager = ContinuousBatchingManager(model, generation_config, continuous_batching_config)
     try:
@@ -34,7 +35,7 @@ def generate_batch(
         manager.start()
         with manager.driving():  # NOTE: before submitting, so the background thread never takes a step
             manager.submit(reqs)
-            outputs = manager.collect([r.request_id for r in reqs], progress=progress_bar, desc="generate_batch")
+            outputs = collect(manager, [r.request_id for r in reqs], progress=progress_bar, desc="generate_batch")
     finally:
         manager.destroy()
     return {out.request_id: out for out in outputs}

@@ -1,9 +1,10 @@
 """`ContinuousBatchingManager`: one `EngineCore`, its inbox, its outbox, and who steps it.
 
-There is one stepping path, `_round` (apply the queued commands, then one engine step, then publish the
+There is one stepping path, `round` (apply the queued commands, then one engine step, then publish the
 news), and two drivers of it: the manager's own background thread (`rollout serve`, and the seed API's
 `add_request` / `get_result` / `for result in manager`), and a caller that blocks on its own requests
-(`collect`, inside `driving()`: `RolloutEngine.generate`, `generate_batch`), while the thread parks.
+(`rollout.collect`, inside `driving()`: `RolloutEngine.generate`, `generate_batch`), while the thread
+parks.
 Both run equally fast: a thread that waits for the other to compute gives back its OpenMP team
 (`rollout.openmp`), so the waiting trainer's idle workers do not throttle the engine thread's.
 
@@ -17,7 +18,6 @@ Differences from transformers' manager, on purpose:
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import threading
@@ -26,13 +26,12 @@ import weakref
 from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from .config import ContinuousBatchingConfig
 from .core import EngineCore
+from .engine_thread import LIVE_MANAGERS, start_engine_thread, wake
 from .inbox import Inbox
-from .openmp import release_thread_team
 from .outbox import Outbox
 from .requests import GenerationOutput, Request
 
@@ -65,8 +64,8 @@ class ContinuousBatchingManager:
         self.config = continuous_batching_config or ContinuousBatchingConfig()
         self._core: EngineCore | None = EngineCore(model, generation_config, self.config)
         self._cv = threading.Condition()
-        # NOTE: a manager dropped without destroy() wakes its thread, which then ends (see `_engine_loop`).
-        weakref.finalize(self, _notify, self._cv)
+        # NOTE: a manager dropped without destroy() wakes its thread, which then ends (rollout.engine_thread).
+        weakref.finalize(self, wake, self._cv)
         self.step_lock = threading.RLock()  # held during a round; hold it to keep steps out
         self._inbox = Inbox(self._cv)
         self._outbox = Outbox(self._cv)
@@ -76,7 +75,7 @@ class ContinuousBatchingManager:
         self._destroyed = False
         self._paused: str | None = None  # None, or the pause mode: "abort", "wait" or "keep"
         self._drivers = 0  # callers stepping on their own thread (see `driving`)
-        _LIVE_MANAGERS.add(self)
+        LIVE_MANAGERS.add(self)
 
     # ------------------------------------------------------------ inspection
     @property
@@ -150,9 +149,7 @@ class ContinuousBatchingManager:
         self._accepting = True
         # NOTE: the thread holds the manager only weakly between rounds: a manager nobody references is
         # garbage, and its finalizer ends the thread (the KV cache goes with the core).
-        self._thread = threading.Thread(target=_engine_loop, args=(weakref.ref(self), self._cv),
-                                        name="rollout-engine", daemon=True)
-        self._thread.start()
+        self._thread = start_engine_thread(self, self._cv)
 
     def stop(self, hard_stop: bool = False, block: bool = True, timeout: float | None = None) -> None:
         """Refuse new work, then drain queued and active requests (or fail them at once if `hard_stop`)."""
@@ -172,7 +169,7 @@ class ContinuousBatchingManager:
                 self._core.cache.release()
                 self._core = None
         self._destroyed = True
-        _LIVE_MANAGERS.discard(self)
+        LIVE_MANAGERS.discard(self)
 
     def set_generation_config(self, generation_config: GenerationConfig | None) -> None:
         with self.step_lock:
@@ -335,7 +332,7 @@ class ContinuousBatchingManager:
     # ------------------------------------------------ stepping on the caller
     @contextlib.contextmanager
     def driving(self) -> Iterator[None]:
-        """While inside, the caller steps the engine (`run_once`, `collect`) and the background thread parks
+        """While inside, the caller steps the engine (`run_once`, `rollout.collect`) and the background thread parks
         (unless the manager is stopping); on exit the thread takes over whatever work is left."""
         with self._cv:
             self._drivers += 1
@@ -349,44 +346,21 @@ class ContinuousBatchingManager:
     def run_once(self) -> bool:
         """One round on the calling thread (queued commands, then one step); False when there was nothing
         to do (or the manager is paused in "keep" mode). Use inside `driving()`."""
-        return self._round()[0]
-
-    def collect(self, request_ids: Sequence[str], progress: bool = False, desc: str = "rollout") -> list[GenerationOutput]:
-        """Step the engine on this thread until every request of `request_ids` has delivered its final
-        result; returns the results in that order. Enters `driving()` itself (enter it before submitting
-        to be sure the background thread never takes one of their steps)."""
-        outputs: dict[str, GenerationOutput] = {}
-        pending = set(request_ids)
-        start, generated = time.perf_counter(), self.core.stats["generated_tokens"]
-        with self.driving(), tqdm(total=len(pending), desc=desc, unit="seq", disable=not progress, leave=False) as bar:
-            while pending:
-                out = self.get_result(timeout=0)
-                if out is None:
-                    if not self.is_running():
-                        raise RuntimeError("the manager stopped with requests pending")
-                    if not self.run_once():  # NOTE: nothing to step: another thread holds our results
-                        out = self.get_result(timeout=0.05)
-                    if out is None:
-                        continue
-                if out.request_id in pending:
-                    pending.discard(out.request_id)
-                    outputs[out.request_id] = out
-                    rate = (self.core.stats["generated_tokens"] - generated) / max(time.perf_counter() - start, 1e-9)
-                    bar.set_postfix(tok_s=f"{rate:.0f}", refresh=False)
-                    bar.update(1)
-        return [outputs[r] for r in request_ids]
+        return self.round()[0]
 
     # ------------------------------------------------------------ the round
-    def _idle(self) -> bool:
-        """The background thread has nothing to do until notified, or a caller drives (under `_cv`)."""
+    def idle(self) -> bool:
+        """For the background thread (`rollout.engine_thread`): nothing to do until notified, or a caller
+        drives. Call holding the manager's condition (the one `start` hands the thread)."""
         if self._drivers and self._stop_mode is None:
             return True
         return (not self._inbox and not (self.core.has_work() and self._inbox.paused != "keep")
                 and self._stop_mode is None)
 
-    def _round(self) -> tuple[bool, bool]:
-        """The one stepping path: apply the queued commands, run one step, publish the news.
-        Returns (whether anything was done, whether the background loop goes on)."""
+    def round(self) -> tuple[bool, bool]:
+        """The one stepping path: apply the queued commands, run one step, publish the news. Returns
+        (whether anything was done, whether the background thread goes on). Callers use `run_once` or
+        `collect` inside `driving()`; the background thread calls this."""
         core = self.core
         with self._cv:
             commands = self._inbox.take()
@@ -419,51 +393,3 @@ def _step_or_fail(core: EngineCore) -> list[Request]:
     except Exception as e:  # NOTE: a scheduler bug must not kill the loop silently
         logger.exception("engine loop error; failing all live requests")
         return core.fail_all(f"engine loop error: {type(e).__name__}: {e}")
-
-
-# NOTE: a safety net only: every wake-up that matters (submissions, stops, the manager's finalizer) notifies.
-IDLE_RECHECK_S = 30.0
-
-
-def _engine_loop(ref: weakref.ref[ContinuousBatchingManager], cv: threading.Condition) -> None:
-    """The background thread. It holds the manager only while it works on it; idle, it waits on the
-    condition variable holding nothing but `ref`, so an unreferenced manager is collected and its
-    finalizer's notify ends the thread. Before idling it gives back its OpenMP team (rollout.openmp), so
-    that a trainer's work on its own thread runs unthrottled meanwhile."""
-    team = False  # NOTE: whether a step may have built an OpenMP team since the last release
-    while True:
-        manager = ref()
-        if manager is None:
-            return
-        with cv:
-            if manager._idle():
-                del manager
-                if team:
-                    team = False
-                    release_thread_team()
-                if ref() is not None:  # NOTE: collected just now (in this thread): no notify will come
-                    cv.wait(IDLE_RECHECK_S)
-                continue
-        worked, going = manager._round()
-        team = team or worked
-        if not going:
-            if team:
-                release_thread_team()
-            return
-        del manager
-
-
-def _notify(cv: threading.Condition) -> None:
-    with cv:
-        cv.notify_all()
-
-
-# NOTE: daemon threads never block interpreter exit; this only lets them finish their step cleanly.
-_LIVE_MANAGERS: weakref.WeakSet[ContinuousBatchingManager] = weakref.WeakSet()
-
-
-@atexit.register
-def _stop_all_at_exit() -> None:
-    for manager in list(_LIVE_MANAGERS):
-        with contextlib.suppress(Exception):
-            manager.stop(hard_stop=True, block=True, timeout=2.0)
