@@ -34,7 +34,8 @@ from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner, make_engine_view
 from .sampler import Sampler
-from .scheduler import Scheduler, SchedulerOutput
+from .scheduler import Scheduler
+from .stages import SchedulerOutput
 from .weights import versioned_tensors, weights_version
 
 logger = logging.getLogger("rollout")

@@ -28,7 +28,7 @@ from .backends import create as create_backend
 from .device_page_tables import DevicePageTables, int_tensor
 from .kv_cache import PagedKVCache
 from .linear import use_onednn_linears
-from .scheduler import SchedulerOutput
+from .stages import SchedulerOutput
 
 logger = logging.getLogger("rollout")
 

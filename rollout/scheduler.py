@@ -7,7 +7,7 @@ request with some tokens already computed.
 
 Memory pressure: layers are grouped by attention window (full attention, or one sliding window), and
 each group keeps its own page table per request over the one shared pool
-(`page_pool.FullAttentionAllocator` / `SlidingWindowAllocator`); sliding tables recycle the pages
+(`page_tables.FullAttentionAllocator` / `SlidingWindowAllocator`); sliding tables recycle the pages
 their window no longer sees after every step. When the pool runs dry the newest running request is
 preempted: its live pages are parked in the CPU offload buffer if there is one and it has room (the
 request later resumes where it was), else dropped and recomputed from its tokens.
@@ -17,65 +17,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
-from .page_pool import ROOT_HASH, PagePool, page_hashes
+from .page_pool import PagePool
 from .page_tables import FREED, PageTables
+from .prefix_index import PrefixIndex
 from .requests import Request, RequestStatus
-
-
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
-    num_new_tokens: int  # query tokens this step, starting at request.num_computed_tokens
-    # NOTE: one page table per layer group (FREED where a sliding window recycled the page);
-    # None means the request's own `page_ids` is the only table.
-    page_tables: list[list[int]] | None = None
-
-    @property
-    def tables(self) -> list[list[int]]:
-        return self.page_tables if self.page_tables is not None else [self.request.page_ids]
-
-    @property
-    def samples(self) -> bool:
-        """The chunk reaches the end of the request's tokens, so its last logits are sampled."""
-        return self.request.num_computed_tokens + self.num_new_tokens == self.request.num_tokens
-
-
-@dataclass(slots=True)
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    # NOTE: (src_page, dst_page, num_tokens) page copies the runner applies before the forward
-    # (copy-on-write of the partial last prompt page when a request forks a group leader).
-    copies: list[tuple[int, int, int]] = field(default_factory=list)
-    # NOTE: set by the decode fast path: every row is a DECODING request computing its last token (one
-    # token each, every row sampled), so the runner and the core can skip their per-row cases.
-    decode_only: bool = False
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    def __bool__(self) -> bool:
-        return bool(self.scheduled)
-
-
-class Offloader(Protocol):
-    """Somewhere to park the KV pages of a preempted request (`rollout.offload.CpuOffloadBuffer`)."""
-
-    def save(self, pages: list[int]) -> list[int] | None:
-        """Copy `pages` out; returns the slots holding them, or None (nothing kept) when full."""
-        ...
-
-    def restore(self, slots: list[int], pages: list[int]) -> None:
-        """Copy `slots` back into `pages` (same order) and free the slots."""
-        ...
-
-    def discard(self, slots: list[int]) -> None:
-        """Free `slots` without copying them back."""
-        ...
+from .stages import Offloader, ScheduledRequest, SchedulerOutput
 
 
 class Scheduler:
@@ -119,16 +66,9 @@ class Scheduler:
         self.offloader = offloader
         # NOTE: a fork shares the leader's full prompt pages in every layer group (a sliding group only
         # those still inside the fork's window); refcounts keep a shared page until nobody holds it.
-        self.fork_enabled = fork_prompts
+        self.prefixes = PrefixIndex(page_pool, fork_prompts)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        # NOTE: hashes of prompt pages a running request is computing right now; a new request that
-        # needs one of them waits a step and then reads it from the cache (a GRPO group's prompt is
-        # prefilled once, not once per sample).
-        self.inflight: dict[int, Request] = {}
-        # NOTE: requests with an identical prompt fork the first one's KV ("leader") instead of
-        # recomputing it: a GRPO group's prompt is prefilled once, whatever the page size.
-        self.leaders: dict[tuple[int, ...], Request] = {}
         self.num_preemptions = 0
         self.num_cached_prompt_tokens = 0
         self.num_offloaded_pages = 0  # pages copied out to the offload buffer
@@ -158,9 +98,7 @@ class Scheduler:
         self._release(request)
 
     def _release(self, request: Request) -> None:
-        self._drop_inflight(request)
-        if self.leaders.get(key := tuple(request.prompt_ids)) is request:
-            del self.leaders[key]
+        self.prefixes.drop(request)
         self.tables.free(request)
         request.num_registered_pages = 0
         if request.offloaded:
@@ -249,9 +187,9 @@ class Scheduler:
                 budget -= out.scheduled[-1].num_new_tokens
                 continue
             restoring = bool(req.offloaded)  # preempted with its KV parked in the offload buffer
-            hashes = [] if restoring else self._prefix_hashes(req)
+            hashes = [] if restoring else self.prefixes.prefix_hashes(req)
             hit = self.bm.peek_prefix(hashes)
-            if hit < len(hashes) and hashes[hit] in self.inflight:
+            if hit < len(hashes) and hashes[hit] in self.prefixes.inflight:
                 deferred.append(self.waiting.popleft())  # its next page is being computed: wait
                 continue
             computed = req.num_computed_tokens if restoring else hit * self.page_size
@@ -276,9 +214,7 @@ class Scheduler:
                 self.tables.grow(req, computed + n)
             req.status = RequestStatus.PREFILLING
             self.running.append(req)
-            self._mark_inflight(req, hashes)
-            if self.fork_enabled and req.num_preemptions == 0 and req.num_prompt_tokens > 1:
-                self.leaders.setdefault(tuple(req.prompt_ids), req)
+            self.prefixes.admitted(req, hashes)
             out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req)))
             done.add(id(req))
             budget -= n
@@ -294,10 +230,10 @@ class Scheduler:
 
     def _fork_source(self, req: Request) -> Request | str | None:
         """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
-        if not self.fork_enabled or req.num_computed_tokens or req.page_ids or req.num_prompt_tokens < 2:
+        if req.num_computed_tokens or req.page_ids or req.num_prompt_tokens < 2:
             return None
-        leader = self.leaders.get(tuple(req.prompt_ids))
-        if leader is None or leader is req or leader not in self.running:
+        leader = self.prefixes.leader_of(req)
+        if leader is None or leader not in self.running:
             return None
         if leader.num_computed_tokens < req.num_prompt_tokens - 1:
             return "wait"
@@ -406,7 +342,7 @@ class Scheduler:
                 req = s.request
                 computed = req.num_computed_tokens = req.num_computed_tokens + 1
                 if caching and computed // ps != req.num_registered_pages:
-                    self._cache_full_pages(req)
+                    self.prefixes.cache_full_pages(req)
             return
         for s in out.scheduled:
             req = s.request
@@ -414,54 +350,18 @@ class Scheduler:
             if req.num_computed_tokens == len(req.token_ids):
                 req.status = RequestStatus.DECODING
             if caching and req.num_computed_tokens // ps != req.num_registered_pages:
-                self._cache_full_pages(req)
+                self.prefixes.cache_full_pages(req)
             if sliding:
                 self.num_recycled_pages += self.tables.recycle(req)
-
-    def _cache_full_pages(self, req: Request) -> None:
-        if not self.bm.enable_prefix_caching or req.stale_kv:
-            return
-        full = req.num_computed_tokens // self.page_size
-        if full == req.num_registered_pages:  # NOTE: no page filled up this step
-            return
-        hashes = self._hashes(req, full)
-        for p in range(req.num_registered_pages, full):
-            self.bm.cache_page(req.page_ids[p], hashes[p])
-            if self.inflight.get(hashes[p]) is req:
-                del self.inflight[hashes[p]]
-        req.num_registered_pages = full
-
-    def _prefix_hashes(self, req: Request) -> list[int]:
-        """Hashes of the full pages a new request could read from the cache (never its last token)."""
-        if not self.bm.enable_prefix_caching:
-            return []
-        return self._hashes(req, (req.num_tokens - 1) // self.page_size)
-
-    def _hashes(self, req: Request, num_pages: int) -> list[int]:
-        """The request's first `num_pages` page hashes, extending its memo as tokens become known."""
-        known = len(req.page_hashes)
-        if num_pages > known:
-            parent = req.page_hashes[-1] if known else ROOT_HASH
-            req.page_hashes += page_hashes(req.token_ids, self.page_size, num_pages - known, known, parent)
-        return req.page_hashes[:num_pages]
-
-    def _mark_inflight(self, req: Request, hashes: list[int]) -> None:
-        for h in hashes[req.num_computed_tokens // self.page_size :]:
-            self.inflight.setdefault(h, req)
 
     def forget_prefixes(self) -> None:
         """KV computed so far is stale (new weights): no new request may read it through the in-flight
         map or a fork, and the live requests' pages are never offered to the prefix cache."""
-        self.inflight.clear()
-        self.leaders.clear()
+        self.prefixes.forget()
         for req in self.running:
             req.stale_kv = True
         for req in self.waiting:
             req.stale_kv = req.stale_kv or bool(req.offloaded)  # NOTE: parked KV; the others recompute
-
-    def _drop_inflight(self, req: Request) -> None:
-        for h in [h for h, r in self.inflight.items() if r is req]:
-            del self.inflight[h]
 
 
 def _fifo(s: Scheduler, out: SchedulerOutput, budget: int, done: set[int]) -> int:

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 
 from rollout.page_pool import PagePool
 from rollout.requests import Request, RequestStatus, SamplingParams
-from rollout.scheduler import Scheduler, SchedulerOutput
+from rollout.scheduler import Scheduler
+from rollout.stages import SchedulerOutput
 
 PS = 4  # tokens per page
 GREEDY = SamplingParams(temperature=0.0)
