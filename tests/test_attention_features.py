@@ -8,7 +8,7 @@ import functools
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_model, random_prompts
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from transformers import AutoModelForCausalLM, GenerationConfig, GptOssConfig, Llama4TextConfig
 
 from rollout import ContinuousBatchingConfig, generate_batch

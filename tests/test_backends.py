@@ -11,7 +11,7 @@ import logging
 
 import pytest
 import torch
-from tiny_models import make_model
+from support.tiny_models import make_model
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import GenerationConfig
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiny_models import hf_greedy
 from test_correctness import BUDGET, GREEDY_GC, MAX_NEW, PROMPTS, PS, reference, run_engine
-from tiny_models import hf_greedy
 
 import rollout.linear as linear
 from rollout import ContinuousBatchingConfig

@@ -18,7 +18,7 @@ from collections import defaultdict
 
 import pytest
 import torch
-from tiny_models import VOCAB, hf_greedy, make_model
+from support.tiny_models import VOCAB, hf_greedy, make_model
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RequestStatus, generate_batch

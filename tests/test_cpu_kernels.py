@@ -18,7 +18,7 @@ import shutil
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_model, random_prompts
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RequestStatus, cpu_kernels

@@ -7,7 +7,6 @@ from __future__ import annotations
 import csv
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,28 +17,18 @@ from accelerate import Accelerator
 from accelerate.state import AcceleratorState
 
 ROOT = Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "ddp_worker.py"
+WORKER = ROOT / "tests" / "support" / "ddp_worker.py"
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "recipes"))
 
-import ddp_worker  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support import ddp_worker  # noqa: E402
+from support.serving import free_port  # noqa: E402
+from support.training import save_tiny_addition_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from trainers.tasks import build_tiny_model, make_addition_tokenizer
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    tokenizer = make_addition_tokenizer()
-    build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_addition_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
 @pytest.fixture(scope="module")

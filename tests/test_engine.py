@@ -18,7 +18,14 @@ from collections import Counter
 
 import pytest
 import torch
-from tiny_models import _qwen3, hf_greedy, make_model, random_prompts, teacher_forced_logits
+from support.tiny_models import (
+    _qwen3,
+    hf_greedy,
+    make_model,
+    random_prompts,
+    teacher_forced_logits,
+    teacher_forced_logprobs,
+)
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutBatch, RolloutEngine
@@ -445,8 +452,7 @@ def test_bf16_engine_updated_from_fp32_trainer(model, new_model):
     # the parity probe: rollout (bf16) logprobs against the fp32 trainer's recomputation of the same tokens
     gaps = []
     for row, completion in enumerate(rows(batch)):
-        logits = teacher_forced_logits(trainer, prompts[row // 3], completion)
-        ref = torch.log_softmax(logits, -1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+        ref = teacher_forced_logprobs(trainer, prompts[row // 3], completion)
         gaps += (batch.logprobs[row, : len(completion)] - ref).abs().tolist()
     print(f"\nfp32 trainer vs bf16 engine logprob gap over {len(gaps)} tokens: "
           f"max {max(gaps):.4f}, mean {statistics.fmean(gaps):.4f}")

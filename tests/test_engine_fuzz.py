@@ -18,7 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from tiny_models import hf_greedy, make_model
+from support.tiny_models import hf_greedy, make_model
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine

@@ -12,7 +12,7 @@ import types
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_model
+from support.tiny_models import hf_greedy, make_model
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine

@@ -24,7 +24,7 @@ EXIT_LATENCY = 20.0  # from the script's last line to the process being gone (to
 PRELUDE = textwrap.dedent(
     """
     import json, sys, time
-    from tiny_models import make_model
+    from support.tiny_models import make_model
     from transformers import GenerationConfig
     from rollout import ContinuousBatchingConfig, init_continuous_batching
 

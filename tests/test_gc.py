@@ -7,7 +7,7 @@ import gc
 import weakref
 
 import torch
-from tiny_models import make_model
+from support.tiny_models import make_model
 from transformers import GenerationConfig
 
 from rollout import (

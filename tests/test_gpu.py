@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logits
+from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig
@@ -31,12 +31,6 @@ def test_cuda_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
 
     torch.backends.cuda.matmul.allow_tf32 = False
     check_kernel(window, softcap, dtype, atol, "cuda")
-
-
-def teacher_logprobs(model, prompt: list[int], tokens: list[int], temperature: float = 1.0) -> list[float]:
-    """The log-probability of each of `tokens` under a teacher-forced forward at `temperature`."""
-    ref = (teacher_forced_logits(model, prompt, tokens) / temperature).log_softmax(-1)
-    return ref[torch.arange(len(tokens), device=ref.device), torch.tensor(tokens, device=ref.device)].tolist()
 
 
 def run(core: EngineCore, prompts: list[list[int]], n: int):
@@ -60,7 +54,7 @@ def test_cuda_greedy_matches_generate_and_logprobs_match_teacher_forcing(arch, b
     reqs = run(core, prompts, 8)
     for p, r in zip(prompts, reqs, strict=True):
         assert r.generated == hf_greedy(model, p, 8)
-        assert r.logprobs == pytest.approx(teacher_logprobs(model, p, r.generated), abs=1e-4)
+        assert r.logprobs == pytest.approx(teacher_forced_logprobs(model, p, r.generated).tolist(), abs=1e-4)
 
 
 def test_flex_step_runs_without_host_synchronisation():
@@ -124,7 +118,8 @@ def test_rl_loop_on_cuda_update_sleep_wake_close(backend):
         for i, p in enumerate(prompts):
             got = batch.completion_ids[i][batch.completion_mask[i].bool()].tolist()
             assert got == hf_greedy(model, p, 8)
-            assert batch.logprobs[i][: len(got)].tolist() == pytest.approx(teacher_logprobs(model, p, got), abs=1e-4)
+            want = teacher_forced_logprobs(model, p, got).tolist()
+            assert batch.logprobs[i][: len(got)].tolist() == pytest.approx(want, abs=1e-4)
 
     engine = RolloutEngine(model, config=cfg, generation_config=gc)
     try:
@@ -179,7 +174,8 @@ def test_seeded_sampling_on_cuda_is_reproducible_and_scored():
         for row in range(len(a)):
             p = prompts[int(a.group_ids[row])]
             got = a.completion_ids[row][a.completion_mask[row].bool()].tolist()
-            assert a.logprobs[row][: len(got)].tolist() == pytest.approx(teacher_logprobs(model, p, got, 0.8), abs=1e-4)
+            want = teacher_forced_logprobs(model, p, got, 0.8).tolist()
+            assert a.logprobs[row][: len(got)].tolist() == pytest.approx(want, abs=1e-4)
 
 
 def test_grpo_trainer_colocated_on_cuda(tmp_path):

@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from chat_model import make_chat_tokenizer, make_tiny_chat_model
+from support.chat_model import make_chat_tokenizer, make_tiny_chat_model
+from support.training import digit_share, trained_state
 
 from rollout import ContinuousBatchingConfig
 from trainers import GRPOConfig, GRPOTrainer, score_completions
@@ -35,11 +36,6 @@ STEP_FIELDS = (
     "lr",
 )
 FIXED_PROMPT = "123+456="
-
-
-def digit_share(prompts, completions, **columns):
-    """Dense toy reward: the share of digit characters (varies inside a group from the start)."""
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 @pytest.fixture(scope="module")
@@ -83,12 +79,6 @@ def engine_vs_trainer(trainer: GRPOTrainer, tokenizer) -> float:
     return (mine - batch.logprobs)[batch.completion_mask.bool()].abs().max().item()
 
 
-def snapshot(trainer) -> dict[str, torch.Tensor]:
-    return {
-        k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()
-    }
-
-
 def max_change(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
@@ -101,10 +91,10 @@ def test_grpo_smoke_updates_syncs_and_logs(tokenizer, dataset, tmp_path):
     )
     # NOTE: the fixed prompt's full pages are now in the prefix cache; a missed flush would reuse them.
     assert engine_vs_trainer(trainer, tokenizer) < 1e-5
-    before = snapshot(trainer)
+    before = trained_state(trainer)
     for step in range(1, 4):
         metrics = trainer.step()
-        after = snapshot(trainer)
+        after = trained_state(trainer)
         assert metrics["lr"] == pytest.approx(2e-3 * [0.5, 1.0, 1.0][step - 1])
         if step == 1:
             # AdamW's first update is lr x g / (|g| + eps) per element: the largest moves by the
@@ -166,9 +156,9 @@ def test_gradient_accumulation_equals_one_big_batch(tokenizer, dataset, tmp_path
         )
         if data is None:
             data, _ = trainer.collect()
-        before = snapshot(trainer)
+        before = trained_state(trainer)
         trainer.optimize(data)
-        after = snapshot(trainer)
+        after = trained_state(trainer)
         deltas.append({k: after[k] - before[k] for k in before})
         trainer.close()
     assert max(d.abs().max().item() for d in deltas[0].values()) > 1e-4  # a real update happened
@@ -179,7 +169,7 @@ def test_checkpoint_resume_reproduces_the_next_step(tokenizer, dataset, tmp_path
     schedule = dict(lr_schedule="linear", warmup_steps=1, num_iterations=2)
     straight = make_trainer(tokenizer, dataset, tmp_path / "a", **schedule)
     expected = [straight.step() for _ in range(3)]
-    final = snapshot(straight)
+    final = trained_state(straight)
     straight.close()
 
     first = make_trainer(tokenizer, dataset, tmp_path / "b", **schedule)
@@ -192,7 +182,7 @@ def test_checkpoint_resume_reproduces_the_next_step(tokenizer, dataset, tmp_path
     assert resumed.step_count == 2
     metrics = resumed.step()
     resumed.close()
-    assert max_change(final, snapshot(resumed)) < 1e-6  # measured: bitwise equal on CPU
+    assert max_change(final, trained_state(resumed)) < 1e-6  # measured: bitwise equal on CPU
     for key in ("step", "reward_mean", "loss", "lr", "policy_version", "response_length"):
         assert metrics[key] == pytest.approx(expected[2][key], rel=1e-5, abs=1e-6), key
 
@@ -240,9 +230,9 @@ def small_trainer(tokenizer, dataset, tmp_path, reward_funcs=digit_share, model=
 
 def sgd_delta(trainer, data) -> dict[str, torch.Tensor]:
     """The parameter change of `trainer.optimize(data)` (SGD at lr 1: minus the gradient)."""
-    before = snapshot(trainer)
+    before = trained_state(trainer)
     trainer.optimize(data)
-    after = snapshot(trainer)
+    after = trained_state(trainer)
     trainer.policy.load_state_dict(before)  # NOTE: back to the start, for the next comparison
     return {k: after[k] - before[k] for k in before}
 

@@ -11,8 +11,8 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from test_correctness import GREEDY_GC, MAX_NEW, PROMPTS, reference, run_engine
-from tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 import rollout.linear as linear

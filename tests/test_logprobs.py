@@ -12,7 +12,7 @@ import functools
 
 import pytest
 import torch
-from tiny_models import VOCAB, make_model, teacher_forced_logits
+from support.tiny_models import VOCAB, make_model, teacher_forced_logits
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 

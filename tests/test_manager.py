@@ -12,8 +12,8 @@ import math
 import time
 
 import pytest
-from threads import guarded as run_guarded
-from tiny_models import VOCAB, hf_greedy, make_model, random_prompts
+from support.threads import guarded as run_guarded
+from support.tiny_models import VOCAB, hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 from rollout import (

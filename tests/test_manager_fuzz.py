@@ -15,8 +15,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
-from threads import guarded
-from tiny_models import hf_greedy, make_model, random_prompts
+from support.threads import guarded
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RequestStatus, init_continuous_batching

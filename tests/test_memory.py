@@ -16,7 +16,7 @@ import functools
 import psutil
 import pytest
 import torch
-from tiny_models import VOCAB, hf_greedy, make_model, random_prompts
+from support.tiny_models import VOCAB, hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RequestStatus

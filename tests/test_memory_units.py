@@ -276,7 +276,7 @@ def test_cpu_offload_buffer_round_trips_pages_and_loses_none():
 
 
 def test_storage_layout_and_groups_of_a_hybrid_model():
-    from tiny_models import make_model
+    from support.tiny_models import make_model
 
     gemma, mistral = make_model("gemma2"), make_model("mistral", sliding_window=24)
     assert layer_windows(gemma) == [16, None, 16, None]
@@ -362,7 +362,7 @@ def test_an_explicit_max_memory_percent_is_honoured_on_cpu(monkeypatch):
 
 
 def test_an_engine_sizes_its_cpu_cache_from_an_explicit_max_memory_percent(monkeypatch):
-    from tiny_models import make_model
+    from support.tiny_models import make_model
 
     from rollout.backends import attention_memory
     from rollout.core import EngineCore

@@ -4,15 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.training import digit_share
 
 from rollout import ContinuousBatchingConfig
 from trainers import PolicyWithValue, PPOConfig, PPOTrainer
 from trainers.ppo import whiten
 from trainers.tasks import AdditionTask, build_tiny_model, make_addition_tokenizer
-
-
-def digit_share(prompts, completions, **columns):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
 
 
 @pytest.fixture(scope="module")

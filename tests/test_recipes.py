@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from datasets import Dataset, DatasetDict
+from support.training import save_tiny_addition_checkpoint
 
 RECIPES = Path(__file__).resolve().parents[1] / "recipes"
 # NOTE: recipes are scripts that import their sibling `_common`, as they do when launched.
@@ -131,13 +132,7 @@ def test_csv_keeps_finished_cells(tmp_path):
 
 @pytest.fixture(scope="module")
 def tiny_checkpoint(tmp_path_factory):
-    from trainers.tasks import build_tiny_model, make_addition_tokenizer
-
-    path = tmp_path_factory.mktemp("ckpt") / "tiny"
-    tokenizer = make_addition_tokenizer()
-    build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return str(path)
+    return save_tiny_addition_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
 
 
 def test_sweep_resume_runs_only_missing_cells(tmp_path, tiny_checkpoint, monkeypatch, keep_rng):
@@ -193,7 +188,7 @@ def test_grpo_recipe_on_a_chat_model_and_a_gsm8k_file_resumes(tmp_path, keep_rng
     """`--model DIR` (a saved tiny model whose tokenizer has a chat template) and
     `--dataset tests/data/gsm8k_tiny.jsonl --prompt_column question --answer_column answer
     --reward math --chat_template`, end to end; then `--resume_from_checkpoint latest`."""
-    from chat_model import save_tiny_chat_model
+    from support.chat_model import save_tiny_chat_model
 
     import trainers.rollouts as rollouts
 

@@ -114,11 +114,11 @@ def test_runner_decode_only_prepare_equals_the_general_one():
     import dataclasses
 
     import torch
+    from support.tiny_models import make_model, random_prompts
     from transformers import GenerationConfig
 
     from rollout import ContinuousBatchingConfig
     from rollout.core import EngineCore
-    from tests.tiny_models import make_model, random_prompts
 
     core = EngineCore(make_model("gemma2"), GenerationConfig(do_sample=False, eos_token_id=None),
                       ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=64))

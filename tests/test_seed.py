@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from tiny_models import VOCAB, make_model
+from support.tiny_models import VOCAB, make_model
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, generate_batch

@@ -16,8 +16,8 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "openai", "httpx"):
 import httpx  # noqa: E402
 import openai  # noqa: E402
 import torch  # noqa: E402
-from serving import make_tokenizer, save_tiny, serving  # noqa: E402
-from tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logits  # noqa: E402
+from support.serving import make_tokenizer, save_tiny, serving  # noqa: E402
+from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs  # noqa: E402
 
 NUM_BLOCKS = 256
 
@@ -99,7 +99,7 @@ def test_sampled_logprobs_match_teacher_forced_at_t1(server, client, model):
     cases.append((chat.model_dump()["prompt_token_ids"], chat.model_dump()["choices"][0]["token_ids"],
                   [t.logprob for t in chat.choices[0].logprobs.content]))
     for p, toks, lps in cases:
-        ref = torch.log_softmax(teacher_forced_logits(model, p, toks), -1)[torch.arange(len(toks)), toks]
+        ref = teacher_forced_logprobs(model, p, toks)
         assert len(lps) == len(toks) == ref.numel()
         assert (torch.tensor(lps) - ref).abs().max().item() < 1e-4
 

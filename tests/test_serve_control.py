@@ -21,7 +21,7 @@ if __name__ != "__main__":
 import httpx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny_models import hf_greedy, make_model  # noqa: E402
+from support.tiny_models import hf_greedy, make_model  # noqa: E402
 
 PROMPT = [7, 30, 41, 9, 77, 12, 5, 66, 90, 3, 21, 54, 18, 33, 71, 8, 44, 2, 99, 60]  # 20 tokens: a full page
 REPO = Path(__file__).resolve().parent.parent
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from serving import save_tiny, serving
+    from support.serving import save_tiny, serving
 
     with serving(save_tiny(tmp_path_factory.mktemp("tiny") / "model")) as s:
         yield s

@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from threads import guarded
-from tiny_models import hf_greedy, make_model
+from support.threads import guarded
+from support.tiny_models import hf_greedy, make_model
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, ContinuousBatchingManager, RequestStatus

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_model, random_prompts
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 import rollout.core

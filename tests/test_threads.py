@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 
 import torch
-from tiny_models import hf_greedy, make_model, random_prompts
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from support.tiny_models import teacher_forced_logprobs
 
 from rollout import ContinuousBatchingConfig
 from rollout.integrations.trl import make_rollout_func
@@ -82,9 +83,9 @@ def tf_logprobs(model, prompt: list[int], completion: list[int], temperature: fl
     """The oracle: teacher-forced log_softmax(logits / T) of each completion token, [len(completion)]."""
     was = model.training
     model.eval()
-    logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1].float()
+    logprobs = teacher_forced_logprobs(model, prompt, completion, temperature)
     model.train(was)
-    return torch.log_softmax(logits / temperature, dim=-1).gather(1, torch.tensor(completion)[:, None])[:, 0]
+    return logprobs
 
 
 @torch.no_grad()

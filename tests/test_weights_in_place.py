@@ -11,7 +11,7 @@ import copy
 
 import pytest
 import torch
-from tiny_models import hf_greedy, make_model, random_prompts
+from support.tiny_models import hf_greedy, make_model, random_prompts
 from transformers import GenerationConfig
 
 import rollout.linear as linear

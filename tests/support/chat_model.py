@@ -1,7 +1,7 @@
 """A tiny chat model built offline: a character-level tokenizer over printable ASCII with a chat
 template, and a small random Qwen3, saved with `save_pretrained` (the shape of a hub instruct model).
 
-    python tests/chat_model.py runs/tiny_chat      # writes model + tokenizer there
+    python tests/support/chat_model.py runs/tiny_chat      # writes model + tokenizer there
 """
 
 from __future__ import annotations

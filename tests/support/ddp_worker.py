@@ -1,7 +1,7 @@
 """Two-rank checks for tests/test_ddp.py, started with
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
-        --dynamo_backend no tests/ddp_worker.py --out DIR
+        --dynamo_backend no tests/support/ddp_worker.py --out DIR
 
 1. Equivalence: for GRPO, DAPO and PPO, DIR/{algorithm}.pt holds a fixed rollout batch and the
    initial weights (written by the test in one process); each rank takes its half of the rows,
@@ -20,14 +20,16 @@ import json
 import os
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "recipes"))
+sys.path.insert(0, os.path.join(ROOT, "tests"))  # NOTE: `support`, when run as a script
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
+from support.training import digit_share, trained_state  # noqa: E402
 from trainers import GRPOConfig, GRPOTrainer, PolicyWithValue, PPOConfig, PPOTrainer  # noqa: E402
 from trainers.tasks import build_tiny_model, make_addition_tokenizer  # noqa: E402
 
@@ -35,13 +37,9 @@ ALGORITHMS = ("grpo", "dapo", "ppo")
 ENGINE = ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=256)
 
 
-def digit_share(completions, **kwargs):
-    return [sum(ch.isdigit() for ch in c) / max(len(c), 1) for c in completions]
-
-
 def half_constant(completions, varies, **kwargs):
     """Rows whose "varies" column is False score a constant 1: DAPO drops their groups."""
-    return [s if v else 1.0 for s, v in zip(digit_share(completions), varies, strict=True)]
+    return [s if v else 1.0 for s, v in zip(digit_share(None, completions), varies, strict=True)]
 
 
 # NOTE: in order, without shuffling: prompts 0-1 vary, 2-3 are constant. On two ranks (2 prompts
@@ -75,10 +73,6 @@ def build(algorithm: str, accelerator: Accelerator, output_dir: str, prompts_per
         config, cls = GRPOConfig(algorithm=algorithm, **settings), GRPOTrainer
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0) if sgd else None
     return cls(model, tokenizer, half_constant, ROWS, config, accelerator=accelerator, optimizer=optimizer)
-
-
-def trained_state(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}
 
 
 def parameter_hash(trainer) -> str:

@@ -107,3 +107,11 @@ def teacher_forced_logits(model, prompt: list[int], completion: list[int]) -> to
     ids = torch.tensor([prompt + completion], device=model.device)
     logits = model(ids).logits[0].float()
     return logits[len(prompt) - 1 : -1]
+
+
+@torch.no_grad()
+def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """fp32 log_softmax(logits / temperature) of each completion token, [len(completion)], teacher-forced."""
+    logprobs = (teacher_forced_logits(model, prompt, completion) / temperature).log_softmax(-1)
+    rows = torch.arange(len(completion), device=logprobs.device)
+    return logprobs[rows, torch.tensor(completion, device=logprobs.device)]
