@@ -4,7 +4,7 @@ Shapes of one layer of the 5M Qwen3-arch model by default (4 query heads, 2 KV h
 `--rows` decode rows, each reading `--kv` keys (drawn in a range) through a block table of scattered
 16-token pages of a head-major cache `[Hkv, slots, D]`. Two variants, results checked close:
 
-  gather  what `rollout.attention` does without the kernel: `index_select` of each row's slots into
+  gather  what `rollout.backends.sdpa` does without the kernel: `index_select` of each row's slots into
           `[B, Hkv, Lmax, D]`, a key-padding mask, `F.scaled_dot_product_attention(..., enable_gqa=True)`
   kernel  `rollout.cpu_kernels.paged_decode_attention`: every row read in place at its own length
 

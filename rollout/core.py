@@ -16,7 +16,7 @@ from transformers import GenerationConfig
 
 from .backends import attention_memory
 from .backends import create as create_backend
-from .backends import resolve as resolve_backend
+from .backends import select as select_backend
 from .config import ContinuousBatchingConfig
 from .kv_cache import PagedKVCache
 from .linear import drop_packed
@@ -41,20 +41,6 @@ from .weights import versioned_tensors, weights_version
 logger = logging.getLogger("rollout")
 
 STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens")
-
-
-def _backend_name(name: str, model: torch.nn.Module) -> str:
-    """The attention backend to build: attention sinks run only in the `sdpa` backend's gather path."""
-    if not has_attention_sinks(model):
-        return name
-    if name == "auto":
-        logger.info("%s has attention sinks: attn_backend 'sdpa' (the only backend implementing them)",
-                    type(model).__name__)
-        return "sdpa"
-    if name != "sdpa":
-        raise ValueError(f"attn_backend={name!r} does not implement the attention sinks of {type(model).__name__} "
-                         "(gpt-oss); use attn_backend='sdpa' or 'auto'")
-    return name
 
 
 def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
@@ -99,7 +85,8 @@ class EngineCore:
         per_layer = kv_shape_from_config(model.config, self.dtype)
         shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
         tc = text_config(model)
-        attn_name = resolve_backend(_backend_name(config.attn_backend, model), self.device, self.dtype)
+        attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
+                                   type(model).__name__)
         max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
         attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,
                                        bool(getattr(tc, "attn_logit_softcapping", None)), max_pages)

@@ -5,7 +5,7 @@ cache through page tables, for fp32, bf16 and fp16 caches. torch's CPU SDPA with
 request runs at a third to a half of the memory bandwidth (PROFILE.md); this kernel streams each
 request's K and V once for all the query heads that share them, at each row's own length, so no row
 is padded. Without it (no compiler, `ROLLOUT_CPU_KERNELS=0`) decode rows take the gather + SDPA path
-of `rollout.attention`.
+of `rollout.backends.sdpa`.
 
 The source is `rollout/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native -fopenmp`
 the first time a CPU engine starts on a machine (about 30 s; cached under `TORCH_EXTENSIONS_DIR`,

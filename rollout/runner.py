@@ -1,5 +1,10 @@
 """Scheduler output -> packed tensors -> one HF forward -> fp32 logits of the rows we sample.
 
+Owns `ModelRunner` (the step's `StepInputs`, each layer group's metadata from the backend's
+`build_group`, the forward, the first-step check that our attention ran in every layer) and the engine
+view it runs (`make_engine_view`). Which attention backend runs is the backend's business
+(`rollout.backends`): the runner never asks.
+
 The runner never mutates a request. The model it runs is an *engine view* of the user's model: a
 shallow structural copy that shares every parameter and buffer (so weight updates are seen at once)
 but has its own config set to our paged attention, its own eval mode, and no autograd. The user's
@@ -9,21 +14,12 @@ own module keeps its attention implementation, its train/eval mode and `requires
 from __future__ import annotations
 
 import copy
-import itertools
 import logging
 
 import torch
 
-from .attention import (
-    ATTN_NAME,
-    AttentionMetadata,
-    DecodeBucket,
-    GroupMetadata,
-    PagedDecode,
-    Segment,
-    register,
-)
-from .backends import AttentionBackend
+from .attention import ATTN_NAME, register
+from .backends import AttentionBackend, AttentionMetadata, StepInputs
 from .backends import create as create_backend
 from .device_page_tables import DevicePageTables, int_tensor
 from .kv_cache import PagedKVCache
@@ -125,8 +121,8 @@ class ModelRunner:
         else:
             tables = [list(t) for t in zip(*(s.tables for s in out.scheduled), strict=True)]
         rows = self.device_page_tables.sync(requests, tables)
-        step = _StepIndex(starts, lens, rows, dev)
-        step.tables = {window: self.device_page_tables.group(g) for g, window in enumerate(self.windows)}
+        persistent = {window: self.device_page_tables.group(g) for g, window in enumerate(self.windows)}
+        step = StepInputs(starts, lens, rows, persistent, dev)
         groups = [self.backend.build_group(window, tables[g], step, self.page_size)
                   for g, window in enumerate(self.windows)]
         kwargs = {
@@ -181,7 +177,6 @@ class ModelRunner:
             logits = logits[:0]
         return logits.float(), sampled
 
-
     def _verify(self, seen: set[int]) -> None:
         """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""
         missing = sorted(set(range(self.num_layers)) - seen)
@@ -195,105 +190,3 @@ class ModelRunner:
             )
         self.verified = True
 
-
-# NOTE: decode rows are split into at most this many buckets of similar KV length, a bucket closing
-# when the next row would read less than half of the bucket's longest KV (and it has enough rows).
-MAX_DECODE_BUCKETS = 4
-MIN_BUCKET_ROWS = 8
-
-
-class _StepIndex:
-    """Per-request and per-token index tensors of one step (shared by every layer group), and the
-    persistent page tables (`tables[window]`, [R, P] int32; request b is row `rows[b]`)."""
-
-    def __init__(self, starts: list[int], lens: list[int], rows: list[int], device: torch.device) -> None:
-        self.starts_list = starts
-        self.lens_list = lens
-        self.device = device
-        self.starts = int_tensor(starts, device)  # [B]
-        self.rows = int_tensor(rows, device)  # [B] page-table row of each request
-        self.tables: dict[int | None, torch.Tensor] = {}  # group window -> [R, P], set by the runner
-        total = int(sum(lens))
-        self.decode_only = total == len(lens)
-        if self.decode_only:  # NOTE: a pure decode step (one token per request): no ragged indexing
-            self.request_of_token = torch.arange(total, device=device)
-            self.first_row = list(range(total))
-            self.positions = self.starts
-            return
-        # NOTE: sizes and first rows from the host lists: no device-to-host read (a sync on CUDA)
-        self.request_of_token, offsets, _ = _ragged(int_tensor(lens, device), total)  # [T], [T]
-        self.first_row = list(itertools.accumulate([0, *lens[:-1]]))
-        self.positions = self.starts[self.request_of_token] + offsets  # [T]
-
-
-def _ragged(lens: torch.Tensor, total: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """For runs of `lens` [B] items laid end to end (`total` of them, when known on the host): (run of
-    each item [N], its offset in the run [N], first item of each run [B])."""
-    owner = torch.repeat_interleave(torch.arange(lens.numel(), device=lens.device), lens, output_size=total)
-    first = torch.cumsum(lens, 0) - lens
-    return owner, torch.arange(owner.numel(), device=lens.device) - first[owner], first
-
-
-def _slots(table: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, ps: int) -> torch.Tensor:
-    """Cache slots (int64) of `positions` (any shape) of table rows `rows` (broadcastable) through `table` [R, P]."""
-    return table[rows, torch.div(positions, ps, rounding_mode="floor")].long() * ps + positions % ps
-
-
-def _build_group(
-    window: int | None, tables: list[list[int]], step: _StepIndex, ps: int, paged: bool = False,
-) -> GroupMetadata:
-    """Slots, decode rows (paged kernel or buckets) and prompt segments of one layer group.
-
-    Reads the group's persistent table `step.tables[window]` (rows `step.rows`), not the lists `tables`."""
-    dev = step.device
-    table = step.tables[window]  # [R, P] int32
-    g = GroupMetadata(window, _slots(table, step.rows[step.request_of_token], step.positions, ps))
-    # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
-    if step.decode_only and paged:  # NOTE: the common step, no Python loop over the requests
-        lo = torch.zeros_like(step.starts) if window is None else (step.starts - (window - 1)).clamp_min(0)
-        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1)
-        return g
-    decode: list[tuple[int, int, int]] = []  # (kv_len, request, lo)
-    for b, (start, n) in enumerate(zip(step.starts_list, step.lens_list, strict=True)):
-        end = start + n
-        lo = 0 if window is None else max(0, start - window + 1)
-        if n == 1:
-            decode.append((end - lo, b, lo))
-            continue
-        kv = None  # NOTE: from position 0 every key is this step's own (lo is 0 too)
-        if start > 0:
-            kv = _slots(table, step.rows[b], torch.arange(lo, end, device=dev), ps)
-        g.segments.append(Segment(step.first_row[b], n, lo, end - lo, kv))
-    if decode and paged:
-        reqs = torch.tensor([c[1] for c in decode], device=dev)
-        lo = torch.tensor([c[2] for c in decode], device=dev)
-        g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
-                              table, step.rows[reqs], lo, lo + torch.tensor([c[0] for c in decode], device=dev))
-        decode = []
-    if decode:
-        decode.sort(reverse=True)
-        for chunk in _bucket(decode):
-            kv_len = torch.tensor([c[0] for c in chunk], device=dev)  # [Bb]
-            reqs = torch.tensor([c[1] for c in chunk], device=dev)  # [Bb]
-            lo = torch.tensor([c[2] for c in chunk], device=dev)  # [Bb]
-            lmax = chunk[0][0]
-            j = torch.arange(lmax, device=dev)
-            # NOTE: padding repeats the row's last key: a written slot, masked out below.
-            pos = lo[:, None] + torch.minimum(j[None, :], kv_len[:, None] - 1)  # [Bb, Lmax]
-            rows = torch.tensor([step.first_row[c[1]] for c in chunk], device=dev)
-            g.buckets.append(DecodeBucket(rows, _slots(table, step.rows[reqs][:, None], pos, ps), kv_len,
-                                          padded=chunk[-1][0] < lmax))
-    return g
-
-
-def _bucket(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
-    """Split rows sorted by decreasing KV length into buckets that waste little padding."""
-    buckets = [[rows[0]]]
-    for row in rows[1:]:
-        cur = buckets[-1]
-        if (row[0] * 2 < cur[0][0] and len(cur) >= MIN_BUCKET_ROWS
-                and len(buckets) < MAX_DECODE_BUCKETS):
-            buckets.append([row])
-        else:
-            cur.append(row)
-    return buckets

@@ -117,7 +117,7 @@ class LargestFloat(TorchDispatchMode):
 def test_softcap_scores_are_built_in_bounded_chunks(monkeypatch, masked):
     """The gather path's softcap attention (Gemma 2) equals a dense fp64 reference while no temporary
     passes the chunk budget: a 96-row chunk against 160 keys would need 4 x 96 x 160 x 4 bytes."""
-    from rollout import attention
+    from rollout.backends import sdpa
 
     g = torch.Generator().manual_seed(0)
     q = torch.randn(1, 4, 96, 16, generator=g)
@@ -125,9 +125,9 @@ def test_softcap_scores_are_built_in_bounded_chunks(monkeypatch, masked):
     qp, kp = torch.arange(64, 160)[:, None], torch.arange(160)[None, :]
     allowed = (kp <= qp) & (kp > qp - 40) if masked else kp <= qp  # [96, 160]
     budget = 4 * 4 * 10 * 160  # NOTE: 10 query rows of fp32 scores at a time
-    monkeypatch.setattr(attention, "SOFTCAP_SCORE_BYTES", budget)
+    monkeypatch.setattr(sdpa, "SOFTCAP_SCORE_BYTES", budget)
     with LargestFloat() as seen:
-        out = attention._attend(q, k, v, allowed[None, None] if masked else None, 0.25, 20.0, is_causal=True)
+        out = sdpa._attend(q, k, v, allowed[None, None] if masked else None, 0.25, 20.0, is_causal=True)
     s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.25
     s = (torch.tanh(s / 20.0) * 20.0).masked_fill(~allowed, float("-inf"))
     ref = s.softmax(-1) @ v.double().repeat_interleave(2, 1)

@@ -2,16 +2,20 @@
 
 Decode rows (one query token each) are attended in place over the paged cache by
 `rollout.cpu_kernels.paged_decode_attention` (fp32, bf16 and fp16 caches, half precision widened in
-the kernel); prompt chunks take the `sdpa` backend's segments. The kernel is built once per machine
-(see rollout.cpu_kernels); when it cannot be, `"auto"` picks `sdpa` instead and an explicit `"cpu"`
-is a ValueError.
+the kernel); prompt chunks take the `sdpa` backend's segments (this is `SdpaBackend` with the kernel
+set, so its builder emits `PagedDecode` rows instead of decode buckets). The kernel is built once per
+machine (see rollout.cpu_kernels); when it cannot be, `"auto"` picks `sdpa` instead and an explicit
+`"cpu"` is a ValueError.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .. import cpu_kernels
+from ..memory_plan import AttnMemory, KVShape
 from .sdpa import SdpaBackend
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -27,12 +31,13 @@ class CpuBackend(SdpaBackend):
 
     name = "cpu"
     supports_sinks = False  # NOTE: the C++ kernel has no sink term; sink models run on `sdpa`
+    reads_unwritten_slots = False  # NOTE: the kernel reads each row's own positions only
 
     def __init__(self, kernel) -> None:
         self.kernel = kernel
 
     @classmethod
-    def create(cls, device: torch.device, dtype: torch.dtype) -> CpuBackend:
+    def create(cls, device: torch.device, dtype: torch.dtype, **_) -> CpuBackend:
         if device.type != "cpu":
             raise ValueError(f"attn_backend='cpu' runs on a CPU only; the model is on {device}")
         kernel = cpu_kernel(dtype)
@@ -41,3 +46,10 @@ class CpuBackend(SdpaBackend):
                              "(ROLLOUT_CPU_KERNELS=0, no compiler, or a failed build: see the warning); "
                              "use attn_backend='sdpa' or 'auto'")
         return cls(kernel)
+
+    @classmethod
+    def attn_memory(cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool,
+                    max_pages: int) -> AttnMemory:
+        # NOTE: decode rows are read in place: only `sdpa`'s prompt-chunk gathers and softcap chunks remain
+        return dataclasses.replace(super().attn_memory(shape, page_size, max_batch_tokens, softcap, max_pages),
+                                   per_cache_byte=0.0)

@@ -14,6 +14,8 @@ import importlib.util
 
 import torch
 
+from ..memory_plan import AttnMemory, KVShape
+
 
 def flash_available() -> bool:
     """flash-attn is importable and a CUDA device is present."""
@@ -21,7 +23,11 @@ def flash_available() -> bool:
 
 
 class FlashBackend:
+    """The planned flash-attn backend (see the module docstring): `create` always refuses."""
+
     name = "flash"
+    supports_sinks = False  # NOTE: flash-attn has no sink term; sink models run on `sdpa`
+    reads_unwritten_slots = False  # NOTE: flash-attn reads each request's first `seqlens_k` keys only
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, **_) -> FlashBackend:
@@ -31,3 +37,15 @@ class FlashBackend:
             raise ValueError("attn_backend='flash' needs the flash-attn package (pip install 'rollout[gpu]')")
         raise ValueError("attn_backend='flash' is not implemented yet in this version of rollout; "
                          "use attn_backend='flex' (the CUDA default)")
+
+    @classmethod
+    def attn_memory(cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool,
+                    max_pages: int) -> AttnMemory:
+        # NOTE: flash-attn reads the pages in place through the page tables: no gather, no score tensor
+        return AttnMemory()
+
+    def build_group(self, window, tables, step, page_size):
+        raise NotImplementedError("attn_backend='flash' is not implemented yet")
+
+    def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, sinks=None):
+        raise NotImplementedError("attn_backend='flash' is not implemented yet")

@@ -12,6 +12,9 @@ so rows of different requests may share a tile. Gemma 2's logit softcap is a sco
 The kernel is `torch.compile`d once per static configuration (page size, softcap, head layout,
 dtype); the number of query rows and of query tiles are dynamic, so steps of any size reuse it.
 On CPU the first compile takes ~10-25 s (inductor's C++ template; cached on disk afterwards).
+
+Owns its metadata (`FlexMetadata`, `FlexGroup`), their builder, the compiled kernel and its memory
+plan; the slot arithmetic is `rollout.backends.base.cache_slots`, shared with `sdpa`.
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ from __future__ import annotations
 import functools
 import types
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from ..device_page_tables import int_tensor
+from ..memory_plan import AttnMemory, KVShape
+from ..page_tables import FREED
+from .base import StepInputs, cache_slots
 
 # NOTE: query rows per tile of the block mask. Rows of one tile read the union of their requests'
 # pages (masked per row), so a small tile keeps decode rows from reading each other's pages.
 Q_BLOCK = 16
-FREED = -1  # a table entry with no page (rollout.page_tables.FREED, or padding)
+# NOTE: FREED (-1) marks a table entry with no page; it also pads the mask mod's flattened tables.
 # NOTE: smallest static sizes of the mask mod's tables (rows, flattened block tables, pages): a new
 # size is a new compile, so they start large enough for the default engine (8192 tokens a step).
 ROW_FLOOR, TABLE_FLOOR, PAGE_FLOOR = 8192, 16384, 65536
@@ -229,8 +236,9 @@ class FlexBackend:
     num_pages: int
     max_batch_tokens: int
     device: torch.device
-    name: str = "flex"
-    reads_unwritten_slots: bool = True  # NOTE: a page's unwritten slots get weight 0, and 0 * NaN = NaN
+    name: ClassVar[str] = "flex"
+    supports_sinks: ClassVar[bool] = False  # NOTE: no sink term in the kernel; sink models run on `sdpa`
+    reads_unwritten_slots: ClassVar[bool] = True  # NOTE: a page's unwritten slots get weight 0, and 0 * NaN = NaN
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, page_size: int = 16, num_pages: int = 1,
@@ -246,7 +254,18 @@ class FlexBackend:
                              "use attn_backend='sdpa'")
         return cls(page_size, num_pages, max_batch_tokens, device)
 
-    def build_group(self, window: int | None, tables: list[list[int]], step, page_size: int) -> FlexGroup:
+    @classmethod
+    def attn_memory(cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool,
+                    max_pages: int) -> AttnMemory:
+        # NOTE: int64 candidate pages [T, P] and its sorted copies; the mask mod's int32 tables; the
+        # int32 kv_indices [T / Q_BLOCK, num_blocks] (a share of the cache's pages).
+        page_bytes = page_size * shape.bytes_per_token
+        tokens = max_batch_tokens or 8192
+        return AttnMemory(per_query_token=4 * 8 * max_pages, fixed=4 * (3 * ROW_FLOOR + TABLE_FLOOR + PAGE_FLOOR),
+                          per_cache_byte=4 * tokens / Q_BLOCK / page_bytes)
+
+    def build_group(self, window: int | None, tables: list[list[int]], step: StepInputs,
+                    page_size: int) -> FlexGroup:
         dev, ps = self.device, self.page_size
         # NOTE: the persistent table (rollout.device_page_tables: on the device, updated by the pages appended), the
         # step's rows narrowed to its widest request; nothing is rebuilt from the lists. Entries past a
@@ -257,11 +276,11 @@ class FlexBackend:
         lens = int_tensor(step.lens_list, dev)  # [B]
         meta = build_flex_metadata(table, step.starts, lens, len(step.positions), ps, self.num_pages, window,
                                    row_capacity=self.max_batch_tokens)
-        pos = step.positions  # [T]
-        slots = table[step.request_of_token, torch.div(pos, ps, rounding_mode="floor")].long() * ps + pos % ps  # [T]
-        return FlexGroup(window, slots, meta)
+        return FlexGroup(window, cache_slots(table, step.request_of_token, step.positions, ps), meta)  # [T] slots
 
-    def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap) -> torch.Tensor:
+    def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        # NOTE: `sinks` is always None here: the attention function refuses s_aux (supports_sinks is False)
         out = flex_paged_attention((query * scale).contiguous(), k_cache, v_cache, group.flex, self.page_size, softcap)
         return out[0].transpose(0, 1)  # [T, H, D]
 
