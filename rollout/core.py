@@ -18,6 +18,7 @@ from .backends import attention_memory
 from .backends import create as create_backend
 from .backends import select as select_backend
 from .config import ContinuousBatchingConfig
+from .engine_view import make_engine_view
 from .kv_cache import PagedKVCache
 from .linear import drop_packed
 from .memory_plan import KVShape, kv_shape_from_config, plan_cache, step_bytes_per_token
@@ -32,7 +33,7 @@ from .offload import CpuOffloadBuffer, plan_offload
 from .page_pool import PagePool
 from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
-from .runner import ModelRunner, make_engine_view
+from .runner import ModelRunner
 from .sampler import Sampler
 from .scheduler import Scheduler
 from .stages import SchedulerOutput

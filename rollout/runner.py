@@ -1,70 +1,24 @@
 """Scheduler output -> packed tensors -> one HF forward -> fp32 logits of the rows we sample.
 
-Owns `ModelRunner` (the step's `StepInputs`, each layer group's metadata from the backend's
-`build_group`, the forward, the first-step check that our attention ran in every layer) and the engine
-view it runs (`make_engine_view`). Which attention backend runs is the backend's business
-(`rollout.backends`): the runner never asks.
-
-The runner never mutates a request. The model it runs is an *engine view* of the user's model: a
-shallow structural copy that shares every parameter and buffer (so weight updates are seen at once)
-but has its own config set to our paged attention, its own eval mode, and no autograd. The user's
-own module keeps its attention implementation, its train/eval mode and `requires_grad` untouched.
+Owns `ModelRunner`: the step's `StepInputs`, each layer group's metadata from the backend's
+`build_group`, the forward, and the first-step check that our attention ran in every layer. Which
+attention backend runs is the backend's business (`rollout.backends`): the runner never asks. It never
+mutates a request. The model it runs is the engine view of the user's model (`rollout.engine_view`).
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 
 import torch
 
-from .attention import ATTN_NAME, register
 from .backends import AttentionBackend, AttentionMetadata, StepInputs
 from .backends import create as create_backend
 from .device_page_tables import DevicePageTables, int_tensor
 from .kv_cache import PagedKVCache
-from .linear import use_onednn_linears
 from .stages import SchedulerOutput
 
 logger = logging.getLogger("rollout")
-
-
-def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of `model`'s module tree sharing its parameters and buffers, running our attention."""
-    register()
-    memo: dict[int, object] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        memo[id(t)] = t
-    # NOTE: deepcopy with every tensor pre-seeded in the memo copies modules and configs only.
-    view = copy.deepcopy(model, memo)
-    for a, b in zip(model.parameters(), view.parameters(), strict=True):
-        if a is not b:
-            raise RuntimeError("engine view does not share parameters with the model")
-    _drop_forward_overrides(view)
-    use_onednn_linears(view)
-    try:
-        view.set_attn_implementation(ATTN_NAME)
-    except Exception as e:  # pragma: no cover - depends on the architecture
-        raise ValueError(
-            f"{type(model).__name__} cannot run on rollout's paged attention: {e}. "
-            "Only Hugging Face causal LMs that dispatch attention through AttentionInterface are supported."
-        ) from e
-    view.eval()
-    return view
-
-
-def _drop_forward_overrides(view: torch.nn.Module) -> None:
-    """Run each model's class forward: drop `forward`s set on the view's model instances.
-
-    TRL (`add_fused_lm_head`) and accelerate (mixed precision) replace `model.forward` on the instance
-    with a wrapper; TRL's closes over the *original* module's bound forward, so the copied view would run
-    the user's module with its own attention. accelerate's device hooks (`_hf_hook`) are kept.
-    """
-    from transformers import PreTrainedModel
-
-    for module in view.modules():
-        if isinstance(module, PreTrainedModel) and "forward" in vars(module) and "_hf_hook" not in vars(module):
-            del module.forward
 
 
 class ModelRunner:

@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 import rollout.linear as linear
 from rollout import ContinuousBatchingConfig, RolloutEngine
 from rollout.core import EngineCore
-from rollout.runner import make_engine_view
+from rollout.engine_view import make_engine_view
 
 pytestmark = pytest.mark.skipif(not linear.onednn_available(), reason="torch has no oneDNN fp32 linear here")
 
