@@ -27,6 +27,15 @@ class RolloutBatch:
     finish_reasons: list[str]  # [N] "stop" | "length" | ...
     policy_version: int
     completions_text: list[str] | None = None  # [N] decoded completions when a tokenizer is known
+    # NOTE: multi-turn episodes (rollout.agents): completions hold model and environment tokens
+    loss_mask: torch.Tensor | None = None  # [N, T] 1 on model-sampled tokens (None: every completion token)
+    rewards: torch.Tensor | None = None  # [N] fp32 the environment's reward of each episode
+    num_turns: torch.Tensor | None = None  # [N] model turns of each episode
+
+    @property
+    def trained_mask(self) -> torch.Tensor:  # [N, T]
+        """The tokens a loss trains on: the sampled ones (`completion_mask`, and `loss_mask` when set)."""
+        return self.completion_mask if self.loss_mask is None else self.completion_mask * self.loss_mask
 
     @property
     def input_ids(self) -> torch.Tensor:  # [N, P + T]

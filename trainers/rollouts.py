@@ -53,7 +53,18 @@ def merge_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         finish_reasons=[r for b in batches for r in b.finish_reasons],
         policy_version=min(b.policy_version for b in batches),
         completions_text=None if any(x is None for x in texts) else [s for x in texts for s in x],
+        **{name: _cat_optional([getattr(b, name) for b in batches], width) for name, width in
+           (("loss_mask", t), ("rewards", None), ("num_turns", None))},
     )
+
+
+def _cat_optional(parts: list[Tensor | None], width: int | None) -> Tensor | None:
+    """The batches' optional field joined (right-padded with 0 to `width` when 2-D); None unless all have it."""
+    if any(x is None for x in parts):
+        return None
+    if width is not None:
+        parts = [torch.nn.functional.pad(x, (0, width - x.shape[1])) for x in parts]
+    return torch.cat(parts)
 
 
 def take_rows(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
@@ -71,6 +82,8 @@ def take_rows(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
         finish_reasons=[batch.finish_reasons[i] for i in rows],
         policy_version=batch.policy_version,
         completions_text=None if batch.completions_text is None else [batch.completions_text[i] for i in rows],
+        **{name: None if getattr(batch, name) is None else getattr(batch, name)[index]
+           for name in ("loss_mask", "rewards", "num_turns")},
     )
 
 
@@ -80,7 +93,7 @@ def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
         "input_ids": batch.input_ids,  # [N, P+T]
         "attention_mask": batch.attention_mask,  # [N, P+T]
         "completion_ids": batch.completion_ids,  # [N, T]
-        "completion_mask": batch.completion_mask.bool(),  # [N, T]
+        "completion_mask": batch.trained_mask.bool(),  # [N, T] sampled tokens (not an environment's)
         "rollout_logprobs": batch.logprobs,  # [N, T]
         "temperatures": batch.temperatures,  # [N]
     }
