@@ -79,9 +79,7 @@ class EngineCore:
         self.view = make_engine_view(model)
         self.windows, groups = layer_groups(layer_windows(model))
         self.sliding = any(w is not None for w in self.windows)
-        sharing = config.allow_block_sharing and not self.sliding
-        if config.allow_block_sharing and self.sliding:
-            logger.info("prefix caching is disabled: %s has sliding-window layers", type(model).__name__)
+        sharing = config.allow_block_sharing
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
         per_layer = kv_shape_from_config(model.config, self.dtype)
         shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)

@@ -188,7 +188,7 @@ class Scheduler:
                 continue
             restoring = bool(req.offloaded)  # preempted with its KV parked in the offload buffer
             hashes = [] if restoring else self.prefixes.prefix_hashes(req)
-            hit = self.bm.peek_prefix(hashes)
+            hit, keys = self.prefixes.peek(hashes, self.tables)  # NOTE: keys of the hit pages, per group
             if hit < len(hashes) and hashes[hit] in self.prefixes.inflight:
                 deferred.append(self.waiting.popleft())  # its next page is being computed: wait
                 continue
@@ -196,9 +196,11 @@ class Scheduler:
             n = self.tables.fit(computed, min(req.num_tokens - computed, budget))
             # NOTE: every group's live pages (restored ones included), less the prefix hits already
             # held by others; a hit on an unreferenced cached page takes it off the free queue too.
-            take = self.tables.footprint(computed, computed + n) - hit
-            held = hit - self.bm.num_unreferenced(hashes[:hit])  # hit pages other requests hold
-            free_after = self.bm.num_free_pages - take - (hit - held)
+            hit_pages = [key for group in keys for key in group]
+            unreferenced = self.bm.num_unreferenced(hit_pages)
+            take = self.tables.footprint(computed, computed + n) - len(hit_pages)
+            held = len(hit_pages) - unreferenced  # hit pages other requests hold
+            free_after = self.bm.num_free_pages - take - unreferenced
             if free_after < 0 or (self.running and free_after < self.safety_pages):
                 break  # head-of-line: keep fifo order, wait for pages
             if req.num_preemptions and self.running and self._cannot_catch_up(req, held):
@@ -207,8 +209,8 @@ class Scheduler:
             if restoring:
                 self._restore(req, computed + n)
             else:
-                req.page_ids = self.bm.match_prefix(hashes)
-                req.num_computed_tokens = len(req.page_ids) * self.page_size
+                self.prefixes.take(req, hit, keys, self.tables)
+                req.num_computed_tokens = hit * self.page_size
                 req.num_cached_tokens = req.num_computed_tokens
                 self.num_cached_prompt_tokens += min(req.num_computed_tokens, req.num_prompt_tokens)
                 self.tables.grow(req, computed + n)
@@ -342,7 +344,7 @@ class Scheduler:
                 req = s.request
                 computed = req.num_computed_tokens = req.num_computed_tokens + 1
                 if caching and computed // ps != req.num_registered_pages:
-                    self.prefixes.cache_full_pages(req)
+                    self.prefixes.cache_full_pages(req, self.tables.of(req))
             return
         for s in out.scheduled:
             req = s.request
@@ -350,7 +352,7 @@ class Scheduler:
             if req.num_computed_tokens == len(req.token_ids):
                 req.status = RequestStatus.DECODING
             if caching and req.num_computed_tokens // ps != req.num_registered_pages:
-                self.prefixes.cache_full_pages(req)
+                self.prefixes.cache_full_pages(req, self.tables.of(req))
             if sliding:
                 self.num_recycled_pages += self.tables.recycle(req)
 

@@ -139,3 +139,50 @@ def test_text_observations_and_refusals(chat):
             run_episodes(engine, Echo, ["r"], group_size=0)
         with pytest.raises(ValueError, match="temps"):
             run_episodes(engine, Echo, ["r", "s"], temps=[1.0])
+
+
+class WideTokenizer:
+    """The chat tokenizer over a tiny model with a larger vocabulary: ids past its vocabulary decode to nothing."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.eos_token_id, self.pad_token_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+        self.chat_template = tokenizer.chat_template
+
+    def __call__(self, *args, **kwargs):
+        return self.tok(*args, **kwargs)
+
+    def apply_chat_template(self, *args, **kwargs):
+        return self.tok.apply_chat_template(*args, **kwargs)
+
+    def decode(self, ids, **kwargs):
+        return self.tok.decode([i for i in ids if i < len(self.tok)], **kwargs)
+
+    def batch_decode(self, rows, **kwargs):
+        return [self.decode(r, **kwargs) for r in rows]
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2"])
+def test_sliding_window_models_reuse_earlier_turns_exactly(arch):
+    """Mistral (every layer slides) and Gemma 2 (sliding beside full attention): the prefix cache serves
+    the earlier turns across calls (each layer group its own pages, a sliding group only its window's),
+    and the model tokens' logprobs still equal a teacher-forced forward over the whole trajectory."""
+    from support.tiny_models import make_model
+
+    model = make_model(arch)
+    tokenizer = WideTokenizer(make_chat_tokenizer())
+    with _engine(model, tokenizer) as engine:
+        before = engine.cache_stats()
+        batch = run_episodes(engine, lambda: Counter(4), ["x", "y"], group_size=1, max_turns=4, temps=1.0,
+                             max_new_tokens=20, seed=4)
+        after = engine.cache_stats()
+    computed = after["computed_prompt_tokens"] - before["computed_prompt_tokens"]
+    cached = after["cached_prompt_tokens"] - before["cached_prompt_tokens"]
+    assert batch.num_turns.tolist() == [4, 4] and cached > 0
+    assert computed < (computed + cached) / 2, (computed, cached)
+    for r in range(2):
+        prompt = batch.prompt_ids[r][batch.prompt_mask[r].bool()].tolist()
+        n = int(batch.completion_mask[r].sum())
+        model_tok = batch.loss_mask[r, :n].bool()
+        expected = teacher_forced_logprobs(model, prompt, batch.completion_ids[r, :n].tolist())
+        assert torch.allclose(batch.logprobs[r, :n][model_tok], expected[model_tok], atol=1e-4)
