@@ -21,6 +21,7 @@ from . import control, openai_routes
 from .bridge import EngineBridge
 from .metrics import make_registry
 from .protocol import APIError, error_body, validation_error
+from .tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("rollout.serve")
 
@@ -83,7 +84,8 @@ async def _reply(send, status: int, body: dict) -> None:
 
 
 def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "model", api_key: str | None = None,
-              max_model_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+              max_model_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+              tool_call_parser: str | None = None) -> FastAPI:
     """The server app over `engine` (which the caller owns and closes).
 
     Args:
@@ -93,12 +95,17 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
         api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
         max_model_len: cap on prompt + max_tokens (None: the model's context).
         max_body_bytes: larger request bodies get a 413.
+        tool_call_parser: parse chat outputs into `tool_calls` with this parser ("hermes";
+            `rollout.serve.tools`), None to return tool calls as text.
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url=None)
     bridge = EngineBridge(engine, max_model_len)
     app.state.bridge = bridge
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name
+    app.state.tool_call_parser = tool_call_parser
     registry = make_registry(bridge)
     app.include_router(openai_routes.router)
     app.include_router(control.router)

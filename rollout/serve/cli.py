@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + max_tokens")
     p.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get a 413")
     p.add_argument("--log-level", default="info")
+    p.add_argument("--tool-call-parser", default=None, choices=("hermes",),
+                   help="parse chat outputs into tool_calls (vLLM's name; hermes: <tool_call>{json}</tool_call>)")
+    p.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="accepted for vLLM compatibility: --tool-call-parser alone enables tool_choice auto")
     engine = p.add_argument_group("engine (ContinuousBatchingConfig fields)")
     for f in dataclasses.fields(ContinuousBatchingConfig):
         if f.name.startswith("_") or f.name in SKIP_FIELDS or not f.init:
@@ -106,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     release_thread_team()  # NOTE: loading ran torch work here; the engine thread steps from now on
     try:
         app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key, args.max_model_len,
-                        args.max_body_bytes)
+                        args.max_body_bytes, args.tool_call_parser)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         engine.close()

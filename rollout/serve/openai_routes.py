@@ -20,6 +20,7 @@ from ..chat import chat_template_ids
 from .bridge import EngineBridge
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import SampleText
+from .tools import ToolStream, parse_tool_calls, tool_mode
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
@@ -46,12 +47,13 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
+    parser = tool_mode(req.tools, req.tool_choice, state.tool_call_parser)
     try:
         ids = chat_template_ids(state.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
                                 tools=req.tools, **kwargs)
     except Exception as e:  # NOTE: a template error is the caller's input (bad messages or kwargs)
         raise APIError(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
-    return await _serve(request, req, [ids], "messages", chat=True)
+    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser)
 
 
 def _check_model(req: SamplingRequest, name: str) -> None:
@@ -67,7 +69,8 @@ def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     return list(prompt)
 
 
-async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]], param: str, chat: bool):
+async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]], param: str, chat: bool,
+                 tool_parser: str | None = None):
     state = request.app.state
     bridge: EngineBridge = state.bridge
     samples, plan = [], []
@@ -83,7 +86,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     bridge.counters["requests"] += 1
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if req.stream:
-        events = _stream(bridge, req, by_rid, queue, rid, state.served_model_name, chat)
+        events = _stream(bridge, req, by_rid, queue, rid, state.served_model_name, chat, tool_parser)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         while not all(s.done for s in samples):
@@ -103,7 +106,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     if failed:
         bridge.counters["failed"] += 1
         raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
-    body = _response(req, samples, prompts, rid, state.served_model_name, chat)
+    body = _response(req, samples, prompts, rid, state.served_model_name, chat, tool_parser)
     return JSONResponse(body)
 
 
@@ -130,12 +133,18 @@ def _logprobs(req: SamplingRequest, sample: SampleText, tokens: list[int], lps: 
     return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": offsets}
 
 
-def _response(req, samples: list[SampleText], prompts, rid: str, model: str, chat: bool) -> dict:
+def _response(req, samples: list[SampleText], prompts, rid: str, model: str, chat: bool,
+              tool_parser: str | None = None) -> dict:
     choices = []
     for s in samples:
         choice: dict = {"index": s.index, "finish_reason": s.finish_reason,
                         "logprobs": _logprobs(req, s, s.tokens, s.logprobs, chat)}
-        if chat:
+        if chat and tool_parser is not None:
+            parsed = parse_tool_calls(tool_parser, s.text)
+            choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
+            if parsed.tool_calls and s.finish_reason == "stop":
+                choice["finish_reason"] = "tool_calls"
+        elif chat:
             choice["message"] = {"role": "assistant", "content": s.text}
         else:
             choice["text"] = s.text
@@ -152,8 +161,9 @@ def _response(req, samples: list[SampleText], prompts, rid: str, model: str, cha
 
 
 async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, SampleText], queue: asyncio.Queue,
-                  rid: str, model: str, chat: bool) -> AsyncIterator[str]:
+                  rid: str, model: str, chat: bool, tool_parser: str | None = None) -> AsyncIterator[str]:
     samples = sorted(by_rid.values(), key=lambda s: s.index)
+    tool_streams = {s.index: ToolStream(tool_parser) for s in samples} if chat and tool_parser else {}
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
@@ -184,7 +194,14 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
                 continue
             choice: dict = {"index": s.index, "finish_reason": s.finish_reason,
                             "logprobs": _logprobs(req, s, tokens, lps, chat)}
-            if chat:
+            if s.index in tool_streams:
+                content, calls = tool_streams[s.index].delta(s.text, s.done)
+                choice["delta"] = {"content": content}
+                if calls:
+                    choice["delta"]["tool_calls"] = calls
+                    if s.finish_reason == "stop":
+                        choice["finish_reason"] = "tool_calls"
+            elif chat:
                 choice["delta"] = {"content": delta}
             else:
                 choice["text"] = delta

@@ -106,6 +106,8 @@ class CompletionRequest(SamplingRequest):
 class ChatCompletionRequest(SamplingRequest):
     messages: Annotated[list[dict[str, Any]], Field(min_length=1)]
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None  # "auto" | "none" (rollout.serve.tools)
+    parallel_tool_calls: bool | None = None  # NOTE: accepted as vLLM does; every parsed call is returned
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     max_completion_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None

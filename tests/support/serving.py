@@ -61,8 +61,9 @@ class Served:
 
 
 @contextlib.contextmanager
-def serving(model_dir: Path, key: str = "test-key", start_timeout: float = 60.0, **engine_config):
-    """Run `rollout serve` on `model_dir` in this process; yields a `Served`."""
+def serving(model_dir: Path, key: str = "test-key", start_timeout: float = 60.0, app_kwargs: dict | None = None,
+            **engine_config):
+    """Run `rollout serve` on `model_dir` in this process; yields a `Served`. `app_kwargs` go to `build_app`."""
     import uvicorn
 
     from rollout import ContinuousBatchingConfig, RolloutEngine
@@ -72,7 +73,7 @@ def serving(model_dir: Path, key: str = "test-key", start_timeout: float = 60.0,
     model, tokenizer, gc = load(str(model_dir), "float32")
     config = ContinuousBatchingConfig(**{"page_size": 16, "num_blocks": 256, **engine_config})
     engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
-    app = build_app(engine, tokenizer, "tiny", key, max_body_bytes=1 << 16)
+    app = build_app(engine, tokenizer, "tiny", key, max_body_bytes=1 << 16, **(app_kwargs or {}))
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
