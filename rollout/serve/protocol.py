@@ -67,6 +67,14 @@ class SamplingRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
+    # vLLM's sampling fields, its names and ranges (rollout.processors applies them)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    min_tokens: Annotated[int, Field(ge=0, strict=True)] = 0
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None  # token id -> bias
+    bad_words: list[str] | None = None  # words never generated (tokenized as vLLM does)
 
     @property
     def stop_strings(self) -> list[str]:
