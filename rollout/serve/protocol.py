@@ -75,6 +75,24 @@ class SamplingRequest(BaseModel):
     min_tokens: Annotated[int, Field(ge=0, strict=True)] = 0
     logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None  # token id -> bias
     bad_words: list[str] | None = None  # words never generated (tokenized as vLLM does)
+    # vLLM / OpenAI fields that change the output in ways the engine does not implement: a 400 naming them
+    use_beam_search: Any = None
+    best_of: Any = None
+    num_beams: Any = None
+    allowed_token_ids: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("use_beam_search", "best_of", "num_beams", "allowed_token_ids", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "structured_outputs", mode="before")
+    @classmethod
+    def _unsupported(cls, v: Any, info) -> Any:
+        if v is None or v is False or (info.field_name in ("best_of", "num_beams") and v == 1):
+            return v
+        raise ValueError(f"{info.field_name}={v!r} is not supported by the rollout engine")
 
     @property
     def stop_strings(self) -> list[str]:
