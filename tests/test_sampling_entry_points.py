@@ -46,7 +46,7 @@ def test_engine_generate_processor_keywords():
     """`RolloutEngine.generate`'s keywords per prompt equal transformers' generate; bad values name the field."""
     model = make_model("llama")
     prompts = [repeating_prompt(model, seed=s) for s in range(2)]
-    gc = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=None, pad_token_id=0)
+    gc = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=0, pad_token_id=0)
     with RolloutEngine(model, config=CBC, generation_config=gc) as engine:
         batch = engine.generate(prompts, temps=0.0, max_new_tokens=8, repetition_penalty=[1.5, 1.0],
                                 bad_words_ids=[[prompts[0][-1], 9]], logit_bias=[{}, {7: 1.0}])

@@ -28,13 +28,13 @@ MAX_NEW = 10
 
 
 def _cases(prompt: list[int], base: list[int]) -> list[dict]:
-    """GenerationConfig extras; each changes this prompt's greedy output (`base`) unless marked."""
+    """GenerationConfig extras; each changes this prompt's greedy output (`base`)."""
     g0, g1 = base[0], base[1]
     return [
         dict(repetition_penalty=1.5),
         dict(repetition_penalty=0.5),
         dict(no_repeat_ngram_size=1),
-        dict(no_repeat_ngram_size=2, _may_not_change=True),
+        dict(no_repeat_ngram_size=2),
         dict(suppress_tokens=[g0, g1]),
         dict(begin_suppress_tokens=[g0]),
         dict(forced_eos_token_id=3),
@@ -50,16 +50,16 @@ def test_greedy_equals_hf_generate_per_processor(arch):
     """Every processor changes the greedy output of a prompt that repeats tokens, and the engine's tokens
     equal transformers' `generate` with the same GenerationConfig."""
     model = make_model(arch)
-    prompt = repeating_prompt(model)
-    plain = dict(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=None, pad_token_id=0)
+    prompt = repeating_prompt(model, seed=1)  # NOTE: seed 1: a bigram ban bites on all three models
+    # NOTE: an explicit EOS: with None, transformers falls back to the model config's (Llama: 2)
+    plain = dict(do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=0, pad_token_id=0)
     base = hf_generate(model, prompt, GenerationConfig(**plain))
     for extra in _cases(prompt, base):
-        may_not_change = extra.pop("_may_not_change", False)
         gc = GenerationConfig(**{**plain, **extra})
         ours = next(iter(generate_batch(model, [prompt], generation_config=gc, continuous_batching_config=CBC)
                          .values())).generated_tokens
         assert ours == hf_generate(model, prompt, gc), extra
-        assert may_not_change or ours != base, f"{extra} does not change the output: the case proves nothing"
+        assert ours != base, f"{extra} does not change the output: the case proves nothing"
 
 
 def _expected_logprobs(model, prompt, completion, temperature, penalty, bias, top_k, min_p) -> torch.Tensor:
