@@ -7,7 +7,7 @@ penalties (generated tokens, as vLLM), no-repeat n-grams, minimum length (stop i
 EOS, begin-suppress. Suppressed tokens are -inf biases applied before the forced tokens instead of after
 them; the two differ only when a forced token is itself suppressed (then transformers' row is all -inf).
 
-Only rows whose `SamplingParams.processed` is set pay anything; the default path never gets here.
+Only rows whose `SamplingParams.uses_processors` is set pay anything; the default path never gets here.
 History-dependent state lives on the device and is updated incrementally, as vLLM does: each such
 request holds a slot of `[slots, V]` tensors (generated-token counts, prompt-token presence, its static
 bias row), filled once at its first sampled token and bumped by `update` after every sample. The n-gram
@@ -97,7 +97,7 @@ class LogitsProcessors:
         """The processed logits `[R, V]` fp32 (a new tensor; `logits` is left as it was)."""
         vocab = logits.shape[-1]
         x = logits.clone()  # [R, V]
-        rows = [i for i, r in enumerate(reqs) if r.sampling.processed]
+        rows = [i for i, r in enumerate(reqs) if r.sampling.uses_processors]
         slots = {i: self._slot(reqs[i], vocab) for i in rows}
         biased = [i for i in rows if reqs[i].sampling.logit_bias]
         if biased:

@@ -72,13 +72,13 @@ class SamplingParams:
     forced_bos_token_id: int | None = None
     forced_eos_token_ids: tuple[int, ...] = ()
     # NOTE: computed once (the sampler asks every row every step): whether any logits processor is on
-    processed: bool = field(init=False, default=False, repr=False, compare=False)
+    uses_processors: bool = field(init=False, default=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         on = (self.penalised or bool(self.logit_bias) or bool(self.sequence_bias) or self.no_repeat_ngram_size > 0
               or self.min_new_tokens > 0 or self.min_length > 0 or bool(self.begin_suppress_tokens)
               or self.forced_bos_token_id is not None or bool(self.forced_eos_token_ids))
-        object.__setattr__(self, "processed", on)
+        object.__setattr__(self, "uses_processors", on)
 
     @property
     def greedy(self) -> bool:

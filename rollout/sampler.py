@@ -1,9 +1,10 @@
 """Vectorised per-request sampling with fp32 logprobs.
 
-Each row has its own temperature, top-k, top-p, min-p and (optionally) seed, and its own logits processors
-(penalties, biases, bans, forced tokens: `rollout.processors`, applied first, on the rows that use them). Sampling uses the exponential
-race (argmax of log p - log E, E ~ Exp(1)), which draws exactly from p. A seeded row draws its
-noise from its own `torch.Generator`, so its samples do not depend on what else is in the batch.
+Each row has its own temperature, top-k, top-p, min-p and (optionally) seed, and its own logits
+processors (penalties, biases, bans, forced tokens: `rollout.processors`, applied first, only on the
+rows that use them). Sampling uses the exponential race (argmax of log p - log E, E ~ Exp(1)), which
+draws exactly from p. A seeded row draws its noise from its own `torch.Generator`, so its samples do
+not depend on what else is in the batch.
 
 Logprobs: "processed" is log p(token) under the distribution actually sampled from (the logits
 processors, then temperature, top-k, top-p, min-p, renormalised); "raw" is `log_softmax` of the
@@ -68,8 +69,10 @@ class Sampler:
     ) -> SamplerOutput:
         logits = raw = logits.float()
         num_rows = logits.shape[0]
-        processed = requests is not None and any(p.processed for p in params)
+        processed = any(p.uses_processors for p in params)
         if processed:
+            if requests is None:  # NOTE: never sample without a processor a row asked for
+                raise ValueError("rows with logits processors need their requests (the token histories)")
             logits = self.processors.apply(raw, requests)  # [R, V], a new tensor
         s_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not s_rows and logprobs_mode is None:  # NOTE: the common greedy step: one argmax
