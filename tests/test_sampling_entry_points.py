@@ -31,6 +31,14 @@ def test_every_generation_config_field_is_classified():
     assert {k for k, (c, _) in GENERATION_FIELDS.items() if c == REFUSED} >= set(NEUTRAL)
 
 
+def test_an_unknown_generation_config_field_is_refused_not_ignored():
+    """A field the table does not know (a newer transformers') is refused by name."""
+    gc = GenerationConfig(do_sample=False, max_new_tokens=4, eos_token_id=None)
+    gc.brand_new_decoding = 3
+    with pytest.raises(ValueError, match="brand_new_decoding"):
+        generate_batch(make_model("qwen3"), [[1, 2, 3]], generation_config=gc, continuous_batching_config=CBC)
+
+
 @pytest.mark.parametrize("setting", REFUSED_SETTINGS, ids=lambda s: next(iter(s)))
 def test_refused_through_seed_api_and_engine(setting):
     model = make_model("qwen3")

@@ -171,3 +171,24 @@ def test_mixed_batch_equals_rows_apart(arch):
         assert together[i].generated_tokens == alone.generated_tokens, kw
         assert together[i].logprobs == pytest.approx(alone.logprobs, abs=1e-4), kw
     assert math.isfinite(sum(sum(o.logprobs) for o in together))
+
+
+def test_presence_and_frequency_penalties_follow_vllm():
+    """vLLM's semantics: logits - frequency x count - presence x (count > 0), counts over generated tokens
+    only (the prompt's do not count); checked through the processed logprobs of a seeded sample."""
+    model = make_model("qwen3")
+    prompt = repeating_prompt(model, seed=4)
+    cfg = CBC.replace(return_logprobs=True)
+    gc = GenerationConfig(do_sample=True, max_new_tokens=16, eos_token_id=None)
+    out = next(iter(generate_batch(model, [prompt], gc, cfg, temperature=0.8, presence_penalty=1.5,
+                                   frequency_penalty=0.7, seed=11).values()))
+    tokens = out.generated_tokens
+    logits = teacher_forced_logits(model, prompt, tokens)  # [T, V]
+    counts = torch.zeros(logits.shape[-1])
+    want = []
+    for i, token in enumerate(tokens):
+        x = logits[i] - 0.7 * counts - 1.5 * (counts > 0).float()
+        want.append((x / 0.8).log_softmax(-1)[token])
+        counts[token] += 1
+    assert len(set(tokens)) < len(tokens), "no token repeats: the penalties were never exercised"
+    torch.testing.assert_close(torch.tensor(out.logprobs), torch.stack(want), atol=2e-4, rtol=0)
