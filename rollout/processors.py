@@ -9,7 +9,8 @@ them; the two differ only when a forced token is itself suppressed (then transfo
 
 Only rows whose `SamplingParams.uses_processors` is set pay anything; the default path never gets here.
 History-dependent state lives on the device and is updated incrementally, as vLLM does: each such
-request holds a slot of `[slots, V]` tensors (generated-token counts, prompt-token presence, its static
+request holds a slot of `[slots, V]` tensors (tokens seen in prompt + generated, generated-token counts when
+it has a presence or frequency penalty, its static
 bias row), filled once at its first sampled token and bumped by `update` after every sample. The n-gram
 bans keep a per-request index of the n-grams seen so far (host side, grown by the new tokens only).
 """
@@ -37,8 +38,8 @@ class LogitsProcessors:
         self._slots: dict[str, int] = {}  # request id -> row of the slot tensors
         self._free: list[int] = []
         self._capacity = 0
+        self.seen: torch.Tensor | None = None  # [slots, V] bool: token occurs in prompt + generated
         self.counts: torch.Tensor | None = None  # [slots, V] int32: generated-token counts
-        self.prompt_seen: torch.Tensor | None = None  # [slots, V] bool: token occurs in the prompt
         self.bias: torch.Tensor | None = None  # [slots, V] fp32: the static token bias
         self._ngrams: dict[str, tuple[int, dict[tuple[int, ...], set[int]]]] = {}  # id -> (indexed upto, index)
 
@@ -58,10 +59,12 @@ class LogitsProcessors:
         slot = self._slots[req.request_id] = self._free.pop()
         p = req.sampling
         if p.penalised:
-            counts, seen = self._tensor("counts", torch.int32, vocab), self._tensor("prompt_seen", torch.bool, vocab)
-            counts[slot].zero_()
+            seen = self._tensor("seen", torch.bool, vocab)
             seen[slot].zero_()
-            seen[slot, torch.tensor(req.prompt_ids, device=self.device)] = True
+            seen[slot, torch.tensor(req.token_ids, device=self.device)] = True
+        if _counted(p):
+            counts = self._tensor("counts", torch.int32, vocab)
+            counts[slot].zero_()
             if req.generated:  # NOTE: normally empty: a request registers at its first sample
                 gen = torch.tensor(req.generated, device=self.device)
                 counts[slot].index_add_(0, gen, torch.ones_like(gen, dtype=torch.int32))
@@ -82,7 +85,7 @@ class LogitsProcessors:
     def _grow(self, vocab: int) -> None:
         """Double the slots (at least 8); existing rows are kept."""
         new = max(8, 2 * self._capacity)
-        for name in ("counts", "prompt_seen", "bias"):
+        for name in ("seen", "counts", "bias"):
             old = getattr(self, name)
             if old is not None:
                 t = torch.zeros(new, vocab, dtype=old.dtype, device=self.device)
@@ -122,15 +125,17 @@ class LogitsProcessors:
         """transformers' repetition penalty over prompt + generated tokens (divide positive logits, multiply
         negative ones), then vLLM's frequency (x count) and presence (x seen) penalties over generated ones."""
         idx, sidx = self._index(rows), self._index(slots)
-        counts = self.counts[sidx]  # [P, V] int32
-        generated = counts > 0  # [P, V]
-        seen = generated | self.prompt_seen[sidx]  # [P, V]
         sub = x[idx]  # [P, V]
-        rep = torch.tensor([p.repetition_penalty for p in params], device=self.device)[:, None]  # [P, 1]
-        sub = torch.where(seen, torch.where(sub < 0, sub * rep, sub / rep), sub)
-        freq = torch.tensor([p.frequency_penalty for p in params], device=self.device)[:, None]  # [P, 1]
-        pres = torch.tensor([p.presence_penalty for p in params], device=self.device)[:, None]  # [P, 1]
-        sub = sub - freq * counts - pres * generated
+        if any(p.repetition_penalty != 1.0 for p in params):
+            rep = torch.tensor([p.repetition_penalty for p in params], device=self.device)[:, None]  # [P, 1]
+            sub = torch.where(self.seen[sidx], torch.where(sub < 0, sub * rep, sub / rep), sub)
+        counted = [i for i, p in enumerate(params) if _counted(p)]
+        if counted:  # NOTE: the RL case (repetition penalty only) skips the counts altogether
+            cidx = self._index(counted)
+            counts = self.counts[sidx[cidx]]  # [C, V] int32
+            freq = torch.tensor([params[i].frequency_penalty for i in counted], device=self.device)[:, None]  # [C, 1]
+            pres = torch.tensor([params[i].presence_penalty for i in counted], device=self.device)[:, None]  # [C, 1]
+            sub[cidx] -= freq * counts + pres * (counts > 0)
         x[idx] = sub
 
     def _mask(self, x: torch.Tensor, rows: list[int], reqs: Sequence[Request]) -> None:
@@ -172,8 +177,13 @@ class LogitsProcessors:
         return index.get(tuple(tokens[len(tokens) - n + 1 :]), set())
 
     def update(self, reqs: Sequence[Request], tokens: torch.Tensor) -> None:
-        """Count the tokens just sampled (`tokens [R]`) for the penalised rows."""
+        """Record the tokens just sampled (`tokens [R]`) in the penalised rows' seen set and counts."""
         rows = [i for i, r in enumerate(reqs) if r.sampling.penalised]
+        if rows:
+            slots = self._index([self._slots[reqs[i].request_id] for i in rows])
+            picked = tokens[self._index(rows)]
+            self.seen[slots, picked] = True
+        rows = [i for i, r in enumerate(reqs) if _counted(r.sampling)]
         if rows:
             slots = self._index([self._slots[reqs[i].request_id] for i in rows])
             ones = torch.ones(len(rows), dtype=torch.int32, device=self.device)
@@ -181,6 +191,11 @@ class LogitsProcessors:
 
     def _index(self, values: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(values), dtype=torch.long, device=self.device)
+
+
+def _counted(p: SamplingParams) -> bool:
+    """Whether it needs generated-token counts (presence / frequency penalty)."""
+    return p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
 def _at_begin(req: Request) -> bool:
