@@ -22,6 +22,7 @@ Examples:
     python benchmarks/throughput.py --model 100m --prompts 4 --group 4
     python benchmarks/throughput.py --scaling            # ours: tok/s vs concurrency 1..256
     python benchmarks/throughput.py --hf-tune            # grid of transformers CB page/budget first
+    python benchmarks/throughput.py --penalty-cost 1.1 --reps 3   # ours: repetition_penalty on every row vs none
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--hf-tune", action="store_true",
                    help="time transformers CB on a grid of page_size x max_batch_tokens first, keep the best")
     p.add_argument("--oracle", type=int, default=6, help="requests checked against unbatched generate")
+    p.add_argument("--penalty-cost", type=float, default=None, metavar="PENALTY",
+                   help="ours only: the RL workload with repetition_penalty=PENALTY on every row vs without")
     p.add_argument("--scaling", action="store_true", help="ours: tok/s vs concurrent requests (decode-heavy)")
     p.add_argument("--levels", default="1,4,16,64,256")
     p.add_argument("--scaling-prompt-len", type=int, default=32)
@@ -343,6 +346,8 @@ def main(argv=None) -> None:
     result: dict = dict(args=vars(args), machine=machine_info())
     if args.scaling:
         result["scaling"] = main_scaling(args, model, peaks)
+    elif args.penalty_cost is not None:
+        result["penalty_cost"] = main_penalty_cost(args, model)
     else:
         res = main_throughput(args, model)
         result["hf_kwargs"] = res["hf_kwargs"]
@@ -358,6 +363,41 @@ def main(argv=None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)
+
+
+def _run_core(model, wl, **processors) -> tuple[float, int]:
+    """ours on `wl` (greedy, per-request budgets) with the given logits processors: (wall s, tokens)."""
+    from benchmarks.common import greedy_config
+    from rollout import ContinuousBatchingConfig
+    from rollout.core import EngineCore
+
+    t0 = time.perf_counter()
+    core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())
+    for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True)):
+        core.add(core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n, **processors))
+    while core.has_work():
+        core.step()
+    return time.perf_counter() - t0, core.cache_stats()["generated_tokens"]
+
+
+def main_penalty_cost(args, model) -> dict:
+    """The cost of the device-side penalty path: every row with `repetition_penalty` vs the default path,
+    interleaved repetitions, best tok/s of each."""
+    wl = rl_workload(args.prompts, args.group, model.config.vocab_size, tuple(args.prompt_len),
+                     tuple(args.completion_len), seed=args.seed)
+    print(f"workload: {wl.describe()}", flush=True)
+    _run_core(model, wl)  # warm-up
+    runs: dict[str, list[float]] = {"plain": [], "penalty": []}
+    for _ in range(max(1, args.reps)):
+        for name, kw in (("plain", {}), ("penalty", {"repetition_penalty": args.penalty_cost})):
+            dt, tokens = _run_core(model, wl, **kw)
+            runs[name].append(tokens / dt)
+            print(f"  {name:8s} {tokens / dt:9.1f} tok/s ({dt:.2f} s)", flush=True)
+    paired = statistics.median(p / q for p, q in zip(runs["penalty"], runs["plain"], strict=True))
+    best = max(runs["penalty"]) / max(runs["plain"])
+    print(f"repetition_penalty={args.penalty_cost} on every row (vocab {model.config.vocab_size}): {paired:.3f}x the "
+          f"default path's tok/s (median of {len(runs['plain'])} adjacent pairs), {best:.3f}x best to best")
+    return {"runs": runs, "paired_median": paired, "best_ratio": best}
 
 
 if __name__ == "__main__":

@@ -171,7 +171,8 @@ class ContinuousBatchingConfig(_ConfigFields):
         return_logprobs: record one fp32 logprob per generated token.
         logprobs_mode: "processed" (under the distribution actually sampled) or "raw" (log_softmax of logits).
         allow_block_sharing: prefix caching of full pages across requests.
-        per_request_processors: honour per-request temperature / top_k / top_p.
+        per_request_processors: honour per-request sampling fields (temperature, top_k, top_p and the logits
+            processors of `rollout.sampling_fields`); False: every request samples with the generation config.
         cpu_offload_space: GiB of host memory to park evicted pages in (0 disables; None sizes it from
             `cpu_offload_space_safety_threshold` of available RAM).
         attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, or "sdpa" with a warning

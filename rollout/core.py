@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
 import weakref
 from collections.abc import Sequence
 
@@ -35,6 +34,7 @@ from .prompts import check_token_ids
 from .requests import Request, RequestStatus, SamplingParams
 from .runner import ModelRunner
 from .sampler import Sampler
+from .sampling_fields import generation_defaults, make_sampling, overrides
 from .scheduler import Scheduler
 from .stages import SchedulerOutput
 from .weights import versioned_tensors, weights_version
@@ -145,15 +145,14 @@ class EngineCore:
         gc = gc or getattr(self.model, "generation_config", None) or GenerationConfig()
         self.generation_config = gc
         self.eos_ids = eos_ids_of(gc)
-        if gc.do_sample:
-            self.default_sampling = SamplingParams(
-                temperature=1.0 if gc.temperature is None else float(gc.temperature),
-                top_k=gc.top_k or 0,
-                top_p=1.0 if gc.top_p is None else float(gc.top_p),
-            )
-        else:
-            self.default_sampling = SamplingParams(temperature=0.0)
+        # NOTE: a field the engine does not implement is refused at submission (make_request), by name.
+        try:
+            self.sampling_defaults, self.generation_refusal = generation_defaults(gc, self.eos_ids), None
+        except ValueError as e:
+            self.sampling_defaults, self.generation_refusal = {}, str(e)
         self.default_max_new_tokens = gc.max_new_tokens or 20
+        # NOTE: transformers' budget without max_new_tokens is max_length - prompt length
+        self.default_max_length = gc.max_length if gc.max_new_tokens is None else None
 
     def check_prompt(self, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
         """A prompt's token ids as a list after one vectorised check (ValueError naming `input_ids`)."""
@@ -173,8 +172,13 @@ class EngineCore:
         ignore_eos: bool = False,
         *,
         prompt_checked: bool = False,
+        **processors,
     ) -> Request:
         """Validate a submission (ValueError naming the field) and build its `Request`.
+
+        `processors`: per-request sampling fields over the generation config's (`rollout.sampling_fields`:
+        min_p, repetition_penalty, presence_penalty, frequency_penalty, min_tokens / min_new_tokens,
+        logit_bias, bad_words_ids, sequence_bias, no_repeat_ngram_size, suppress_tokens, ...).
 
         Stop tokens: the engine's EOS ids (see `set_generation_config`; none with `ignore_eos`) plus the
         request's own `eos_token_ids`. `prompt_checked=True` says `input_ids` is the list `check_prompt`
@@ -189,8 +193,12 @@ class EngineCore:
             ids = input_ids if prompt_checked else self.check_prompt(input_ids)
         except ValueError as e:
             raise ValueError(f"request {request_id!r}: {e}") from None
+        if self.generation_refusal is not None:
+            raise ValueError(self.generation_refusal)
         if max_new_tokens is None:
             max_new_tokens = self.default_max_new_tokens
+            if self.default_max_length is not None:
+                max_new_tokens = self.default_max_length - len(ids)
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         total = len(ids) + max_new_tokens
@@ -206,7 +214,7 @@ class EngineCore:
                 f"request {request_id!r} needs {need} KV pages ({total} tokens) but the whole cache has "
                 f"{self.page_pool.num_pages} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
             )
-        sampling = self._sampling(temperature, top_k, top_p, seed)
+        sampling = self._sampling(temperature, top_k, top_p, seed, processors)
         eos = frozenset() if ignore_eos else self.eos_ids
         if eos_token_ids is not None:
             eos = eos | _int_set(eos_token_ids, "eos_token_ids")
@@ -216,25 +224,11 @@ class EngineCore:
             arrival=next(self._arrival),
         )
 
-    def _sampling(self, temperature, top_k, top_p, seed) -> SamplingParams:
-        d = self.default_sampling
-        if not self.config.per_request_processors:
-            temperature = top_k = top_p = None
-        if temperature is not None:
-            if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or math.isnan(temperature) or temperature < 0:
-                raise ValueError(f"temperature must be a non-negative number, got {temperature!r}")
-        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0):
-            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")
-        if top_p is not None and (not isinstance(top_p, (int, float)) or math.isnan(top_p) or not 0 < top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {top_p!r}")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ValueError(f"seed must be an int, got {seed!r}")
-        return SamplingParams(
-            temperature=d.temperature if temperature is None else float(temperature),
-            top_k=d.top_k if top_k is None else top_k,
-            top_p=d.top_p if top_p is None else float(top_p),
-            seed=seed,
-        )
+    def _sampling(self, temperature, top_k, top_p, seed, processors: dict) -> SamplingParams:
+        """The generation config's fields, overridden per request (unless `per_request_processors` is off)."""
+        given = overrides({"temperature": temperature, "top_k": top_k, "top_p": top_p, **processors})
+        spec = {**self.sampling_defaults, **(given if self.config.per_request_processors else {})}
+        return make_sampling(spec, seed, self.vocab_size)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -282,7 +276,8 @@ class EngineCore:
             logits, sampled = self.runner.execute(out)
             reqs = [out.scheduled[i].request for i in sampled]
             mode = self.config.logprobs_mode if self.config.return_logprobs else None
-            result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode)
+            result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode,
+                                  requests=reqs)
         except Exception as e:  # NOTE: a failing step fails its own requests; the engine keeps serving
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             failed = [s.request for s in out.scheduled]

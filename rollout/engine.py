@@ -110,12 +110,27 @@ class RolloutEngine:
         seed: int | None = None,
         apply_chat_template: bool = False,
         progress: bool = False,
+        *,
+        min_p: float | Sequence[float] | None = None,
+        repetition_penalty: float | Sequence[float] | None = None,
+        presence_penalty: float | Sequence[float] | None = None,
+        frequency_penalty: float | Sequence[float] | None = None,
+        min_tokens: int | Sequence[int] | None = None,
+        logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
+        bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
+        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> RolloutBatch:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
         `temps` is one temperature for all prompts or one per prompt (0 = greedy). With `seed`, sample
         j of prompt i draws from its own stream seeded by a hash of (seed, i * group_size + j), so a call
-        is reproducible and two different seeds share no stream."""
+        is reproducible and two different seeds share no stream.
+
+        Logits processors (`rollout.processors`; None = the generation config's): `min_p`,
+        `repetition_penalty` (prompt + generated tokens), `presence_penalty` / `frequency_penalty`
+        (generated tokens, as vLLM), `min_tokens` (stop ids masked until then), `logit_bias` (token id ->
+        bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
+        Each is one value for all prompts or a list with one value per prompt."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -130,12 +145,16 @@ class RolloutEngine:
         for t in temps:
             if math.isnan(t) or t < 0:
                 raise ValueError(f"temps must be non-negative numbers, got {t}")
+        per_prompt = _per_prompt(len(ids), min_p=min_p, repetition_penalty=repetition_penalty,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
+                                 stop_token_ids=stop_token_ids)
         with self._lock:
             if self._asleep:
                 self.wake()
             self._calls += 1
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
-                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed)
+                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
@@ -155,7 +174,7 @@ class RolloutEngine:
             return core.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return core.check_prompt(prompt)
 
-    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed) -> list[str]:
+    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
         core = self.manager.core
         reqs = [
@@ -163,6 +182,7 @@ class RolloutEngine:
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
                 temperature=temps[i], top_k=top_k, top_p=top_p,
                 seed=None if seed is None else row_seed(seed, i * group_size + j), prompt_checked=True,
+                **per_prompt[i],
             )
             for i, prompt in enumerate(ids)
             for j in range(group_size)
@@ -235,3 +255,38 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# NOTE: how to tell one value for all prompts from one value per prompt: a per-prompt list holds values
+# of the field's own kind (a list of dicts for logit_bias, of id lists for stop_token_ids, ...).
+_LIST_DEPTH = {"logit_bias": None, "bad_words_ids": 2, "stop_token_ids": 1}
+
+
+def _per_prompt(n: int, **fields) -> list[dict]:
+    """The processor keywords of each prompt (`make_request`'s names); ValueError naming a field whose
+    per-prompt list has the wrong length."""
+    out: list[dict] = [{} for _ in range(n)]
+    for name, value in fields.items():
+        if value is None:
+            continue
+        key = "eos_token_ids" if name == "stop_token_ids" else name
+        depth = _LIST_DEPTH.get(name, 0)
+        if depth is None:
+            each = isinstance(value, (list, tuple))
+        else:
+            each = isinstance(value, (list, tuple)) and _depth(value) == depth + 1
+        if each and len(value) != n:
+            raise ValueError(f"{name} has {len(value)} values for {n} prompts")
+        for i in range(n):
+            out[i][key] = value[i] if each else value
+    return out
+
+
+def _depth(value) -> int:
+    """Nesting depth of lists: 0 for a scalar, 1 for [1, 2], 2 for [[1], [2]]."""
+    d = 0
+    while isinstance(value, (list, tuple)):
+        if not value:
+            return d + 1
+        value, d = value[0], d + 1
+    return d

@@ -244,11 +244,13 @@ class ContinuousBatchingManager:
         seed: int | None = None,
         eos_token_ids: Sequence[int] | None = None,
         ignore_eos: bool = False,
+        **processors,
     ) -> str | None:
         """Queue one request; returns its id, or None (with a warning) if the manager is not running.
 
         `input_ids` is one prompt: a flat sequence of token ids (a 1-D tensor is fine). Stop tokens are
-        the engine's EOS ids (none with `ignore_eos`) plus `eos_token_ids`.
+        the engine's EOS ids (none with `ignore_eos`) plus `eos_token_ids`. `processors` override the
+        generation config's sampling fields (`rollout.sampling_fields.SAMPLING_FIELDS`) for this request.
         Raises ValueError naming the field for bad input; nothing is queued then."""
         if not self._accepting or self._destroyed:
             logger.warning("add_request refused: the manager is stopped (call start() first)")
@@ -258,7 +260,7 @@ class ContinuousBatchingManager:
         # NOTE: validated outside the lock: a round takes it between steps.
         req = self.core.make_request(
             input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids,
-            ignore_eos,
+            ignore_eos, **processors,
         )
         return req.request_id if self.submit([req]) else None
 

@@ -1,22 +1,27 @@
 """Vectorised per-request sampling with fp32 logprobs.
 
-Each row has its own temperature, top-k, top-p and (optionally) seed. Sampling uses the exponential
-race (argmax of log p - log E, E ~ Exp(1)), which draws exactly from p. A seeded row draws its
-noise from its own `torch.Generator`, so its samples do not depend on what else is in the batch.
+Each row has its own temperature, top-k, top-p, min-p and (optionally) seed, and its own logits
+processors (penalties, biases, bans, forced tokens: `rollout.processors`, applied first, only on the
+rows that use them). Sampling uses the exponential race (argmax of log p - log E, E ~ Exp(1)), which
+draws exactly from p. A seeded row draws its noise from its own `torch.Generator`, so its samples do
+not depend on what else is in the batch.
 
-Logprobs: "processed" is log p(token) under the distribution actually sampled from (temperature,
-then top-k, then top-p, renormalised); "raw" is `log_softmax` of the unmodified logits. Greedy rows
-(temperature 0) report the raw logprob in both modes.
+Logprobs: "processed" is log p(token) under the distribution actually sampled from (the logits
+processors, then temperature, top-k, top-p, min-p, renormalised); "raw" is `log_softmax` of the
+unmodified logits. Greedy rows (temperature 0: argmax after the logits processors) report the raw logprob
+in both modes.
 """
 
 from __future__ import annotations
 
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from .requests import SamplingParams
+from .processors import LogitsProcessors
+from .requests import Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -40,6 +45,7 @@ class Sampler:
         # NOTE: not torch.seed(), which reseeds the global generator (a trainer's seeding would be lost).
         self.generator.manual_seed(seed if seed is not None else secrets.randbits(62))
         self._row_generators: dict[str, torch.Generator] = {}
+        self.processors = LogitsProcessors(device)
 
     def generator_for(self, request_id: str, seed: int) -> torch.Generator:
         g = self._row_generators.get(request_id)
@@ -50,6 +56,7 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._row_generators.pop(request_id, None)
+        self.processors.release(request_id)
 
     @torch.inference_mode()
     def __call__(
@@ -58,12 +65,21 @@ class Sampler:
         params: list[SamplingParams],
         request_ids: list[str],
         logprobs_mode: str | None,  # None: no logprobs; "processed" or "raw"
+        requests: Sequence[Request] | None = None,  # the rows' requests: their histories, for the processors
     ) -> SamplerOutput:
-        logits = logits.float()
+        logits = raw = logits.float()
         num_rows = logits.shape[0]
+        processed = any(p.uses_processors for p in params)
+        if processed:
+            if requests is None:  # NOTE: never sample without a processor a row asked for
+                raise ValueError("rows with logits processors need their requests (the token histories)")
+            logits = self.processors.apply(raw, requests)  # [R, V], a new tensor
         s_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not s_rows and logprobs_mode is None:  # NOTE: the common greedy step: one argmax
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None)
+            tokens = logits.argmax(dim=-1)  # [R]
+            if processed:
+                self.processors.update(requests, tokens)
+            return SamplerOutput(tokens.tolist(), None)
         tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # [R]
         chosen_lp = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)  # [R]
         g_rows = [i for i, p in enumerate(params) if p.greedy]
@@ -80,6 +96,8 @@ class Sampler:
             tokens[idx] = picked
             if logprobs_mode == "processed":
                 chosen_lp[idx] = proc_lp.gather(1, picked[:, None])[:, 0]
+        if processed:
+            self.processors.update(requests, tokens)
 
         if logprobs_mode is None:
             return SamplerOutput(tokens.tolist(), None)
@@ -87,7 +105,7 @@ class Sampler:
         if raw_rows:
             # NOTE: log_softmax then gather: on a CPU torch's log_softmax is ~2x faster than its logsumexp
             # ([64, 32768] fp32: 1.0 vs 2.0 ms at 2 threads), the same value to float rounding.
-            idx, sub = _take(logits, raw_rows)  # [G, V]
+            idx, sub = _take(raw, raw_rows)  # [G, V]
             chosen_lp[idx] = sub.log_softmax(dim=-1).gather(1, tokens[idx][:, None])[:, 0]
         return SamplerOutput(tokens.tolist(), chosen_lp.tolist())
 
@@ -111,7 +129,10 @@ def _take(logits: torch.Tensor, rows: list[int]) -> tuple[slice | torch.Tensor, 
 
 
 def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """log p of the distribution each row samples from: [S, V] fp32, -inf outside top-k / top-p."""
+    """log p of the distribution each row samples from: [S, V] fp32, -inf outside top-k / top-p / min-p.
+
+    transformers' warper order: temperature, top-k, top-p, then min-p (tokens whose probability under the
+    renormalised distribution is below `min_p` x the most likely one's)."""
     temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
     scaled = logits.float() / temps[:, None]  # [S, V]
     top_k = [p.top_k for p in params]
@@ -131,5 +152,11 @@ def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> to
         drop_sorted = mass_before >= ps[:, None]
         drop_sorted[:, 0] = False  # NOTE: always keep the most likely token
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        scaled = scaled.masked_fill(drop, float("-inf"))
+    min_p = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_p):
+        probs = scaled.softmax(dim=-1)  # [S, V]
+        ms = torch.tensor(min_p, dtype=torch.float32, device=logits.device)
+        drop = probs < ms[:, None] * probs.amax(dim=-1, keepdim=True)  # NOTE: never the most likely token
         scaled = scaled.masked_fill(drop, float("-inf"))
     return torch.log_softmax(scaled, dim=-1)

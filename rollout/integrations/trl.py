@@ -31,6 +31,9 @@ from ..engine import RolloutEngine
 
 logger = logging.getLogger("rollout")
 
+# the logits processors of `RolloutEngine.generate` (vLLM's names)
+PROCESSOR_KEYS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
+                  "bad_words_ids", "stop_token_ids")
 # keyword -> the `RolloutEngine.generate` argument it sets; these override the trainer's settings
 GENERATE_KEYS = {
     "temperature": "temps",
@@ -39,10 +42,13 @@ GENERATE_KEYS = {
     "max_new_tokens": "max_new_tokens",
     "seed": "seed",
     "progress": "progress",
+    **{k: k for k in PROCESSOR_KEYS},
 }
-# `GRPOConfig.generation_kwargs` keys this backend honours (the others change sampling in ways it cannot)
+# `GRPOConfig.generation_kwargs` keys this backend honours (the others change sampling in ways it cannot):
+# vLLM's names, and transformers' where they differ (min_new_tokens, eos_token_id)
 GENERATION_KWARGS = {"temperature": "temperature", "top_k": "top_k", "top_p": "top_p",
-                     "max_new_tokens": "max_new_tokens", "do_sample": None}
+                     "max_new_tokens": "max_new_tokens", "max_tokens": "max_new_tokens", "do_sample": None,
+                     "min_new_tokens": "min_tokens", **{k: k for k in PROCESSOR_KEYS}}
 # TRL's own metric names for the sampler-vs-trainer logprob gap (it logs them only for vLLM)
 GAP_MEAN = "sampling/sampling_logp_difference/mean"
 GAP_MAX = "sampling/sampling_logp_difference/max"
@@ -58,8 +64,9 @@ def make_rollout_func(
         logprob_probe: also recompute every rollout's logprobs with the trainer's own model, the way
             TRL's loss does, and log the gap under TRL's names `sampling/sampling_logp_difference/mean`
             and `.../max` (one extra forward pass per generation batch).
-        **generate_defaults: `temperature`, `top_k`, `top_p`, `max_new_tokens` override the trainer's
-            settings; `seed` replaces `trainer.args.seed` as the base of the sampling seeds; `progress`
+        **generate_defaults: `temperature`, `top_k`, `top_p`, `max_new_tokens` and the processors
+            (`min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`,
+            `logit_bias`, `bad_words_ids`, `stop_token_ids`) override the trainer's settings; `seed` replaces `trainer.args.seed` as the base of the sampling seeds; `progress`
             shows a bar. Anything else is a ValueError naming it.
     Returns:
         a callable object; `close()` frees its engine (the garbage collector does too).
@@ -144,24 +151,21 @@ class TRLRolloutFunc:
     def _sampling(self, trainer) -> dict:
         """The `RolloutEngine.generate` keywords: the trainer's settings, then its `generation_kwargs`,
         then this function's overrides."""
-        if getattr(trainer, "min_p", None):
-            raise ValueError(f"min_p={trainer.min_p}: the rollout backend does not implement min-p sampling")
-        if getattr(trainer, "repetition_penalty", 1.0) not in (None, 1.0):
-            raise ValueError(f"repetition_penalty={trainer.repetition_penalty}: the rollout backend does not "
-                             "implement repetition penalties")
         settings = {
             "temperature": trainer.temperature,
             "top_k": trainer.top_k,
             "top_p": trainer.top_p,
             "max_new_tokens": trainer.max_completion_length,
             "seed": trainer.args.seed,
+            "min_p": getattr(trainer, "min_p", None),
+            "repetition_penalty": getattr(trainer, "repetition_penalty", None),
         }
         for key, value in (getattr(trainer.args, "generation_kwargs", None) or {}).items():
             if key not in GENERATION_KWARGS:
                 raise ValueError(f"generation_kwargs[{key!r}]: not supported by the rollout backend; "
                                  f"supported: {sorted(GENERATION_KWARGS)}")
             if GENERATION_KWARGS[key] is not None:
-                settings[key] = value
+                settings[GENERATION_KWARGS[key]] = value
         settings.update(self.overrides)
         seed = settings.pop("seed")
         kwargs = {GENERATE_KEYS[k]: v for k, v in settings.items()}

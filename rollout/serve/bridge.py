@@ -34,6 +34,20 @@ class Sampling:
     seed: int | None
     stop_token_ids: tuple[int, ...]  # besides the engine's EOS ids (none with ignore_eos)
     ignore_eos: bool
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()
+
+    def processors(self) -> dict:
+        """The `make_request` keywords of the logits processors."""
+        return dict(min_p=self.min_p, repetition_penalty=self.repetition_penalty,
+                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
+                    min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias) or None,
+                    bad_words_ids=[list(w) for w in self.bad_words_ids] or None)
 
 
 class EngineBridge:
@@ -95,12 +109,50 @@ class EngineBridge:
         """Engine parameters of sample `sample` of a request (its own seed stream when seeded)."""
         stops = tuple(sorted(set(req.stop_token_ids or ())))
         self.check_ids(stops, "stop_token_ids")
+        if req.min_tokens > max_new_tokens:
+            raise APIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_new_tokens})", "min_tokens")
         return Sampling(
             max_new_tokens=max_new_tokens, temperature=float(req.temperature),
             top_k=max(0, req.top_k), top_p=float(req.top_p),
             seed=None if req.seed is None else row_seed(req.seed, sample),
             stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
+            min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
+            presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
+            min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
+            bad_words_ids=self._bad_words(req.bad_words),
         )
+
+    def _logit_bias(self, bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...]:
+        """vLLM's logit_bias: token id (a string key in JSON) -> bias clamped to [-100, 100]."""
+        out = []
+        for key, value in (bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise APIError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if not 0 <= token < self.vocab_size:
+                raise APIError(f"logit_bias holds token id {token} outside the vocabulary [0, {self.vocab_size})",
+                               "logit_bias")
+            out.append((token, min(100.0, max(-100.0, float(value)))))
+        return tuple(out)
+
+    def _bad_words(self, words: Sequence[str] | None) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenization of bad words: each word alone, and after a space when that is another token."""
+        if not words:
+            return ()
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None:
+            raise APIError("bad_words needs the server's tokenizer", "bad_words")
+        out: list[tuple[int, ...]] = []
+        for word in words:
+            plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain:
+                raise APIError(f"bad_words holds {word!r}, which encodes to no token", "bad_words")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return tuple(out)
 
     def submit(self, samples: Sequence[tuple[list[int], Sampling]], streaming: bool, queue: asyncio.Queue) -> list[str]:
         """Queue samples, all or none; their outputs (partial ones too when `streaming`) go to `queue`.
@@ -112,7 +164,7 @@ class EngineBridge:
             for ids, sp in samples:
                 reqs.append(core.make_request(
                     ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
-                    sp.seed, sp.stop_token_ids, sp.ignore_eos,
+                    sp.seed, sp.stop_token_ids, sp.ignore_eos, **sp.processors(),
                 ))
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
@@ -211,7 +263,10 @@ class EngineBridge:
 
 def _param_of(message: str) -> str | None:
     """The request field an engine ValueError is about."""
-    for key, param in (("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
+    for key, param in (("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
+                       ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
+                       ("min_new_tokens", "min_tokens"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
+                       ("generation_config", None), ("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
                        ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
                        ("eos", "stop_token_ids")):
         if key in message:

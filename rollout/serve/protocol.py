@@ -67,6 +67,32 @@ class SamplingRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
+    # vLLM's sampling fields, its names and ranges (rollout.processors applies them)
+    min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0
+    min_tokens: Annotated[int, Field(ge=0, strict=True)] = 0
+    logit_bias: dict[str, Annotated[float, Field(allow_inf_nan=False)]] | None = None  # token id -> bias
+    bad_words: list[str] | None = None  # words never generated (tokenized as vLLM does)
+    # vLLM / OpenAI fields that change the output in ways the engine does not implement: a 400 naming them
+    use_beam_search: Any = None
+    best_of: Any = None
+    num_beams: Any = None
+    allowed_token_ids: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+
+    @field_validator("use_beam_search", "best_of", "num_beams", "allowed_token_ids", "guided_json", "guided_regex",
+                     "guided_choice", "guided_grammar", "structured_outputs", mode="before")
+    @classmethod
+    def _unsupported(cls, v: Any, info) -> Any:
+        if v is None or v is False or (info.field_name in ("best_of", "num_beams") and v == 1):
+            return v
+        raise ValueError(f"{info.field_name}={v!r} is not supported by the rollout engine")
 
     @property
     def stop_strings(self) -> list[str]:
