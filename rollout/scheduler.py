@@ -230,8 +230,8 @@ class Scheduler:
 
     def _fork_source(self, req: Request) -> Request | str | None:
         """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
-        if req.num_computed_tokens or req.page_ids or req.num_prompt_tokens < 2:
-            return None
+        if req.num_computed_tokens or req.page_ids or not 2 <= req.num_prompt_tokens <= req.max_reused_tokens + 1:
+            return None  # NOTE: a fork never computes prompt positions, so one that scores them cannot fork
         leader = self.prefixes.leader_of(req)
         if leader is None or leader not in self.running:
             return None
