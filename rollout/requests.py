@@ -114,6 +114,14 @@ class Request:
         """Prompt plus forced tokens: positions below `num_given_tokens - 1` predict a given token."""
         return len(self.prompt_ids) + len(self.forced_ids)
 
+    def schedulable(self, computed: int) -> int:
+        """Tokens its next chunk may compute after `computed`: a row with forced tokens stops once one
+        token short of its prompt's end, where rows sharing its prompt can fork it while it goes on."""
+        end = len(self.prompt_ids) - 1
+        if self.forced_ids and computed < end:
+            return end - computed
+        return len(self.token_ids) - computed
+
     @property
     def max_reused_tokens(self) -> int:
         """Most leading tokens whose KV may come from the prefix cache or a fork: never the last token, and
