@@ -41,6 +41,7 @@ class GenerationOutput:
     scores: list[float] | None = None  # [G - score_from]
     score_top_logprobs: list[list[float]] | None = None  # [G - score_from, k]
     score_top_ids: list[list[int]] | None = None  # [G - score_from, k]
+    score_ranks: list[int] | None = None  # [G - score_from] 1-based rank of each given token (with k > 0)
     top_logprobs: list[list[float]] | None = None  # [num generated, k]
     top_ids: list[list[int]] | None = None  # [num generated, k]
 
@@ -103,7 +104,7 @@ class Request:
     forced_ids: list[int] = field(default_factory=list)
     score_from: int | None = None
     top_logprobs: int = 0
-    scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top values, top ids)
+    scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top values, top ids, rank)
     top: list[tuple[list[float], list[int]]] = field(default_factory=list)  # per generated token
 
     def __post_init__(self) -> None:
@@ -167,10 +168,11 @@ class Request:
         out = self._output()
         if self.score_from is not None:
             positions = range(self.score_from - 1, self.num_given_tokens - 1)
-            rows = [self.scores.get(p, (0.0, [], [])) for p in positions]
+            rows = [self.scores.get(p, (0.0, [], [], None)) for p in positions]
             out.scores = [r[0] for r in rows]
             if self.top_logprobs:
                 out.score_top_logprobs, out.score_top_ids = [r[1] for r in rows], [r[2] for r in rows]
+                out.score_ranks = [r[3] for r in rows]
         if self.top_logprobs:
             out.top_logprobs, out.top_ids = [t[0] for t in self.top], [t[1] for t in self.top]
         return out

@@ -83,15 +83,17 @@ def record_logprobs(scores: Scores | None, out: SchedulerOutput, logits: torch.T
         dist = log_distribution(scores.logits, params, mode)  # [S, V]
         targets = [t for req, r in zip(reqs, scores.rows, strict=True)
                    for t in req.token_ids[r.first + 1 : r.first + 1 + r.count]]
-        lp = dist.gather(1, torch.tensor(targets, device=dist.device)[:, None])[:, 0].tolist()
+        lp = dist.gather(1, torch.tensor(targets, device=dist.device)[:, None])  # [S, 1]
         k = max(req.top_logprobs for req in reqs)
         top_vals, top_ids = _top(dist, k) if k else ([], [])
+        ranks = ((dist > lp).sum(dim=-1) + 1).tolist() if k else []  # NOTE: vLLM's prompt_logprobs report it
+        lp = lp[:, 0].tolist()
         row = 0
         for req, r in zip(reqs, scores.rows, strict=True):
             kk = req.top_logprobs
             for p in range(r.first, r.first + r.count):
-                tv, ti = (top_vals[row][:kk], top_ids[row][:kk]) if kk else ([], [])
-                req.scores[p] = (lp[row], tv, ti)
+                top = (top_vals[row][:kk], top_ids[row][:kk], ranks[row]) if kk else ([], [], None)
+                req.scores[p] = (lp[row], *top)
                 row += 1
     wants = [i for i, req in enumerate(sampled) if req.top_logprobs]
     if wants:

@@ -94,7 +94,9 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
         max_model_len: cap on prompt + max_tokens (None: the model's context).
         max_body_bytes: larger request bodies get a 413.
     """
-    app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # NOTE: the OpenAPI schema at /openapi.json (behind the key, as every route but /health), as `vllm serve`
+    # publishes it, for client generators and API fuzzers; no docs pages.
+    app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     bridge = EngineBridge(engine, max_model_len)
     app.state.bridge = bridge
     app.state.tokenizer = tokenizer

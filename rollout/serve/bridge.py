@@ -34,6 +34,8 @@ class Sampling:
     seed: int | None
     stop_token_ids: tuple[int, ...]  # besides the engine's EOS ids (none with ignore_eos)
     ignore_eos: bool
+    score_from: int | None = None  # 1: the prompt's logprobs too (echo with logprobs, prompt_logprobs)
+    top_logprobs: int = 0  # top k of each scored and generated position
 
 
 class EngineBridge:
@@ -100,6 +102,7 @@ class EngineBridge:
             top_k=max(0, req.top_k), top_p=float(req.top_p),
             seed=None if req.seed is None else row_seed(req.seed, sample),
             stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
+            score_from=1 if req.scores_prompt else None, top_logprobs=req.num_top_logprobs,
         )
 
     def submit(self, samples: Sequence[tuple[list[int], Sampling]], streaming: bool, queue: asyncio.Queue) -> list[str]:
@@ -112,7 +115,7 @@ class EngineBridge:
             for ids, sp in samples:
                 reqs.append(core.make_request(
                     ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
-                    sp.seed, sp.stop_token_ids, sp.ignore_eos,
+                    sp.seed, sp.stop_token_ids, sp.ignore_eos, score_from=sp.score_from, top_logprobs=sp.top_logprobs,
                 ))
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
@@ -213,7 +216,7 @@ def _param_of(message: str) -> str | None:
     """The request field an engine ValueError is about."""
     for key, param in (("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
                        ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
-                       ("eos", "stop_token_ids")):
+                       ("eos", "stop_token_ids"), ("top_logprobs", "logprobs"), ("score_from", "echo")):
         if key in message:
             return param
     return None
