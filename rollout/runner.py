@@ -17,7 +17,7 @@ from .backends import create as create_backend
 from .device_page_tables import DevicePageTables, int_tensor
 from .kv_cache import PagedKVCache
 from .stages import SchedulerOutput
-from .token_logprobs import ScoredRows, Scores, score_rows
+from .token_logprobs import Scores, score_rows
 
 logger = logging.getLogger("rollout")
 
@@ -60,11 +60,10 @@ class ModelRunner:
         """`request` is final: its page-table row is free."""
         self.device_page_tables.release(request)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int], list[ScoredRows]]:
-        """Forward kwargs for the step, the scheduled indices whose last logits are sampled, and the rows
-        kept for scoring (after the sampled ones in `logits_to_keep`)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
+        """Forward kwargs for the step, and the scheduled indices whose last logits are sampled (the rows a
+        scoring request keeps follow them in `logits_to_keep`: `rollout.token_logprobs.score_rows`)."""
         requests = [s.request for s in out.scheduled]
-        scored: list[ScoredRows] = []
         if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
             ids = [r.token_ids[-1] for r in requests]
             starts = [r.num_computed_tokens for r in requests]
@@ -72,7 +71,7 @@ class ModelRunner:
             keep = sampled = list(range(len(requests)))
         else:
             ids, keep, sampled, starts, lens = self._rows(out)
-            keep = keep + score_rows(out, starts, lens, scored)
+            keep = keep + score_rows(out)[0]
         dev = self.device
         if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `page_ids`
             tables = [[r.page_ids for r in requests]]
@@ -90,7 +89,7 @@ class ModelRunner:
             "use_cache": False,
             "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
         }
-        return kwargs, sampled, scored
+        return kwargs, sampled
 
     @staticmethod
     def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
@@ -123,7 +122,8 @@ class ModelRunner:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
-        kwargs, sampled, scored = self.prepare(out)
+        kwargs, sampled = self.prepare(out)
+        scored = score_rows(out)[1]
         kept = len(kwargs["logits_to_keep"])
         if not kept:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])

@@ -38,12 +38,15 @@ class Scores:
     rows: list[ScoredRows]
 
 
-def score_rows(out: SchedulerOutput, starts: list[int], lens: list[int], scored: list[ScoredRows]) -> list[int]:
-    """Packed row indices of this step's scored positions (appends their `ScoredRows` to `scored`)."""
+def score_rows(out: SchedulerOutput) -> tuple[list[int], list[ScoredRows]]:
+    """(packed row indices of this step's scored positions, where they belong); none in a decode-only step."""
     keep: list[int] = []
+    scored: list[ScoredRows] = []
+    if out.decode_only:
+        return keep, scored
     offset = 0
-    for i, (s, start, n) in enumerate(zip(out.scheduled, starts, lens, strict=True)):
-        req = s.request
+    for i, s in enumerate(out.scheduled):
+        req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
         if req.score_from is not None:
             lo = max(start, req.score_from - 1)
             hi = min(start + n, req.num_given_tokens - 1)
@@ -51,7 +54,7 @@ def score_rows(out: SchedulerOutput, starts: list[int], lens: list[int], scored:
                 scored.append(ScoredRows(i, lo, hi - lo))
                 keep.extend(range(offset + lo - start, offset + hi - start))
         offset += n
-    return keep
+    return keep, scored
 
 
 def log_distribution(logits: torch.Tensor, params: list[SamplingParams], mode: str) -> torch.Tensor:
