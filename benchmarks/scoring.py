@@ -56,10 +56,11 @@ def run_score(model, prompts, completions):
     engine = RolloutEngine(model, config=ContinuousBatchingConfig(logprobs_mode="raw"))
     engine.score(prompts[:4], [c[:8] for c in completions[:4]])  # warm-up (kernel build, first step)
     engine.manager.core.reset_prefix_cache()
+    before = engine.cache_stats()
     t0 = time.perf_counter()
     out = engine.score(prompts, completions)
     seconds = time.perf_counter() - t0
-    stats = engine.cache_stats()
+    stats = {k: v - before[k] for k, v in engine.cache_stats().items() if isinstance(v, int)}
     engine.close()
     lps = [out.logprobs[i, : len(c)] for i, c in enumerate(completions)]
     return seconds, lps, {k: stats[k] for k in ("computed_prompt_tokens", "cached_prompt_tokens")}
