@@ -50,7 +50,7 @@ GROUP_SIZE = 4  # distillation needs no group baseline: fewer samples per prompt
 TEMPERATURE = 1.0  # the student's own distribution: the reverse KL is taken under it
 LR = 5e-4
 HELDOUT = 512
-GRPO_SETTINGS = dict(group_size=8, temperature=1.2)  # recipes/grpo.py's defaults for the baseline
+GRPO_SETTINGS = dict(group_size=8, temperature=1.2, learning_rate=5e-4)  # recipes/grpo.py's defaults
 
 
 class HeldoutEval:
@@ -117,9 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def run(trainer_cls, accelerator, args, model_path, tokenizer, dataset, out, **kw) -> tuple[list[dict], float]:
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    settings = {"group_size": args.group_size, "temperature": TEMPERATURE, **kw.pop("settings", {})}
+    settings = {"group_size": args.group_size, "temperature": TEMPERATURE, "learning_rate": args.lr,
+                **kw.pop("settings", {})}
     config = GRPOConfig(output_dir=out, max_steps=args.steps, prompts_per_step=args.prompts_per_step,
-                        max_new_tokens=5, learning_rate=args.lr, num_iterations=2, num_minibatches=2,
+                        max_new_tokens=5, num_iterations=2, num_minibatches=2,
                         engine_config=GRPO_EMBEDDED_ENGINE, seed=args.seed, log_stdout=False, **settings)
     start = time.perf_counter()
     trainer = trainer_cls(model, tokenizer, get_reward("addition"), dataset, config, accelerator=accelerator, **kw)
