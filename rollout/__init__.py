@@ -7,6 +7,7 @@ from .factories import continuous_batching_context_manager, init_continuous_batc
 from .generate import generate_batch
 from .manager import ContinuousBatchingManager
 from .requests import GenerationOutput, RequestStatus
+from .score_batch import ScoreBatch
 
 __all__ = [
     "ContinuousBatchingConfig",
@@ -15,6 +16,7 @@ __all__ = [
     "RequestStatus",
     "RolloutBatch",
     "RolloutEngine",
+    "ScoreBatch",
     "continuous_batching_context_manager",
     "generate_batch",
     "init_continuous_batching",

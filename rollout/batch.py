@@ -36,6 +36,8 @@ class RolloutBatch:
     def trained_mask(self) -> torch.Tensor:  # [N, T]
         """The tokens a loss trains on: the sampled ones (`completion_mask`, and `loss_mask` when set)."""
         return self.completion_mask if self.loss_mask is None else self.completion_mask * self.loss_mask
+    top_logprobs: torch.Tensor | None = None  # [N, T, k] fp32, best first, when generated with top_logprobs=k
+    top_ids: torch.Tensor | None = None  # [N, T, k] int64
 
     @property
     def input_ids(self) -> torch.Tensor:  # [N, P + T]
@@ -62,7 +64,8 @@ class RolloutBatch:
 
 
 def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOutput], temps: Sequence[float],
-               group_size: int, pad: int, policy_version: int, device: torch.device, tokenizer=None) -> RolloutBatch:
+               group_size: int, pad: int, policy_version: int, device: torch.device, tokenizer=None,
+               top_logprobs: int = 0) -> RolloutBatch:
     """A `RolloutBatch` of `outputs` (row `i * group_size + j` answers `prompts[i]`): prompts left-padded,
     completions right-padded with `pad`; `policy_version` is the oldest output's (this one when empty);
     completions decoded when a tokenizer is given."""
@@ -84,6 +87,14 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
             completion_ids[row, :k] = torch.tensor(out.generated_tokens)
             completion_mask[row, :k] = 1
             logprobs[row, :k] = torch.tensor(out.logprobs, dtype=torch.float32)
+    top_lp = top_ids = None
+    if top_logprobs:  # NOTE: [N, T, k], 0 where masked
+        top_lp = torch.zeros((n, t_len, top_logprobs), dtype=torch.float32)
+        top_ids = torch.zeros((n, t_len, top_logprobs), dtype=torch.long)
+        for row, out in enumerate(outputs):
+            if out.generated_tokens:
+                top_lp[row, : len(out.generated_tokens)] = torch.tensor(out.top_logprobs, dtype=torch.float32)
+                top_ids[row, : len(out.generated_tokens)] = torch.tensor(out.top_ids, dtype=torch.long)
     texts = None
     if tokenizer is not None:
         texts = tokenizer.batch_decode([o.generated_tokens for o in outputs], skip_special_tokens=True)
@@ -98,5 +109,7 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
         finish_reasons=[o.finish_reason for o in outputs],
         policy_version=min((o.policy_version for o in outputs), default=policy_version),
         completions_text=texts,
+        top_logprobs=top_lp,
+        top_ids=top_ids,
     )
     return batch.to(device)

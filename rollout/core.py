@@ -37,6 +37,7 @@ from .sampler import Sampler
 from .sampling_fields import generation_defaults, make_sampling, overrides
 from .scheduler import Scheduler
 from .stages import SchedulerOutput
+from .token_logprobs import check_scoring, record_logprobs
 from .weights import versioned_tensors, weights_version
 
 logger = logging.getLogger("rollout")
@@ -172,6 +173,9 @@ class EngineCore:
         ignore_eos: bool = False,
         *,
         prompt_checked: bool = False,
+        forced_ids: Sequence[int] | torch.Tensor | None = None,
+        score_from: int | None = None,
+        top_logprobs: int = 0,
         **processors,
     ) -> Request:
         """Validate a submission (ValueError naming the field) and build its `Request`.
@@ -182,7 +186,9 @@ class EngineCore:
 
         Stop tokens: the engine's EOS ids (see `set_generation_config`; none with `ignore_eos`) plus the
         request's own `eos_token_ids`. `prompt_checked=True` says `input_ids` is the list `check_prompt`
-        returned (a group's samples share one check)."""
+        returned (a group's samples share one check). Scoring (`rollout.token_logprobs`): `forced_ids` follow
+        the prompt teacher-forced, `score_from` the first given token whose logprob is recorded (then
+        `max_new_tokens` may be 0), `top_logprobs` k <= 20 the top k of each scored and generated token."""
         if request_id is None:
             request_id = f"req_{next(self._arrival)}"
         if not isinstance(request_id, str) or not request_id:
@@ -199,9 +205,10 @@ class EngineCore:
             max_new_tokens = self.default_max_new_tokens
             if self.default_max_length is not None:
                 max_new_tokens = self.default_max_length - len(ids)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        forced = check_scoring(forced_ids, score_from, top_logprobs, len(ids), self.vocab_size, max_new_tokens)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < (score_from is None):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
-        total = len(ids) + max_new_tokens
+        total = len(ids) + len(forced) + max_new_tokens
         if self.max_context is not None and total > self.max_context:
             raise ValueError(
                 f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
@@ -221,7 +228,7 @@ class EngineCore:
         return Request(
             request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,
-            arrival=next(self._arrival),
+            arrival=next(self._arrival), forced_ids=forced, score_from=score_from, top_logprobs=top_logprobs,
         )
 
     def _sampling(self, temperature, top_k, top_p, seed, processors: dict) -> SamplingParams:
@@ -273,11 +280,12 @@ class EngineCore:
             return self._unstick()
         self._count_prompt_tokens(out)
         try:
-            logits, sampled = self.runner.execute(out)
+            logits, sampled, scores = self.runner.execute(out)
             reqs = [out.scheduled[i].request for i in sampled]
             mode = self.config.logprobs_mode if self.config.return_logprobs else None
             result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode,
                                   requests=reqs)
+            record_logprobs(scores, out, logits, reqs, self.config.logprobs_mode)
         except Exception as e:  # NOTE: a failing step fails its own requests; the engine keeps serving
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             failed = [s.request for s in out.scheduled]
@@ -295,6 +303,10 @@ class EngineCore:
             elif req.streaming:
                 news.append(req)
         self.stats["generated_tokens"] += len(reqs)
+        for s in out.scheduled:  # NOTE: a scoring-only request (max_new_tokens 0) ends with its given tokens
+            if s.request.max_new_tokens == 0 and s.request.remaining == 0 and not s.request.status.is_final:
+                self._finalize(s.request, RequestStatus.FINISHED, "length")
+                news.append(s.request)
         return news
 
     def _count_prompt_tokens(self, out: SchedulerOutput) -> None:

@@ -22,7 +22,9 @@ from .collect import collect
 from .config import ContinuousBatchingConfig
 from .manager import ContinuousBatchingManager
 from .model_facts import eos_ids_of
+from .prompts import check_token_ids
 from .requests import RequestStatus
+from .score_batch import ScoreBatch, pack_scores
 from .seeding import row_seed
 from .weights import copy_weights
 
@@ -111,6 +113,7 @@ class RolloutEngine:
         apply_chat_template: bool = False,
         progress: bool = False,
         *,
+        top_logprobs: int = 0,
         min_p: float | Sequence[float] | None = None,
         repetition_penalty: float | Sequence[float] | None = None,
         presence_penalty: float | Sequence[float] | None = None,
@@ -124,7 +127,8 @@ class RolloutEngine:
 
         `temps` is one temperature for all prompts or one per prompt (0 = greedy). With `seed`, sample
         j of prompt i draws from its own stream seeded by a hash of (seed, i * group_size + j), so a call
-        is reproducible and two different seeds share no stream.
+        is reproducible and two different seeds share no stream. `top_logprobs=k` (<= 20) adds the k most
+        likely tokens of each step (`batch.top_logprobs` / `batch.top_ids` [N, T, k]).
 
         Logits processors (`rollout.processors`; None = the generation config's): `min_p`,
         `repetition_penalty` (prompt + generated tokens), `presence_penalty` / `frequency_penalty`
@@ -154,13 +158,14 @@ class RolloutEngine:
                 self.wake()
             self._calls += 1
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
-                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt)
+                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt,
+                                    top_logprobs)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")
         return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
-                          self.tokenizer)
+                          self.tokenizer, top_logprobs)
 
     def _encode(self, prompt, apply_chat_template: bool) -> list[int]:
         core = self.manager.core
@@ -174,7 +179,8 @@ class RolloutEngine:
             return core.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return core.check_prompt(prompt)
 
-    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt) -> list[str]:
+    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt,
+                top_logprobs=0) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
         core = self.manager.core
         reqs = [
@@ -182,6 +188,7 @@ class RolloutEngine:
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
                 temperature=temps[i], top_k=top_k, top_p=top_p,
                 seed=None if seed is None else row_seed(seed, i * group_size + j), prompt_checked=True,
+                top_logprobs=top_logprobs,
                 **per_prompt[i],
             )
             for i, prompt in enumerate(ids)
@@ -190,6 +197,78 @@ class RolloutEngine:
         if not self.manager.submit(reqs):
             raise RuntimeError("the rollout engine's manager is not running")
         return [r.request_id for r in reqs]
+
+    # ------------------------------------------------------------------ score
+    def score(
+        self,
+        prompt_ids: RolloutBatch | Sequence[Sequence[int]] | Sequence[str],
+        completion_ids: Sequence[Sequence[int]] | Sequence[str] | None = None,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        temps: float | Sequence[float] | None = None,
+        progress: bool = False,
+    ) -> ScoreBatch:
+        """Teacher-forced logprobs of `completion_ids[i]` after `prompt_ids[i]`, through the paged engine.
+
+        Rows sharing a prompt compute it once (the first forks its KV to the others, and prompts in the
+        prefix cache are not recomputed); long rows are prefilled in chunks. `prompt_ids` may be a
+        `RolloutBatch` (its completions after its prompts, at its temperatures, `ScoreBatch` shaped like it).
+        Logprobs follow the engine's `logprobs_mode`: raw, or processed at `temps` (one, or one per row;
+        default 1.0; 0 means raw). Returns a `ScoreBatch`."""
+        self._check_open()
+        width = None
+        if isinstance(prompt_ids, RolloutBatch):
+            batch = prompt_ids
+            prompts = [row[m.bool()].tolist() for row, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)]
+            completion_ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask,
+                                                                       strict=True)]
+            temps = batch.temperatures.tolist() if temps is None else temps
+            width = batch.completion_ids.shape[1]
+        else:
+            if isinstance(prompt_ids, str) or completion_ids is None:
+                raise ValueError("score needs a list of prompts and a list of completions (or a RolloutBatch)")
+            prompts = [self._encode(p, False) for p in prompt_ids]
+        completions = [self._encode_completion(c) for c in completion_ids]
+        if len(completions) != len(prompts):
+            raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
+        temps = [1.0] * len(prompts) if temps is None else temps
+        temps = [float(temps)] * len(prompts) if isinstance(temps, (int, float)) else [float(t) for t in temps]
+        if len(temps) != len(prompts) or any(math.isnan(t) or t < 0 for t in temps):
+            raise ValueError(f"temps must be one non-negative number or one per row ({len(prompts)}), got {temps}")
+        first_of = None
+        if prompt_logprobs:  # NOTE: the first row of each distinct prompt scores it; the others fork its KV
+            seen: dict[tuple[int, ...], int] = {}
+            first_of = [seen.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
+        with self._lock:
+            if self._asleep:
+                self.wake()
+            self._calls += 1
+            core = self.manager.core
+            reqs = [
+                core.make_request(
+                    p, request_id=f"score{self._calls}_{i}", max_new_tokens=0, temperature=temps[i],
+                    prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
+                    score_from=1 if first_of is not None and first_of[i] == i else len(p),
+                )
+                for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+            ]
+            with self.manager.driving():
+                if not self.manager.submit(reqs):
+                    raise RuntimeError("the rollout engine's manager is not running")
+                outputs = collect(self.manager, [r.request_id for r in reqs], progress, desc="score")
+        failed = [o for o in outputs if o.status == RequestStatus.FAILED]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(outputs)} scoring rows failed; first error: {failed[0].error}")
+        return pack_scores(prompts, completions, outputs, top_logprobs, first_of, width, self.device)
+
+    def _encode_completion(self, completion) -> list[int]:
+        if isinstance(completion, str):
+            if self.tokenizer is None:
+                raise ValueError("string completions need a tokenizer: pass tokenizer= to RolloutEngine")
+            completion = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
+        if len(completion) == 0:
+            return []
+        return check_token_ids(completion, self.manager.core.vocab_size, "completion_ids")
 
     # ---------------------------------------------------------- weight update
     def update_weights(self, source, in_flight: str = "finish") -> int:

@@ -44,10 +44,11 @@ class PrefixIndex:
         return req.page_hashes[:num_pages]
 
     def prefix_hashes(self, req: Request) -> list[bytes]:
-        """Hashes of the full pages a new request could read from the cache (never its last token)."""
+        """Hashes of the full pages a new request could read from the cache (never its last token, nor a
+        position whose logits it scores)."""
         if not self.pool.enable_prefix_caching:
             return []
-        return self.hashes(req, (req.num_tokens - 1) // self.page_size)
+        return self.hashes(req, req.max_reused_tokens // self.page_size)
 
     def peek(self, hashes: list[bytes], tables: PageTables) -> tuple[int, list[list[bytes]]]:
         """The longest prefix of `hashes` (full pages) every layer group can serve from the cache, and per

@@ -36,6 +36,14 @@ class GenerationOutput:
     error: str | None = None
     policy_version: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    # NOTE: scoring (teacher-forced) fields, None unless asked for: logprobs of the given tokens
+    # (prompt then forced) from `score_from` on, and top-k logprobs / ids of given and generated tokens.
+    scores: list[float] | None = None  # [G - score_from]
+    score_top_logprobs: list[list[float]] | None = None  # [G - score_from, k]
+    score_top_ids: list[list[int]] | None = None  # [G - score_from, k]
+    score_ranks: list[int] | None = None  # [G - score_from] 1-based rank of each given token (with k > 0)
+    top_logprobs: list[list[float]] | None = None  # [num generated, k]
+    top_ids: list[list[int]] | None = None  # [num generated, k]
 
     def is_finished(self) -> bool:
         return self.status.is_final
@@ -124,9 +132,39 @@ class Request:
     stale_kv: bool = False  # its KV predates a weight change: never offered to the prefix cache
     # NOTE: pages held in the CPU offload buffer while preempted (empty unless offloading).
     offloaded: list[int] = field(default_factory=list)
+    # Scoring: `forced_ids` follow the prompt as given tokens (teacher-forced, never sampled); with
+    # `score_from` set, the logprob of every given token from that index on is recorded (by position, so
+    # a recomputation after preemption overwrites it); `top_logprobs` k > 0 adds the top k of each scored
+    # and each generated position. `max_new_tokens` may be 0 for a request that only scores.
+    forced_ids: list[int] = field(default_factory=list)
+    score_from: int | None = None
+    top_logprobs: int = 0
+    scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top values, top ids, rank)
+    top: list[tuple[list[float], list[int]]] = field(default_factory=list)  # per generated token
 
     def __post_init__(self) -> None:
-        self.token_ids = list(self.prompt_ids)
+        self.token_ids = list(self.prompt_ids) + list(self.forced_ids)
+
+    @property
+    def num_given_tokens(self) -> int:
+        """Prompt plus forced tokens: positions below `num_given_tokens - 1` predict a given token."""
+        return len(self.prompt_ids) + len(self.forced_ids)
+
+    def schedulable(self, computed: int) -> int:
+        """Tokens its next chunk may compute after `computed`: a row with forced tokens stops once one
+        token short of its prompt's end, where rows sharing its prompt can fork it while it goes on."""
+        end = len(self.prompt_ids) - 1
+        if self.forced_ids and computed < end:
+            return end - computed
+        return len(self.token_ids) - computed
+
+    @property
+    def max_reused_tokens(self) -> int:
+        """Most leading tokens whose KV may come from the prefix cache or a fork: never the last token, and
+        never a position whose logits are scored."""
+        if self.score_from is None:
+            return self.num_tokens - 1
+        return min(self.num_tokens - 1, self.score_from - 1)
 
     @property
     def num_tokens(self) -> int:
@@ -162,6 +200,19 @@ class Request:
         return None
 
     def to_output(self) -> GenerationOutput:
+        out = self._output()
+        if self.score_from is not None:
+            positions = range(self.score_from - 1, self.num_given_tokens - 1)
+            rows = [self.scores.get(p, (0.0, [], [], None)) for p in positions]
+            out.scores = [r[0] for r in rows]
+            if self.top_logprobs:
+                out.score_top_logprobs, out.score_top_ids = [r[1] for r in rows], [r[2] for r in rows]
+                out.score_ranks = [r[3] for r in rows]
+        if self.top_logprobs:
+            out.top_logprobs, out.top_ids = [t[0] for t in self.top], [t[1] for t in self.top]
+        return out
+
+    def _output(self) -> GenerationOutput:
         return GenerationOutput(
             request_id=self.request_id,
             prompt_ids=list(self.prompt_ids),

@@ -17,6 +17,7 @@ from .backends import create as create_backend
 from .device_page_tables import DevicePageTables, int_tensor
 from .kv_cache import PagedKVCache
 from .stages import SchedulerOutput
+from .token_logprobs import Scores, score_rows
 
 logger = logging.getLogger("rollout")
 
@@ -60,7 +61,8 @@ class ModelRunner:
         self.device_page_tables.release(request)
 
     def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
-        """Forward kwargs for the step, and the scheduled indices whose last logits are sampled."""
+        """Forward kwargs for the step, and the scheduled indices whose last logits are sampled (the rows a
+        scoring request keeps follow them in `logits_to_keep`: `rollout.token_logprobs.score_rows`)."""
         requests = [s.request for s in out.scheduled]
         if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
             ids = [r.token_ids[-1] for r in requests]
@@ -69,6 +71,7 @@ class ModelRunner:
             keep = sampled = list(range(len(requests)))
         else:
             ids, keep, sampled, starts, lens = self._rows(out)
+            keep = keep + score_rows(out)[0]
         dev = self.device
         if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `page_ids`
             tables = [[r.page_ids for r in requests]]
@@ -106,30 +109,36 @@ class ModelRunner:
                 ids += tokens[start : start + n]
             starts.append(start)
             lens.append(n)
-            if start + n == len(tokens):
+            if start + n == len(tokens) and req.max_new_tokens > 0:  # NOTE: a scoring-only request samples nothing
                 keep.append(len(ids) - 1)
                 sampled.append(i)
         return ids, keep, sampled, starts, lens
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int]]:
-        """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`)."""
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int], Scores | None]:
+        """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`, the scored
+        rows' logits and where they belong, or None when no row is scored)."""
         for src, dst, n in out.copies:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
         kwargs, sampled = self.prepare(out)
-        if not sampled:
+        scored = score_rows(out)[1]
+        kept = len(kwargs["logits_to_keep"])
+        if not kept:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
         meta = kwargs["rollout_meta"]
         if not self.verified:
             meta.layers_seen = set()
-        logits = self.forward(**kwargs).logits[0]  # [R, V]
+        logits = self.forward(**kwargs).logits[0]  # [R + S, V]
         if not self.verified:
             self._verify(meta.layers_seen)
-        if not sampled:
+        if not kept:
             logits = logits[:0]
-        return logits.float(), sampled
+        logits = logits.float()
+        if not scored:
+            return logits, sampled, None
+        return logits[: len(sampled)], sampled, Scores(logits[len(sampled) :], scored)
 
     def _verify(self, seen: set[int]) -> None:
         """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""

@@ -125,7 +125,7 @@ class Scheduler:
             if id(req) in done or (prefill is not None and (req.status == RequestStatus.PREFILLING) != prefill):
                 i += 1
                 continue
-            want = min(len(req.token_ids) - req.num_computed_tokens, budget)
+            want = min(req.schedulable(req.num_computed_tokens), budget)
             n = 1 if want == 1 else self.tables.fit(req.num_computed_tokens, want)  # NOTE: a decode row always fits
             # NOTE: every group's table has the length of `page_ids`: no page needed when the last has room
             if req.num_computed_tokens + n > len(req.page_ids) * ps and not self._grow(req, req.num_computed_tokens + n, out, done):
@@ -193,7 +193,7 @@ class Scheduler:
                 deferred.append(self.waiting.popleft())  # its next page is being computed: wait
                 continue
             computed = req.num_computed_tokens if restoring else hit * self.page_size
-            n = self.tables.fit(computed, min(req.num_tokens - computed, budget))
+            n = self.tables.fit(computed, min(req.schedulable(computed), budget))
             # NOTE: every group's live pages (restored ones included), less the prefix hits already
             # held by others; a hit on an unreferenced cached page takes it off the free queue too.
             hit_pages = [key for group in keys for key in group]
@@ -232,8 +232,8 @@ class Scheduler:
 
     def _fork_source(self, req: Request) -> Request | str | None:
         """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
-        if req.num_computed_tokens or req.page_ids or req.num_prompt_tokens < 2:
-            return None
+        if req.num_computed_tokens or req.page_ids or not 2 <= req.num_prompt_tokens <= req.max_reused_tokens + 1:
+            return None  # NOTE: a fork never computes prompt positions, so one that scores them cannot fork
         leader = self.prefixes.leader_of(req)
         if leader is None or leader not in self.running:
             return None

@@ -46,6 +46,8 @@ class RLConfig:
         tis_cap: truncated-importance-sampling cap for rollout/trainer mismatch (None disables).
         reward_weights: one weight per reward function (default all 1).
         engine_config: a `rollout.ContinuousBatchingConfig` (default: the engine's own defaults).
+        reference_engine: score the frozen reference (KL) with `RolloutEngine.score` on its own engine
+            (`trainers.reference`) rather than a padded forward (kept when top_k / top_p truncate).
         engine_dtype: run the engine on a cast copy of the policy ("bfloat16", ...); None shares
             the trainer's own model (zero-copy weight sync).
         engine_memory_fraction: the share of free accelerator memory the engine's KV cache may take
@@ -87,6 +89,7 @@ class RLConfig:
     tis_cap: float | None = None
     reward_weights: Sequence[float] | None = None
     engine_config: ContinuousBatchingConfig | None = None
+    reference_engine: bool = True
     engine_dtype: str | None = None
     engine_memory_fraction: float | None = 0.3
     sleep_engine: bool | None = None

@@ -27,8 +27,9 @@ from torch import Tensor
 from rollout import RolloutBatch
 from trainers.algorithms import get_algorithm, nonconstant_group_mask
 from trainers.base import RLTrainer
-from trainers.common import RLConfig, reference_logprobs, scored_logprobs
+from trainers.common import RLConfig, scored_logprobs
 from trainers.losses import aggregate, clipped_policy_loss, kl_k3, masked_mean
+from trainers.reference import EngineReferenceMixin
 from trainers.rollouts import batch_tensors, merge_batches, take_rows
 
 
@@ -81,7 +82,7 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: 
     return -factor * over / buffer
 
 
-class GRPOTrainer(RLTrainer):
+class GRPOTrainer(EngineReferenceMixin, RLTrainer):
     """Group-relative policy optimisation with one rollout engine per process.
 
     Args:
@@ -187,7 +188,8 @@ class GRPOTrainer(RLTrainer):
         # 4. the frozen reference, for the KL term
         if self.ref_model is not None:
             chunks = cfg.num_minibatches * cfg.gradient_accumulation_steps
-            data["ref_logprobs"] = reference_logprobs(self.ref_model, data, chunks, **self.truncation)  # [N, T]
+            data["ref_logprobs"] = self.reference(data, chunks, **self.truncation)  # [N, T]
+            metrics["time_reference"] = self.reference.seconds
             metrics["kl"] = masked_mean(kl_k3(own["logprobs"], data["ref_logprobs"], mask), mask).item()
         metrics["kept_fraction"] = keep.float().mean().item()
         metrics["time_train"] = time.perf_counter() - start

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from trainers.base import RLTrainer
-from trainers.common import RLConfig, completion_forward, reference_logprobs, scored_logprobs
+from trainers.common import RLConfig, completion_forward, scored_logprobs
 from trainers.losses import (
     clipped_policy_loss,
     gae,
@@ -28,6 +28,7 @@ from trainers.losses import (
     masked_mean,
     value_loss,
 )
+from trainers.reference import EngineReferenceMixin
 from trainers.rollouts import batch_tensors
 
 
@@ -95,7 +96,7 @@ class PolicyWithValue(nn.Module):
         return out.logits, self.value_head(hidden).squeeze(-1).float()  # [N, K, V], [N, K]
 
 
-class PPOTrainer(RLTrainer):
+class PPOTrainer(EngineReferenceMixin, RLTrainer):
     """PPO with a value head, one rollout engine per process.
 
     Args: as `GRPOTrainer`; `model` is a HF causal LM (wrapped here in a `PolicyWithValue`) or a
@@ -152,7 +153,8 @@ class PPOTrainer(RLTrainer):
         token_rewards[torch.arange(len(last), device=last.device), last] = scores.to(token_rewards.dtype)
         if self.ref_model is not None:
             chunks = cfg.num_minibatches * cfg.gradient_accumulation_steps
-            ref = reference_logprobs(self.ref_model, data, chunks, **self.truncation)  # [N, T]
+            ref = self.reference(data, chunks, **self.truncation)  # [N, T]
+            metrics["time_reference"] = self.reference.seconds
             token_rewards -= cfg.kl_coef * torch.where(mask, own["logprobs"] - ref, 0.0)
             metrics["kl"] = masked_mean(kl_k3(own["logprobs"], ref, mask), mask).item()
         # 4. GAE over the generated tokens

@@ -100,7 +100,9 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
-    app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url=None)
+    # NOTE: the OpenAPI schema at /openapi.json (behind the key, as every route but /health), as `vllm serve`
+    # publishes it, for client generators and API fuzzers; no docs pages.
+    app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     bridge = EngineBridge(engine, max_model_len)
     app.state.bridge = bridge
     app.state.tokenizer = tokenizer

@@ -34,6 +34,8 @@ class Sampling:
     seed: int | None
     stop_token_ids: tuple[int, ...]  # besides the engine's EOS ids (none with ignore_eos)
     ignore_eos: bool
+    score_from: int | None = None  # 1: the prompt's logprobs too (echo with logprobs, prompt_logprobs)
+    top_logprobs: int = 0  # top k of each scored and generated position
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
@@ -116,6 +118,7 @@ class EngineBridge:
             top_k=max(0, req.top_k), top_p=float(req.top_p),
             seed=None if req.seed is None else row_seed(req.seed, sample),
             stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
+            score_from=1 if req.scores_prompt else None, top_logprobs=req.num_top_logprobs,
             min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
             presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
             min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
@@ -164,7 +167,8 @@ class EngineBridge:
             for ids, sp in samples:
                 reqs.append(core.make_request(
                     ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
-                    sp.seed, sp.stop_token_ids, sp.ignore_eos, **sp.processors(),
+                    sp.seed, sp.stop_token_ids, sp.ignore_eos, score_from=sp.score_from, top_logprobs=sp.top_logprobs,
+                    **sp.processors(),
                 ))
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
@@ -268,7 +272,7 @@ def _param_of(message: str) -> str | None:
                        ("min_new_tokens", "min_tokens"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
                        ("generation_config", None), ("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
                        ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
-                       ("eos", "stop_token_ids")):
+                       ("eos", "stop_token_ids"), ("top_logprobs", "logprobs"), ("score_from", "echo")):
         if key in message:
             return param
     return None

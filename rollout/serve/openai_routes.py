@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from ..chat import chat_template_ids
 from .bridge import EngineBridge
+from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import SampleText
 from .tools import ToolStream, parse_tool_calls, tool_mode
@@ -36,8 +37,9 @@ async def models(request: Request) -> dict:
 async def completions(req: CompletionRequest, request: Request):
     state = request.app.state
     _check_model(req, state.served_model_name)
-    prompts = [_encode_prompt(state.tokenizer, p) for p in req.prompts()]
-    return await _serve(request, req, prompts, "prompt", chat=False)
+    texts = req.prompts()
+    prompts = [_encode_prompt(state.tokenizer, p) for p in texts]
+    return await _serve(request, req, prompts, "prompt", chat=False, texts=texts)
 
 
 @router.post("/v1/chat/completions")
@@ -70,7 +72,7 @@ def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
 
 
 async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]], param: str, chat: bool,
-                 tool_parser: str | None = None):
+                 texts: list | None = None, tool_parser: str | None = None):
     state = request.app.state
     bridge: EngineBridge = state.bridge
     samples, plan = [], []
@@ -79,6 +81,8 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
         budget = bridge.budget(len(ids), req.max_tokens, param)
         for j in range(req.n):
             samples.append(SampleText(i * req.n + j, ids, state.tokenizer, req.stop_strings, req.skip_special_tokens))
+            if texts is not None and isinstance(texts[i], str):
+                samples[-1].prompt_text = texts[i]  # NOTE: echo returns the prompt as sent
             plan.append((ids, bridge.sampling(req, budget, j)))
     queue: asyncio.Queue = asyncio.Queue()
     streaming = req.stream or bool(req.stop_strings)
@@ -118,19 +122,11 @@ def _usage(samples: list[SampleText], prompts: list[list[int]], n: int) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def _logprobs(req: SamplingRequest, sample: SampleText, tokens: list[int], lps: list[float] | None, chat: bool):
-    want = req.logprobs if chat else req.logprobs is not None
-    if not want or lps is None:
-        return None
-    strings = sample.token_strings(tokens)
+def _logprobs(req: SamplingRequest, sample: SampleText, tokens: list[int], lps: list[float] | None, chat: bool,
+              start: int = 0):
     if chat:
-        return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                            for t, lp in zip(strings, lps, strict=True)]}
-    offsets, pos = [], 0
-    for t in strings:
-        offsets.append(pos)
-        pos += len(t)
-    return {"tokens": strings, "token_logprobs": list(lps), "top_logprobs": None, "text_offset": offsets}
+        return chat_logprobs(req, sample, tokens, lps, start)
+    return completion_logprobs(req, sample, tokens, lps, start, echo=getattr(req, "echo", False))
 
 
 def _response(req, samples: list[SampleText], prompts, rid: str, model: str, chat: bool,
@@ -147,7 +143,9 @@ def _response(req, samples: list[SampleText], prompts, rid: str, model: str, cha
         elif chat:
             choice["message"] = {"role": "assistant", "content": s.text}
         else:
-            choice["text"] = s.text
+            choice["text"] = _echoed(s) + s.text if req.echo else s.text
+            if req.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs(req, s)
         if req.return_token_ids:
             choice["token_ids"] = list(s.tokens)
             if not chat:
@@ -193,7 +191,7 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
             if not delta and not tokens and not s.done:
                 continue
             choice: dict = {"index": s.index, "finish_reason": s.finish_reason,
-                            "logprobs": _logprobs(req, s, tokens, lps, chat)}
+                            "logprobs": _logprobs(req, s, tokens, lps, chat, s.sent_tokens - len(tokens))}
             if s.index in tool_streams:
                 content, calls = tool_streams[s.index].delta(s.text, s.done)
                 choice["delta"] = {"content": content}
@@ -217,6 +215,13 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
         yield "data: [DONE]\n\n"
     finally:  # NOTE: also on disconnect (the generator is cancelled / closed): free the engine's pages
         bridge.cancel([r for r, s in by_rid.items() if not s.done])
+
+
+def _echoed(sample: SampleText) -> str:
+    """The prompt as echoed: the string sent, or the decode of the token ids sent."""
+    if sample.prompt_text is not None:
+        return sample.prompt_text
+    return sample.tokenizer.decode(sample.prompt_ids) if sample.tokenizer is not None else ""
 
 
 def _prompts_of(samples: list[SampleText], n: int) -> list[list[int]]:

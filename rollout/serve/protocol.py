@@ -11,6 +11,8 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_N = 256  # samples per prompt
+MAX_LOGPROBS = 20  # top logprobs per position (vLLM's default cap)
+TopK = Annotated[int, Field(ge=0, le=MAX_LOGPROBS, strict=True)]
 
 
 class APIError(Exception):
@@ -108,16 +110,27 @@ class SamplingRequest(BaseModel):
 
 class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
-    max_tokens: Annotated[int, Field(ge=1, strict=True)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=0, strict=True)] | None = None  # 0: the sampled token's only
-    echo: bool = False
+    max_tokens: Annotated[int, Field(ge=0, strict=True)] | None = 16  # 0 only with echo (scoring)
+    logprobs: TopK | None = None  # N: the N most likely tokens of each position besides the chosen one
+    echo: bool = False  # the prompt is returned before the completion (its logprobs too with `logprobs`)
+    prompt_logprobs: TopK | None = None  # vLLM's: per prompt token, its logprob and the top N
 
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, v: bool) -> bool:
-        if v:
-            raise ValueError("echo is not supported")
-        return v
+    @model_validator(mode="after")
+    def _scoring(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError("max_tokens: 0 is only allowed with echo (scoring the prompt)", "max_tokens")
+        if self.echo and self.stream:
+            raise APIError("echo is not supported with stream", "echo")
+        return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        """The prompt's own logprobs are needed (echo with logprobs, or prompt_logprobs)."""
+        return (self.echo and self.logprobs is not None) or self.prompt_logprobs is not None
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return max(self.logprobs or 0, self.prompt_logprobs or 0, 1 if self.prompt_logprobs is not None else 0)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompt as a list of prompts (strings or token-id lists)."""
@@ -138,7 +151,7 @@ class ChatCompletionRequest(SamplingRequest):
     add_generation_prompt: bool = True
     max_completion_tokens: Annotated[int, Field(ge=1, strict=True)] | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=0, strict=True)] | None = None  # 0: sampled token only
+    top_logprobs: TopK | None = None  # the N most likely tokens of each position (with logprobs=true)
 
     @field_validator("messages")
     @classmethod
@@ -153,6 +166,14 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:
             self.max_tokens = self.max_completion_tokens
         return self
+
+    @property
+    def scores_prompt(self) -> bool:
+        return False
+
+    @property
+    def num_top_logprobs(self) -> int:
+        return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class UpdateFromDiskRequest(BaseModel):

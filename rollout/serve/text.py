@@ -37,6 +37,9 @@ class SampleText:
         self.error: str | None = None
         self.cached_tokens = 0
         self.sent_tokens = 0  # token ids already streamed
+        self.prompt_text: str | None = None  # the prompt as sent, when a string (echo returns it)
+        self.final: GenerationOutput | None = None  # the final output (top and prompt logprobs live there)
+        self.top: tuple[list[list[float]], list[list[int]]] | None = None  # top k of each generated token
 
     @property
     def done(self) -> bool:
@@ -49,7 +52,11 @@ class SampleText:
         self.tokens = list(out.generated_tokens)
         self.logprobs = out.logprobs
         self.cached_tokens = out.num_cached_tokens
+        if out.top_logprobs is not None:
+            self.top = (out.top_logprobs, out.top_ids)
         final = out.status.is_final
+        if final:
+            self.final = out
         full = self._decode(self.tokens)
         cut = self._find_stop(full)
         if cut is not None:
