@@ -11,7 +11,7 @@ drawn at random, greedy, no EOS. Systems (`--systems`, interleaved per G so rati
   vllm          vLLM's CPU build in its own process (`benchmarks/vllm_cpu.py`; its prefix cache on)
   generate      one padded `model.generate` over all requests
 
-Greedy tokens are compared first (all systems against `ours`). The bandwidth bound: the bytes an engine must
+Systems run in an order rotated per G. Greedy tokens are compared first (all systems against `ours`). The bandwidth bound: the bytes an engine must
 read per step (every live row's K/V once, `kv_rowwise`; each group's shared full prompt pages once,
 `kv_shared`; plus the weights once per step, the steps being the longest completion when every request fits
 in one batch) over the machine's read bandwidth (a `torch.sum` over 256 MB at the same thread count, measured
@@ -132,7 +132,8 @@ def main() -> None:
         print(f"\nG={G}: {wl.describe()}; K/V read row-wise {kv_row / 1e9:.2f} GB, shared pages once "
               f"{kv_shared / 1e9:.2f} GB; bound {bound_row:,.0f} / {bound_shared:,.0f} tok/s", flush=True)
         res = {}
-        for name in systems:
+        k = len(rows) // max(1, len(systems)) % len(systems)  # NOTE: a rotated order per G: no system always first
+        for name in systems[k:] + systems[:k]:
             r = timed(runners[name], model, wl)
             res[name] = r
             print(f"  {name:13s} {r.seconds:7.2f} s  {wl.useful_tokens / r.seconds:8,.0f} tok/s  "
