@@ -193,3 +193,17 @@ def paged_decode_attention():
     over the paged cache (fp32, bf16 or fp16), or None."""
     module = _module()
     return None if module is None else module.paged_decode_attention
+
+
+def cascade_plan():
+    """`cascade_plan(table, row, start, end, page_size)` (int64): the groups `cascade_decode_attention` forms,
+    as (first shared page, shared pages, member queries) tuples (tests), or None."""
+    module = _module()
+    return None if module is None else module.cascade_plan
+
+
+def cascade_decode_attention():
+    """`paged_decode_attention`'s signature and result (up to float rounding), with rows whose page tables name
+    the same full pages (forks of one prompt, prefix-cache hits) reading those pages once per group: or None."""
+    module = _module()
+    return None if module is None else module.cascade_decode_attention

@@ -1,8 +1,10 @@
 """The `cpu` attention backend: decode rows through the C++ paged kernel, prompt chunks through SDPA.
 
 Decode rows (one query token each) are attended in place over the paged cache by
-`rollout.cpu_kernels.paged_decode_attention` (fp32, bf16 and fp16 caches, half precision widened in
-the kernel); prompt chunks take the `sdpa` backend's segments (this is `SdpaBackend` with the kernel
+`rollout.cpu_kernels.cascade_decode_attention` (fp32, bf16 and fp16 caches, half precision widened in
+the kernel): rows whose page tables name the same full pages (the G samples of a GRPO group forked from
+one prompt, prefix-cache hits) read those pages once per step as a group, merged by log-sum-exp with each
+row's own pages (equal to the per-row kernel up to float rounding); prompt chunks take the `sdpa` backend's segments (this is `SdpaBackend` with the kernel
 set, so its builder emits `PagedDecode` rows instead of decode buckets). The kernel is built once per
 machine (see rollout.cpu_kernels); when it cannot be, `"auto"` picks `sdpa` instead and an explicit
 `"cpu"` is a ValueError.
@@ -22,8 +24,8 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def cpu_kernel(dtype: torch.dtype):
-    """The paged decode kernel for a `dtype` cache, or None (unsupported dtype, disabled, cannot build)."""
-    return cpu_kernels.paged_decode_attention() if dtype in DTYPES else None
+    """The paged (cascade) decode kernel for a `dtype` cache, or None (unsupported dtype, disabled, cannot build)."""
+    return cpu_kernels.cascade_decode_attention() if dtype in DTYPES else None
 
 
 class CpuBackend(SdpaBackend):

@@ -15,12 +15,15 @@
 //   out   [n, H, D] fp32
 // softcap > 0 applies Gemma 2's cap * tanh(score / cap) to the scaled scores.
 // The result equals softmax(q K^T * scale) V up to float rounding (not bitwise equal to torch's SDPA).
+// `cascade_decode_attention` (same arguments) finds rows whose tables share full pages (same block ids) and
+// reads those pages once for all their query heads, merging by log-sum-exp (equal up to float rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
 #include <set>
+#include <tuple>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -62,8 +65,9 @@ inline float load(_Float16 x) { return static_cast<float>(x); }
 }  // namespace
 
 // Softmax of the G score rows s[g * L .. g * L + L) in place (probabilities, unnormalised), with
-// Gemma 2's softcap first when cap > 0; r[g] = 1 / sum of row g.
-inline void softmax_rows(float* s, int64_t G, int64_t L, float cap, float* r) {
+// Gemma 2's softcap first when cap > 0; r[g] = 1 / sum of row g; lse[g] (when lse is not null) = the log-sum-exp
+// of row g's (capped) scores, for merging partial softmaxes over disjoint key sets.
+inline void softmax_rows(float* s, int64_t G, int64_t L, float cap, float* r, float* lse) {
   for (int64_t g = 0; g < G; ++g) {
     float* sg = s + g * L;
     if (cap > 0.f) {
@@ -79,6 +83,7 @@ inline void softmax_rows(float* s, int64_t G, int64_t L, float cap, float* r) {
       sum += e;
     }
     r[g] = 1.f / sum;
+    if (lse != nullptr) lse[g] = m + std::log(sum);
   }
 }
 
@@ -95,7 +100,7 @@ struct Runs {
 // scores all GG heads (two keys at a time, so 2 x GG independent FMA chains), one pass over the values
 // accumulates all GG outputs in registers.
 template <int DIM, int GG, typename T>
-void attend_fixed(const float* Q, const Runs<T>& runs, float* O, int64_t L, float sc, float cap, float* s) {
+void attend_fixed(const float* Q, const Runs<T>& runs, float* O, int64_t L, float sc, float cap, float* s, float* lse) {
   constexpr int64_t D = DIM;
   int64_t off = 0;
   for (int64_t r = 0; r < runs.n; ++r) {
@@ -131,7 +136,7 @@ void attend_fixed(const float* Q, const Runs<T>& runs, float* O, int64_t L, floa
     off += cnt;
   }
   float r[GG];
-  softmax_rows(s, GG, L, cap, r);
+  softmax_rows(s, GG, L, cap, r, lse);
   float acc[GG][D];
   for (int g = 0; g < GG; ++g)
     for (int64_t d = 0; d < D; ++d) acc[g][d] = 0.f;
@@ -183,9 +188,13 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// GG == 0: the number of query heads is the runtime `gg` (the shared pages of a cascade group: every query
+// head of the group's rows against the same keys, a small GEMM whose key tile stays in L1 across heads).
 template <int DIM, int GG, typename T>
-void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t L, float sc, float cap, float* s) {
+void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t L, float sc, float cap, float* s,
+                         float* lse, float* rcp, int gg) {
   constexpr int V = DIM / 16;  // vectors per row
+  const int NG = GG > 0 ? GG : gg;
   const __m512 scale = _mm512_set1_ps(sc);
   int64_t off = 0;
   for (int64_t r = 0; r < runs.n; ++r) {
@@ -203,7 +212,7 @@ void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t 
       // NOTE: the values of these keys are read right after the scores: start fetching them into L2 now
       const char* vb = reinterpret_cast<const char*>(Vp + j * DIM);
       for (int64_t b = 0; b < static_cast<int64_t>(16 * DIM * sizeof(T)); b += 64) _mm_prefetch(vb + b, _MM_HINT_T1);
-      for (int g = 0; g < GG; ++g) {
+      for (int g = 0; g < NG; ++g) {
         __m512 q[V];
         for (int c = 0; c < V; ++c) q[c] = _mm512_loadu_ps(Q + g * DIM + 16 * c);
         __m512 part[16];
@@ -218,7 +227,7 @@ void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t 
     }
     for (; j < cnt; ++j) {
       const T* kj = K + j * DIM;
-      for (int g = 0; g < GG; ++g) {
+      for (int g = 0; g < NG; ++g) {
         __m512 a = _mm512_mul_ps(_mm512_loadu_ps(Q + g * DIM), load16(kj));
         for (int c = 1; c < V; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(Q + g * DIM + 16 * c), load16(kj + 16 * c), a);
         s[g * L + off + j] = _mm512_reduce_add_ps(a) * sc;
@@ -226,11 +235,10 @@ void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t 
     }
     off += cnt;
   }
-  float rcp[GG];
-  softmax_rows(s, GG, L, cap, rcp);
+  softmax_rows(s, NG, L, cap, rcp, lse);
   constexpr int HB = (16 / V) > 0 ? (16 / V) : 1;  // heads whose outputs stay in registers together
-  for (int g0 = 0; g0 < GG; g0 += HB) {
-    const int gn = std::min(HB, GG - g0);
+  for (int g0 = 0; g0 < NG; g0 += HB) {
+    const int gn = std::min(HB, NG - g0);
     __m512 acc[HB][V];
     for (int g = 0; g < HB; ++g)
       for (int c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -256,15 +264,12 @@ void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t 
     }
   }
 }
-#define ROLLOUT_ATTEND_FIXED attend_fixed_avx512
-#else
-#define ROLLOUT_ATTEND_FIXED attend_fixed
 #endif
 
 // Any head size and group: one query head at a time (K and V re-read from cache for the next head).
 template <typename T>
 void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L, int64_t D, float sc, float cap,
-                float* s, float* acc) {
+                float* s, float* acc, float* r, float* lse) {
   for (int64_t g = 0; g < G; ++g) {
     const float* qg = Q + g * D;
     int64_t off = 0;
@@ -302,8 +307,7 @@ void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_
       off += cnt;
     }
   }
-  std::vector<float> r(G);
-  softmax_rows(s, G, L, cap, r.data());
+  softmax_rows(s, G, L, cap, r, lse);
   for (int64_t g = 0; g < G; ++g) {
     for (int64_t d = 0; d < D; ++d) acc[d] = 0.f;
     int64_t off = 0;
@@ -324,12 +328,28 @@ void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_
 }
 
 // Specialised (head size, query heads per KV head) pairs: those of common checkpoints (GQA groups of
-// 1-8 query heads; head sizes 64, 128 and Gemma's 256); anything else takes `attend_any`.
-#define ROLLOUT_ATTEND_CASE(DIM, GG)                     \
-  if (D == DIM && G == GG) {                             \
-    ROLLOUT_ATTEND_FIXED<DIM, GG, T>(Q, runs, O, L, sc, cap, s); \
-    return;                                              \
+// 1-8 query heads; head sizes 64, 128 and Gemma's 256); other head counts of those sizes take the AVX-512
+// loop with a runtime count (the shared pages of a cascade group); anything else takes `attend_any`.
+// r: [G] scratch; lse: [G] or null (the log-sum-exp of each head's scores, for a cascade merge).
+#if defined(__AVX512F__)
+#define ROLLOUT_ATTEND_CASE(DIM, GG)                                             \
+  if (D == DIM && G == GG) {                                                     \
+    attend_fixed_avx512<DIM, GG, T>(Q, runs, O, L, sc, cap, s, lse, r, GG);      \
+    return;                                                                      \
   }
+#define ROLLOUT_ATTEND_RUNTIME(DIM)                                              \
+  if (D == DIM) {                                                                \
+    attend_fixed_avx512<DIM, 0, T>(Q, runs, O, L, sc, cap, s, lse, r, static_cast<int>(G)); \
+    return;                                                                      \
+  }
+#else
+#define ROLLOUT_ATTEND_CASE(DIM, GG)                       \
+  if (D == DIM && G == GG) {                               \
+    attend_fixed<DIM, GG, T>(Q, runs, O, L, sc, cap, s, lse); \
+    return;                                                \
+  }
+#define ROLLOUT_ATTEND_RUNTIME(DIM)
+#endif
 #define ROLLOUT_ATTEND_DIM(DIM) \
   ROLLOUT_ATTEND_CASE(DIM, 1)   \
   ROLLOUT_ATTEND_CASE(DIM, 2)   \
@@ -341,12 +361,20 @@ void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_
 
 template <typename T>
 void attend(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L, int64_t D, float sc, float cap,
-            float* s, float* acc) {
+            float* s, float* acc, float* r, float* lse) {
+  if (L == 0) {  // NOTE: a cascade row whose keys are all shared: no private part (weight exp(-inf) = 0)
+    std::fill(O, O + G * D, 0.f);
+    if (lse != nullptr) std::fill(lse, lse + G, -INFINITY);
+    return;
+  }
   ROLLOUT_ATTEND_DIM(64)
   ROLLOUT_ATTEND_DIM(128)
   ROLLOUT_ATTEND_CASE(256, 1)
   ROLLOUT_ATTEND_CASE(256, 2)
-  attend_any(Q, runs, O, G, L, D, sc, cap, s, acc);
+  ROLLOUT_ATTEND_RUNTIME(64)
+  ROLLOUT_ATTEND_RUNTIME(128)
+  ROLLOUT_ATTEND_RUNTIME(256)
+  attend_any(Q, runs, O, G, L, D, sc, cap, s, acc, r, lse);
 }
 
 void check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out) {
@@ -356,15 +384,79 @@ void check_layout(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(q.size(2) <= 1024, "paged_decode_attention: head size above 1024");
 }
 
+// Cascade groups: decode rows whose page tables name the same physical pages (a GRPO group forked from one
+// prompt, prefix-cache hits on the same pages) attend to those shared pages once for all their query heads,
+// and to the rest of their keys (`private`) alone; the two partial softmaxes merge by their log-sum-exp.
+struct Cascade {
+  int64_t first_page;         // logical index of the first shared page (the same in every member)
+  int64_t pages;              // shared full pages
+  std::vector<int64_t> rows;  // member queries
+};
+
+// Only full pages inside every member's range are shared. Rows are sorted by their full pages' block ids;
+// runs of rows that start on the same block are split greedily where keeping a row in the group would read
+// more keys (the group's common prefix shrinks for every member) than taking it out.
+template <typename I>
+std::vector<Cascade> plan_cascades(const I* tp, int64_t P, const int64_t* rp, const int64_t* lo, const int64_t* hi,
+                                   int64_t n, int64_t ps) {
+  std::vector<int64_t> idx;
+  for (int64_t i = 0; i < n; ++i) {
+    if (hi[i] / ps > (lo[i] + ps - 1) / ps) idx.push_back(i);
+  }
+  auto first = [&](int64_t i) { return (lo[i] + ps - 1) / ps; };
+  auto full = [&](int64_t i) { return hi[i] / ps - first(i); };
+  auto blocks = [&](int64_t i) { return tp + rp[i] * P + first(i); };
+  std::sort(idx.begin(), idx.end(), [&](int64_t a, int64_t b) {
+    if (first(a) != first(b)) return first(a) < first(b);
+    return std::lexicographical_compare(blocks(a), blocks(a) + full(a), blocks(b), blocks(b) + full(b));
+  });
+  std::vector<Cascade> out;
+  Cascade cur{0, 0, {}};
+  int64_t sum_full = 0;  // full pages of the current group's members
+  auto close = [&]() {
+    if (cur.rows.size() >= 2 && cur.pages >= 1) out.push_back(cur);
+    cur.rows.clear();
+  };
+  for (size_t x = 0; x < idx.size(); ++x) {
+    const int64_t i = idx[x], f = full(i);
+    if (!cur.rows.empty()) {
+      const int64_t prev = cur.rows.back();
+      int64_t common = 0;
+      if (first(prev) == first(i)) {
+        const int64_t lim = std::min(cur.pages, f);
+        while (common < lim && blocks(prev)[common] == blocks(i)[common]) ++common;
+      }
+      const int64_t m = static_cast<int64_t>(cur.rows.size());
+      const int64_t join = common + sum_full + f - (m + 1) * common;  // keys read (in pages) if i joins
+      const int64_t split = cur.pages + sum_full - m * cur.pages + f;  // if i starts a new group
+      if (common >= 1 && join <= split) {
+        cur.pages = common;
+        cur.rows.push_back(i);
+        sum_full += f;
+        continue;
+      }
+      close();
+    }
+    cur.first_page = first(i);
+    cur.pages = f;
+    cur.rows.assign(1, i);
+    sum_full = f;
+  }
+  close();
+  return out;
+}
+
 // Paged cache: k, v [Hkv, slots, D] (head-major, slot = block * page_size + offset); query i reads
 // positions start[i] .. end[i] - 1 through row row[i] of the block table table ([R, P] block ids, int32
 // or int64: the engine's persistent table, or one row per query).
 // K/V are fp32, bf16 or fp16 (widened to fp32 as they are read); q and out are fp32.
-// Work items (query, KV head) go round-robin to torch's threads, so rows of unequal length spread evenly.
+// Work items are (query, KV head) and, with `cascade`, (cascade group, KV head) for the shared pages; they go
+// to torch's threads longest first, each to the least loaded thread. Each item's result is independent of
+// the thread that runs it, so the output is the same at any thread count.
 template <typename T, typename I>
 void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                 const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc,
-                float cap, at::Tensor& out) {
+                float cap, bool cascade, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k.size(0), S = k.size(1), R = table.size(0), P = table.size(1);
   const int64_t G = H / Hkv, blocks = S / page_size;
@@ -385,34 +477,126 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
   const T* vp = reinterpret_cast<const T*>(v.data_ptr());
   float* op = out.data_ptr<float>();
-  const int64_t items = n * Hkv;
-  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items));
+  const int64_t ps = page_size;
+
+  std::vector<Cascade> groups;
+  if (cascade) groups = plan_cascades(tp, P, rp, sp, ep, n, ps);
+  // Per query: its cascade group (-1: none) and member index; shared outputs [sum m * H, D] by group.
+  std::vector<int64_t> group_of(n, -1), member(n, 0), head0(groups.size() + 1, 0);
+  for (size_t c = 0; c < groups.size(); ++c) {
+    for (size_t j = 0; j < groups[c].rows.size(); ++j) {
+      group_of[groups[c].rows[j]] = static_cast<int64_t>(c);
+      member[groups[c].rows[j]] = static_cast<int64_t>(j);
+    }
+    head0[c + 1] = head0[c] + static_cast<int64_t>(groups[c].rows.size()) * H;
+  }
+  std::vector<float> shared_out(head0.back() * D), shared_lse(head0.back()), private_lse(groups.empty() ? 0 : n * H);
+
+  struct Item {
+    int64_t index;  // query (< n) or n + cascade group
+    int64_t h;      // KV head
+    double cost;
+  };
+  std::vector<Item> items;
+  items.reserve(n * Hkv + groups.size() * Hkv);
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t c = group_of[i];
+    const int64_t keys = ep[i] - sp[i] - (c < 0 ? 0 : groups[c].pages * ps);
+    for (int64_t h = 0; h < Hkv; ++h) items.push_back({i, h, static_cast<double>(keys) + 16.0});
+  }
+  for (size_t c = 0; c < groups.size(); ++c) {
+    const double heads = static_cast<double>(groups[c].rows.size() * G);
+    const double keys = static_cast<double>(groups[c].pages * ps);
+    for (int64_t h = 0; h < Hkv; ++h) items.push_back({n + static_cast<int64_t>(c), h, keys * (1.0 + heads / 16.0)});
+  }
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  std::vector<std::vector<Item>> plan(workers);
+  if (workers == 1) {
+    plan[0] = items;
+  } else {
+    std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+    std::vector<double> load(workers, 0.0);
+    for (const Item& it : items) {
+      const int64_t w = std::min_element(load.begin(), load.end()) - load.begin();
+      plan[w].push_back(it);
+      load[w] += it.cost;
+    }
+  }
   at::parallel_for(0, workers, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> s;
-    std::vector<float> acc(D);
+    std::vector<float> s, qbuf, r(H), acc(D);
     std::vector<const T*> kr, vr;
     std::vector<int64_t> lens;
+    // The runs of positions [a, b) of table row t, for KV head h.
+    auto add = [&](const I* t, int64_t h, int64_t a, int64_t b) {
+      for (int64_t pos = a; pos < b;) {
+        const int64_t page = pos / ps, offset = pos % ps;
+        const int64_t cnt = std::min(ps - offset, b - pos);
+        const int64_t slot_row = (h * S + static_cast<int64_t>(t[page]) * ps + offset) * D;
+        kr.push_back(kp + slot_row);
+        vr.push_back(vp + slot_row);
+        lens.push_back(cnt);
+        pos += cnt;
+      }
+    };
     for (int64_t w = first; w < last; ++w) {
-      for (int64_t item = w; item < items; item += workers) {
-        const int64_t i = item / Hkv, h = item % Hkv;
-        const int64_t lo = sp[i], hi = ep[i], L = hi - lo;
-        const I* t = tp + rp[i] * P;
+      for (const Item& it : plan[w]) {
+        const int64_t h = it.h;
         kr.clear();
         vr.clear();
         lens.clear();
-        for (int64_t pos = lo; pos < hi;) {
-          const int64_t page = pos / page_size, offset = pos % page_size;
-          const int64_t cnt = std::min(page_size - offset, hi - pos);
-          const int64_t slot_row = (h * S + static_cast<int64_t>(t[page]) * page_size + offset) * D;
-          kr.push_back(kp + slot_row);
-          vr.push_back(vp + slot_row);
-          lens.push_back(cnt);
-          pos += cnt;
+        if (it.index < n) {
+          const int64_t i = it.index, c = group_of[i];
+          const I* t = tp + rp[i] * P;
+          float* lse = nullptr;
+          if (c < 0) {
+            add(t, h, sp[i], ep[i]);
+          } else {  // NOTE: the keys before and after the shared pages
+            add(t, h, sp[i], groups[c].first_page * ps);
+            add(t, h, (groups[c].first_page + groups[c].pages) * ps, ep[i]);
+            lse = private_lse.data() + i * H + h * G;
+          }
+          int64_t L = 0;
+          for (int64_t x : lens) L += x;
+          if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
+          const Runs<T> runs{kr.data(), vr.data(), lens.data(), static_cast<int64_t>(lens.size())};
+          const int64_t qo = (i * H + h * G) * D;
+          attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data(), r.data(), lse);
+        } else {  // NOTE: the shared pages once for every query head of the group: [m * G, D] queries
+          const Cascade& cg = groups[it.index - n];
+          const int64_t m = static_cast<int64_t>(cg.rows.size()), M = m * G;
+          add(tp + rp[cg.rows[0]] * P, h, cg.first_page * ps, (cg.first_page + cg.pages) * ps);
+          const int64_t L = cg.pages * ps;
+          if (static_cast<int64_t>(s.size()) < M * L) s.resize(M * L);
+          if (static_cast<int64_t>(qbuf.size()) < M * D) qbuf.resize(M * D);
+          if (static_cast<int64_t>(r.size()) < M) r.resize(M);
+          for (int64_t j = 0; j < m; ++j) {
+            std::memcpy(qbuf.data() + j * G * D, qp + (cg.rows[j] * H + h * G) * D, G * D * sizeof(float));
+          }
+          const Runs<T> runs{kr.data(), vr.data(), lens.data(), static_cast<int64_t>(lens.size())};
+          const int64_t base = head0[it.index - n] + h * M;  // this head's [M] block of the group's outputs
+          attend(qbuf.data(), runs, shared_out.data() + base * D, M, L, D, sc, cap, s.data(), acc.data(), r.data(),
+                 shared_lse.data() + base);
         }
-        if (static_cast<int64_t>(s.size()) < G * L) s.resize(G * L);
-        const Runs<T> runs{kr.data(), vr.data(), lens.data(), static_cast<int64_t>(lens.size())};
-        const int64_t qo = (i * H + h * G) * D;
-        attend(qp + qo, runs, op + qo, G, L, D, sc, cap, s.data(), acc.data());
+      }
+    }
+  });
+  if (groups.empty()) return;
+  // Merge: out = (e^{lse_p} out_p + e^{lse_s} out_s) / (e^{lse_p} + e^{lse_s}), per query head.
+  at::parallel_for(0, n, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) {
+      const int64_t c = group_of[i];
+      if (c < 0) continue;
+      const int64_t M = static_cast<int64_t>(groups[c].rows.size()) * G;
+      for (int64_t h = 0; h < Hkv; ++h) {
+        for (int64_t g = 0; g < G; ++g) {
+          const int64_t pi = i * H + h * G + g, si = head0[c] + h * M + member[i] * G + g;
+          const float a = private_lse[pi], b = shared_lse[si], mx = std::max(a, b);
+          const float wa = std::exp(a - mx), wb = std::exp(b - mx), rs = 1.f / (wa + wb);
+          float* o = op + pi * D;
+          const float* os = shared_out.data() + si * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) o[d] = (wa * o[d] + wb * os[d]) * rs;
+        }
       }
     }
   });
@@ -421,17 +605,17 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 template <typename T>
 void paged_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                     const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc,
-                    float cap, at::Tensor& out) {
+                    float cap, bool cascade, at::Tensor& out) {
   if (table.scalar_type() == at::kInt) {
-    paged_impl<T, int32_t>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+    paged_impl<T, int32_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
   } else {
-    paged_impl<T, int64_t>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+    paged_impl<T, int64_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
   }
 }
 
-void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
-                            const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
-                            double scale, double softcap, at::Tensor& out) {
+void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                      const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
+                      double scale, double softcap, bool cascade, at::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_decode_attention: fp32 queries and output only");
   const auto kt = k.scalar_type();
@@ -452,12 +636,41 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   TORCH_CHECK(page_size >= 1 && k.size(1) % page_size == 0, "paged_decode_attention: bad page size");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (kt == at::kFloat) {
-    paged_dispatch<float>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+    paged_dispatch<float>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
   } else if (kt == at::kBFloat16) {
-    paged_dispatch<uint16_t>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+    paged_dispatch<uint16_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
   } else {
-    paged_dispatch<_Float16>(q, k, v, table, row, start, end, page_size, sc, cap, out);
+    paged_dispatch<_Float16>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
   }
+}
+
+// Each query row alone (the reference the cascade is tested against).
+void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                            const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
+                            double scale, double softcap, at::Tensor& out) {
+  decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, false, out);
+}
+
+// Rows that share full pages (same block ids) read them once as a group (see `Cascade`).
+void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                              const at::Tensor& row, const at::Tensor& start, const at::Tensor& end,
+                              int64_t page_size, double scale, double softcap, at::Tensor& out) {
+  decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, true, out);
+}
+
+// The cascade groups the kernel would form (tests): (first shared page, shared pages, member queries) each.
+std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>> cascade_plan(const at::Tensor& table, const at::Tensor& row,
+                                                                              const at::Tensor& start,
+                                                                              const at::Tensor& end, int64_t page_size) {
+  TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous() &&
+                  row.scalar_type() == at::kLong && start.scalar_type() == at::kLong &&
+                  end.scalar_type() == at::kLong && row.is_contiguous() && start.is_contiguous() && end.is_contiguous(),
+              "cascade_plan: int64 tensors");
+  const auto groups = plan_cascades(table.data_ptr<int64_t>(), table.size(1), row.data_ptr<int64_t>(),
+                                    start.data_ptr<int64_t>(), end.data_ptr<int64_t>(), row.numel(), page_size);
+  std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>> out;
+  for (const auto& g : groups) out.emplace_back(g.first_page, g.pages, g.rows);
+  return out;
 }
 
 // How many threads an at::parallel_for over `items` items runs on in this build: 1 unless the file was
@@ -476,5 +689,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (CPU)",
         release());
+  m.def("cascade_decode_attention", &cascade_decode_attention,
+        "decode attention over the paged cache, shared pages read once per group of rows (CPU)", release());
+  m.def("cascade_plan", &cascade_plan, "the cascade groups of a step (tests)", release());
   m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for runs on (tests)", release());
 }
