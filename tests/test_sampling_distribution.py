@@ -67,6 +67,34 @@ def test_unseeded_rows_follow_the_distribution_too():
     assert_follows(out.tokens, expected_logprobs(logits, **sampling))
 
 
+def test_seeded_streams_are_per_request_reproducible_and_batch_independent():
+    """A seeded row's tokens depend on its seed and its own stream only: not on the sampler's seed, the
+    other rows or their order; the stream continues across calls and `forget` restarts it."""
+    rows, sampling = 64, dict(temperature=1.0)
+    logits = sampler_logits().expand(rows, VOCAB).contiguous()
+    ids = [f"r{i}" for i in range(rows)]
+    seeded = [SamplingParams(seed=100 + i, **sampling) for i in range(rows)]
+
+    def draw(sampler, order, params=seeded):
+        out = sampler(logits[order], [params[i] for i in order], [ids[i] for i in order], "processed")
+        return dict(zip(order, out.tokens, strict=True))
+
+    first = draw(Sampler(torch.device("cpu"), seed=0), list(range(rows)))
+    shuffled = Sampler(torch.device("cpu"), seed=1)
+    assert draw(shuffled, list(reversed(range(rows)))) == first
+    again = draw(shuffled, list(range(rows)))
+    assert again != first  # the stream continued
+    for i in range(rows):
+        shuffled.forget(ids[i])
+    assert draw(shuffled, list(range(rows))) == first  # forgotten: the stream starts again
+    assert len(set(first.values())) > 5  # different seeds, different tokens
+    unseeded = [SamplingParams(**sampling)] * rows
+    a = draw(Sampler(torch.device("cpu"), seed=5), list(range(rows)), unseeded)
+    assert a == draw(Sampler(torch.device("cpu"), seed=5), list(range(rows)), unseeded)
+    assert a != draw(Sampler(torch.device("cpu"), seed=6), list(range(rows)), unseeded)
+    assert a != draw(Sampler(torch.device("cpu")), list(range(rows)), unseeded)  # fresh entropy
+
+
 def test_the_distribution_checks_reject_wrong_samples():
     """The checks themselves have power: the square of the distribution, another temperature and
     samples outside top-k are each rejected (a check that cannot fail is a defect)."""
