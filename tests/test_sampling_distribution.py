@@ -123,6 +123,24 @@ def test_greedy_seeded_and_unseeded_rows_in_one_batch():
     assert_reported(alone.tokens, alone.logprobs, raw)
 
 
+def test_rows_with_different_filters_in_one_batch():
+    """Each row of one call follows its own processed distribution: rows without top-k next to rows
+    with it, top-k 1 and a top-p below the top token's probability (only that token is left)."""
+    cases = [dict(temperature=1.0), dict(temperature=1.3, top_k=6), dict(temperature=1.0, top_k=1),
+             dict(temperature=0.5, top_p=0.05), dict(temperature=0.9, top_k=20, top_p=0.85)]
+    per_case = 3000
+    logits = sampler_logits(3)
+    params = [SamplingParams(seed=11 + i, **cases[i % len(cases)]) for i in range(per_case * len(cases))]
+    out = Sampler(torch.device("cpu"), seed=0)(logits.expand(len(params), VOCAB).contiguous(), params,
+                                               [f"r{i}" for i in range(len(params))], "processed")
+    for c, sampling in enumerate(cases):
+        expected = expected_logprobs(logits, **sampling)
+        tokens, lps = out.tokens[c :: len(cases)], out.logprobs[c :: len(cases)]
+        assert_follows(tokens, expected)
+        assert_reported(tokens, lps, expected)
+    assert set(out.tokens[2 :: len(cases)]) == set(out.tokens[3 :: len(cases)]) == {int(logits.argmax())}
+
+
 def test_the_distribution_checks_reject_wrong_samples():
     """The checks themselves have power: the square of the distribution, another temperature and
     samples outside top-k are each rejected (a check that cannot fail is a defect)."""
