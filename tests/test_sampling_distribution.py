@@ -33,6 +33,7 @@ CASES = [
     pytest.param(dict(temperature=1.3, top_k=6), id="t1.3-topk6"),
     pytest.param(dict(temperature=1.0, top_p=0.7), id="topp0.7"),
     pytest.param(dict(temperature=0.9, top_k=20, top_p=0.85), id="t0.9-topk20-topp0.85"),
+    pytest.param(dict(temperature=1.0, top_k=1), id="topk1"),
 ]
 VOCAB = 64
 
