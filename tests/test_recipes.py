@@ -309,3 +309,31 @@ def test_distill_recipe_short_run(tmp_path, tiny_checkpoint, monkeypatch, keep_r
     assert [s for s, _ in summary["curves"]["grpo"]] == [0, 1, 2]
     assert (out / "exact_match.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
+
+
+# ------------------------------------------------------------------------------- PPO and TRL GRPO runs
+@pytest.mark.timeout(400)
+def test_ppo_recipe_short_run_writes_outputs(tmp_path, keep_rng):
+    ppo = load_recipe("ppo")
+    out = tmp_path / "ppo"
+    summary = ppo.main(["--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4", "--max_new_tokens", "6",
+                        "--output_dir", str(out)])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert r["reward_mean"] == pytest.approx(r["reward/addition_reward"])
+        assert {"value_loss", "policy_loss", "returns_mean", "grad_norm"} <= set(r)
+        assert r["loss"] == pytest.approx(r["policy_loss"] + ppo.VF_COEF * r["value_loss"], rel=1e-4, abs=1e-6)
+    assert json.loads((out / "summary.json").read_text())["steps"] == 2 == summary["steps"]
+
+
+@pytest.mark.timeout(400)
+def test_trl_grpo_recipe_short_run_writes_outputs(tmp_path, keep_rng):
+    pytest.importorskip("trl")
+    trl_grpo = load_recipe("trl_grpo")
+    out = tmp_path / "trl_grpo"
+    summary = trl_grpo.main(["--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4", "--group_size", "2",
+                             "--max_new_tokens", "6", "--output_dir", str(out)])
+    assert summary["steps"] >= 1
+    assert json.loads((out / "summary.json").read_text())["steps"] == summary["steps"]
+    assert summary["logprob_gap_max"] is not None

@@ -5,11 +5,13 @@ Run as a script (`python tests/test_serve_control.py push URL KEY SEED`) it is t
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 
 import pytest
@@ -66,12 +68,19 @@ def live_requests(server) -> dict:
     return dict(server.engine.manager.core.requests)
 
 
+def wait_until_running(server, thread, what: str, timeout: float = 30.0) -> None:
+    """Until the server holds a live request that has generated a token; fails (never hangs) when the
+    deadline passes or the client thread ends first (the request finished between two polls)."""
+    deadline = time.monotonic() + timeout
+    while not any(r.generated for r in live_requests(server).values()):
+        assert thread.is_alive(), f"{what} finished before it was seen running"
+        assert time.monotonic() < deadline, f"{what} never started running"
+        time.sleep(0.01)
+
+
 def test_pause_keep_holds_new_and_running_then_resume_releases(server):
     running, run_box = in_thread(lambda: greedy(server, [4] * 10, n=600))
-    deadline = time.monotonic() + 30
-    while not any(r.generated for r in live_requests(server).values()):
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until_running(server, running, "the 600-token request")
     assert call(server, "POST", "/pause", mode="keep").status_code == 200
     assert call(server, "GET", "/is_paused").json() == {"is_paused": True}
     frozen = {rid: len(r.generated) for rid, r in live_requests(server).items()}
@@ -90,8 +99,7 @@ def test_pause_keep_holds_new_and_running_then_resume_releases(server):
 
 def test_pause_abort_and_wait(server):
     running, box = in_thread(lambda: greedy(server, [4] * 10, n=600))
-    while not live_requests(server):
-        time.sleep(0.01)
+    wait_until_running(server, running, "the 600-token request")
     assert call(server, "POST", "/pause", mode="abort").status_code == 200
     running.join(30)
     assert box["out"]["choices"][0]["finish_reason"] == "abort" and len(tokens(box["out"])) < 600
@@ -101,9 +109,8 @@ def test_pause_abort_and_wait(server):
     call(server, "POST", "/resume")
     held.join(30)
     assert len(tokens(held_box["out"])) == 8
-    running, box = in_thread(lambda: greedy(server, [4] * 10, n=60))
-    while not live_requests(server):
-        time.sleep(0.01)
+    running, box = in_thread(lambda: greedy(server, [4] * 10, n=200))
+    wait_until_running(server, running, "the 200-token request")
     assert call(server, "POST", "/pause", mode="wait").status_code == 200
     assert not live_requests(server)  # the running request finished before pause returned
     running.join(30)
@@ -166,8 +173,13 @@ def test_trainer_process_pushes_weights_over_gloo(server):
 
 def test_sleep_holds_requests_until_wake_up(server):
     want = tokens(greedy(server))
+    cache = server.engine.manager.core.cache
+    kv = [weakref.ref(t) for t in (*cache.keys.values(), *cache.values.values())]
+    assert kv
     assert call(server, "POST", "/sleep").json()["is_sleeping"] is True
-    assert server.engine.manager.core.cache.nbytes == 0 or server.engine.is_asleep
+    gc.collect()
+    assert cache.nbytes == 0
+    assert all(ref() is None for ref in kv), "a KV tensor outlived /sleep (still referenced somewhere)"
     held, box = in_thread(lambda: greedy(server))
     time.sleep(0.3)
     assert held.is_alive()
