@@ -20,22 +20,28 @@ import sys
 import time
 
 
-def main() -> None:
+def start_llm(doc: str):
+    """The runner's common start (this script's and `vllm_scoring.py`'s): `argv` is `IN.json OUT.json` (else
+    print `doc` and exit), vLLM pinned to the job's threads; returns (job, LLM, start-up seconds, OUT path)."""
     if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
+        print(doc)
         sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
-    src, dst = sys.argv[1], sys.argv[2]
-    with open(src) as f:
+    with open(sys.argv[1]) as f:
         job = json.load(f)
     threads = int(job["threads"])
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
-    from vllm.inputs import TokensPrompt  # noqa: PLC0415
+    from vllm import LLM  # noqa: PLC0415
 
     t0 = time.perf_counter()
     llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], seed=0)
-    init = time.perf_counter() - t0
+    return job, llm, time.perf_counter() - t0, sys.argv[2]
+
+
+def main() -> None:
+    job, llm, init, dst = start_llm(__doc__)
+    from vllm import SamplingParams  # noqa: PLC0415
+    from vllm.inputs import TokensPrompt  # noqa: PLC0415
 
     def run(prompts, max_new):
         params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False) for n in max_new]

@@ -16,22 +16,15 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # NOTE: run as a script in vLLM's own venv
+
+from vllm_cpu import start_llm  # noqa: E402
+
 
 def main() -> None:
-    if len(sys.argv) != 3 or sys.argv[1] in ("-h", "--help"):
-        print(__doc__)
-        sys.exit(0 if sys.argv[1:2] in (["-h"], ["--help"]) else 2)
-    with open(sys.argv[1]) as f:
-        job = json.load(f)
-    threads = int(job["threads"])
-    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0" if threads == 1 else f"0-{threads - 1}")
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
-    from vllm import LLM, SamplingParams  # noqa: PLC0415
+    job, llm, init, dst = start_llm(__doc__)
+    from vllm import SamplingParams  # noqa: PLC0415
     from vllm.inputs import TokensPrompt  # noqa: PLC0415
-
-    t0 = time.perf_counter()
-    llm = LLM(model=job["model"], skip_tokenizer_init=True, dtype=job["dtype"], seed=0)
-    init = time.perf_counter() - t0
 
     def run(seqs):
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0, detokenize=False)
@@ -43,7 +36,7 @@ def main() -> None:
     t0 = time.perf_counter()
     logprobs = run(job["sequences"])
     seconds = time.perf_counter() - t0
-    with open(sys.argv[2], "w") as f:
+    with open(dst, "w") as f:
         json.dump({"seconds": seconds, "init_seconds": init, "logprobs": logprobs}, f)
 
 
