@@ -78,26 +78,28 @@ class Outbox:
         blocking (another thread computes what we wait for; see rollout.openmp)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         released = not release_team
-        with self.cv:
-            while True:
-                for i, out in enumerate(self.results):
-                    if request_id is None or out.request_id == request_id:
-                        del self.results[i]
-                        # NOTE: the final chunk is already in the stream deque a `stream` reader holds.
-                        self.streams.pop(out.request_id, None)
-                        self._delivered(out.request_id)
-                        return out
-                if (request_id is None and not self.live) or (request_id is not None and request_id not in self.live):
-                    return None
-                if not producing():
-                    return None
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return None
-                if not released:
-                    released = True
-                    release_thread_team()
-                self.cv.wait(remaining)
+        while True:
+            with self.cv:
+                while True:
+                    for i, out in enumerate(self.results):
+                        if request_id is None or out.request_id == request_id:
+                            del self.results[i]
+                            # NOTE: the final chunk is already in the stream deque a `stream` reader holds.
+                            self.streams.pop(out.request_id, None)
+                            self._delivered(out.request_id)
+                            return out
+                    if (request_id is None and not self.live) or (request_id is not None and request_id not in self.live):
+                        return None
+                    if not producing():
+                        return None
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return None
+                    if not released:
+                        break  # NOTE: free the team outside the lock (the producer must not wait on it)
+                    self.cv.wait(remaining)
+            released = True
+            release_thread_team()
 
     def stream(self, request_id: str, running: Callable[[], bool], release_team: bool) -> Iterator[GenerationOutput]:
         """Partial outputs of a streaming request as they grow; the last one has a final status."""
@@ -111,19 +113,20 @@ class Outbox:
         released = not release_team
         while True:
             with self.cv:
-                while not chunks and running():
-                    if not released:
-                        released = True
-                        release_thread_team()
+                while not chunks and running() and released:
                     self.cv.wait()
-                if not chunks:
+                if not chunks and not running():
                     self.streams.pop(request_id, None)
                     return
-                chunk = chunks.popleft()
-                if chunk.status.is_final:
+                chunk = chunks.popleft() if chunks else None
+                if chunk is not None and chunk.status.is_final:
                     self.streams.pop(request_id, None)
                     self.results = deque(o for o in self.results if o.request_id != request_id)
                     self._delivered(request_id)
+            if chunk is None:  # NOTE: about to block: free the team outside the lock, then wait
+                released = True
+                release_thread_team()
+                continue
             yield chunk
             if chunk.status.is_final:
                 return
