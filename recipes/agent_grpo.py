@@ -11,7 +11,7 @@ With no arguments this is the embedded CPU demo, end to end and offline:
   3. GRPO over episodes (`trainers.AgentGRPOTrainer`, `rollout.agents.run_episodes`): per step 16 problems
      x 8 episodes of at most 2 model turns at temperature 1; reward 1 for the exact sum in the final answer;
      advantages (r - group mean) / group std; the loss counts the model's tokens only (the tool's turn is
-     masked out); 1 pass, 1 AdamW step at lr 2e-3 per batch; no KL term;
+     masked out); 1 pass, 1 AdamW step at lr 1e-3 per batch; no KL term;
   4. OUTPUT_DIR/metrics.jsonl (reward_mean, tool_use_rate, num_turns, response_length = model tokens, ...),
      reward.png (reward and tool-use rate per step), summary.json (first-5 / last-5 reward and tool-use
      rate, wall time, greedy held-out accuracy and tool use before and after), final/ (save_pretrained),
@@ -54,13 +54,13 @@ from trainers.calculator import (
 from trainers.tasks import build_tiny_model
 
 # ----------------------------------------------------------------------------------- config
-STEPS = 40  # RL steps
+STEPS = 50  # RL steps
 PROMPTS_PER_STEP = 16  # problems per step and process
 GROUP_SIZE = 8  # episodes per problem
 MAX_TURNS = 2  # a tool call and an answer (a second call is refused: the episode ends)
 MAX_NEW_TOKENS = 12  # per model turn: "<tool_call>" + 9 characters + eos
 TEMPERATURE = 1.0
-LR = 2e-3  # the embedded model is tiny and trained from scratch
+LR = 1e-3  # the embedded model is tiny and trained from scratch
 NUM_DIGITS = 4
 WARM_START = dict(hidden_size=64, num_layers=2, steps=300, tool_share=0.15, tool_demos=0.5, seed=0)
 HELDOUT = 256  # held-out problems for greedy accuracy / tool use before and after RL
