@@ -108,6 +108,7 @@ def test_agent_recipe_runs_and_writes_metrics(tmp_path, keep_rng):
     for r in records:
         assert 0.0 <= r["reward_mean"] <= 1.0 and 0.0 <= r["tool_use_rate"] <= 1.0
         assert 1.0 <= r["num_turns"] <= 2.0 and r["response_length"] <= r["trajectory_length"]
+        assert 0.0 <= r["prefix_cached_fraction"] <= 1.0
     assert (out / "reward.png").stat().st_size > 0 and (out / "final" / "config.json").exists()
     saved = json.loads((out / "summary.json").read_text())
     assert saved["steps"] == summary["steps"] == 2

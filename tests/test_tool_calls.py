@@ -140,7 +140,14 @@ def test_openai_agents_sdk_runs_a_tool_using_agent(tool_model):
     offline: the agent's model calls the Python tool, the SDK sends the result back, the answer ends the run."""
     pytest.importorskip("agents", reason="the OpenAI Agents SDK (pip install openai-agents) is not installed")
     import openai
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, Runner, function_tool, set_tracing_disabled
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
     from support.serving import serving
 
     set_tracing_disabled(True)  # NOTE: the SDK's tracing would upload to OpenAI's servers

@@ -100,6 +100,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         """Play `group_size` episodes per row: `(batch, rewards [N], metrics)`. No collective call."""
         cfg, acc = self.config, self.accelerator
         start = time.perf_counter()
+        before = self.engine.cache_stats()
         batch = run_episodes(
             self.engine,
             self.env_factory,
@@ -117,6 +118,8 @@ class AgentGRPOTrainer(GRPOTrainer):
         if self.sleeps:  # NOTE: free the KV cache for the trainer's passes; woken before the sync
             self.engine.sleep()
         elapsed = time.perf_counter() - start
+        after = self.engine.cache_stats()
+        cached, computed = (after[k] - before[k] for k in ("cached_prompt_tokens", "computed_prompt_tokens"))
         model_tokens = batch.trained_mask.sum(1).float()  # [N]
         metrics = {
             "time_generate": elapsed,
@@ -125,6 +128,8 @@ class AgentGRPOTrainer(GRPOTrainer):
             "trajectory_length": batch.completion_lengths.float().mean().item(),
             "num_turns": batch.num_turns.float().mean().item(),
             "env_reward_mean": batch.rewards.float().mean().item(),
+            # NOTE: each turn resubmits the whole context; this share of it came from the prefix cache
+            "prefix_cached_fraction": cached / max(1, cached + computed),
             "policy_version": float(batch.policy_version + self._version_base),
         }
         rewards = batch.rewards.to(acc.device).float()  # [N]
