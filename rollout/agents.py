@@ -126,13 +126,16 @@ def run_episodes(
     max_tokens: int | None = None,
     seed: int | None = None,
     bridge: ChatBridge | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> RolloutBatch:
     """Run `group_size` episodes per row (each its own `env_factory()`), at most `max_turns` model turns
     and `max_tokens` trajectory tokens after the first prompt; returns a `RolloutBatch` whose
     `completion_ids` hold every turn after the first prompt (model and environment tokens in order),
     `loss_mask [N, T]` 1 on model tokens, `logprobs` on model tokens (0 elsewhere), `rewards [N]` (the
     sum of the environment's rewards) and `num_turns [N]`. `engine` is a `RolloutEngine` with a tokenizer.
-    With `seed`, turn k of episode r samples from the stream `row_seed(row_seed(seed, k), r)`."""
+    With `seed`, turn k of episode r samples from the stream `row_seed(row_seed(seed, k), r)`; `top_k` /
+    `top_p` filter every model turn as in `RolloutEngine.generate`."""
     if engine.tokenizer is None and bridge is None:
         raise ValueError("run_episodes needs a tokenizer: build the RolloutEngine with tokenizer=")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -157,7 +160,7 @@ def run_episodes(
                   for e in live]
         out = engine.generate([e.prompt + e.tokens for e in live], temps=[e.temperature for e in live],
                               max_new_tokens=max(1, min(budget)) if max_tokens is not None else max_new_tokens,
-                              seed=None if seed is None else row_seed(seed, turn))
+                              seed=None if seed is None else row_seed(seed, turn), top_k=top_k, top_p=top_p)
         for k, e in enumerate(live):
             n = int(out.completion_mask[k].sum())
             ids = out.completion_ids[k, :n].tolist()

@@ -122,6 +122,10 @@ def test_openai_client_drives_a_tool_using_conversation(tool_model):
                                                max_tokens=40)
         assert final.choices[0].message.content == ANSWER and final.choices[0].finish_reason == "stop"
         assert not final.choices[0].message.tool_calls
+        # NOTE: the calling turn may come back without content (OpenAI allows it; agent SDKs send it so)
+        bare = [USER, {"role": "assistant", "tool_calls": [call.model_dump()]}, messages[2]]
+        again = client.chat.completions.create(model="tiny", messages=bare, tools=TOOLS, temperature=0, max_tokens=40)
+        assert again.choices[0].message.content == ANSWER
         # NOTE: tool_choice "none" returns the call as text; "required" is refused by name
         raw = client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="none",
                                              temperature=0, max_tokens=80)
@@ -129,3 +133,36 @@ def test_openai_client_drives_a_tool_using_conversation(tool_model):
         with pytest.raises(openai.BadRequestError, match="tool_choice"):
             client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="required",
                                            max_tokens=8)
+
+
+def test_openai_agents_sdk_runs_a_tool_using_agent(tool_model):
+    """The OpenAI Agents SDK (`openai-agents`) against `rollout serve` as an OpenAI-compatible base URL,
+    offline: the agent's model calls the Python tool, the SDK sends the result back, the answer ends the run."""
+    pytest.importorskip("agents", reason="the OpenAI Agents SDK (pip install openai-agents) is not installed")
+    import openai
+    from agents import (
+        Agent,
+        ModelSettings,
+        OpenAIChatCompletionsModel,
+        Runner,
+        function_tool,
+        set_tracing_disabled,
+    )
+    from support.serving import serving
+
+    set_tracing_disabled(True)  # NOTE: the SDK's tracing would upload to OpenAI's servers
+    calls = []
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """a + b"""
+        calls.append((a, b))
+        return a + b
+
+    with serving(tool_model, app_kwargs={"tool_call_parser": "hermes"}) as s:
+        client = openai.AsyncOpenAI(base_url=s.url + "/v1", api_key=s.key, timeout=60, max_retries=0)
+        agent = Agent(name="adder", tools=[add], model=OpenAIChatCompletionsModel(model="tiny", openai_client=client),
+                      model_settings=ModelSettings(temperature=0, max_tokens=80))
+        result = Runner.run_sync(agent, USER["content"], max_turns=3)
+    assert calls == [(2, 3)]
+    assert result.final_output == ANSWER

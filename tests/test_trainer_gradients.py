@@ -236,3 +236,81 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
         assert logged["value_clip_fraction"] == pytest.approx(holder["vclip"], abs=1e-6)
     finally:
         trainer.close()
+
+
+# ---------------------------------------------------------------------------- multi-turn episodes
+class ToolEcho:
+    """Two model turns around a tool message; each turn earns the share of digits in its text (varies
+    inside a group), so advantages are non-zero and the tool's tokens sit inside every trajectory."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        self.turn += 1
+        score = sum(ch.isdigit() for ch in action) / max(len(action), 1)
+        if self.turn == 1:
+            return [{"role": "tool", "content": "4321"}], score, False
+        return None, score, True
+
+
+@pytest.mark.parametrize(
+    "algorithm, agg, clip_low, clip_high",
+    [("grpo", "seq_mean_token_mean", 0.2, 0.2), ("dr_grpo", "seq_mean_token_sum_norm", 0.2, 0.2),
+     ("dapo", "token_mean", 0.2, 0.28)],
+)
+def test_agent_grpo_update_counts_only_model_tokens(tmp_path, algorithm, agg, clip_low, clip_high):
+    """Episodes with tool turns (`AgentGRPOTrainer`): the update equals the hand gradient whose loss, KL and
+    aggregation weights count the model's tokens only (Dr. GRPO divides by max_turns x max_new_tokens);
+    the logged entropy, response length and parity probe ignore the tool's tokens too."""
+    from trainers.agent_grpo import AgentGRPOConfig, AgentGRPOTrainer
+    from trainers.calculator import make_calculator_tokenizer
+
+    beta, turns = 0.5, 2
+    tok = make_calculator_tokenizer()
+    dataset = [{"prompt": f"{i:02d}+{i + 3:02d}"} for i in range(8)]
+    model = build_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0)
+    config = AgentGRPOConfig(**common_settings(tmp_path, algorithm=algorithm, beta=beta, max_turns=turns))
+    trainer = AgentGRPOTrainer(model, tok, ToolEcho, dataset, config)
+    try:
+        data, metrics = trainer.collect()
+        mask = data["loss_mask"]
+        t = data["completion_ids"].shape[1]
+        tool_tokens = data["attention_mask"][:, -t:].bool() & ~mask  # [N, T] in the trajectory, not sampled
+        assert tool_tokens.sum(1).gt(0).float().mean() > 0.5 and mask.any()
+        assert (data["rollout_logprobs"][tool_tokens] == 0).all()
+        # NOTE: the tool's tokens have no rollout logprob; counted, the probe would be of order 1
+        assert metrics["logprob_mismatch_max"] < 1e-4
+        assert metrics["response_length"] == pytest.approx(mask.sum(1).float().mean().item())
+        data["old_logprobs"] = perturbed(data, "old_logprobs", 0.4, seed=1)
+        data["ref_logprobs"] = perturbed(data, "ref_logprobs", 0.4, seed=2)
+        delta, logged = sgd_step(trainer, data)
+        policy = trainer.policy
+        for name, p in policy.named_parameters():
+            p.data -= delta[name]
+        if agg == "seq_mean_token_sum_norm":
+            w = mask.float() / (mask.shape[0] * turns * MAX_NEW)
+        else:
+            w = aggregation_weights(mask, agg)
+        holder = {}
+
+        def grads_of():
+            lp = token_logprobs_by_hand(policy, data)
+            g_pol, per_token, clipped = policy_grad_by_hand(lp.detach(), data["old_logprobs"], data["advantages"], mask,
+                                                            clip_low, clip_high)
+            log_ratio = data["ref_logprobs"] - lp.detach()
+            k3 = torch.exp(log_ratio) - log_ratio - 1
+            lp.backward(torch.where(mask, w * (g_pol + beta * (1 - torch.exp(log_ratio))), 0.0))
+            holder.update(policy=(w * per_token)[mask].sum().item(), kl=(w * k3)[mask].sum().item())
+
+        assert_update_is(delta, policy, grads_of)
+        assert logged["kl_loss"] == pytest.approx(holder["kl"], rel=1e-4)
+        assert logged["loss"] == pytest.approx(holder["policy"] + beta * holder["kl"], rel=1e-4, abs=1e-6)
+        # the entropy metric: softmax(logits / T) over model tokens only
+        with torch.no_grad():
+            logits = completion_forward(policy, data).logits[:, :-1].float() / data["temperatures"][:, None, None]
+            entropy = -(logits.softmax(-1) * logits.log_softmax(-1)).sum(-1)  # [N, T]
+            assert metrics["entropy"] == pytest.approx(entropy[mask].mean().item(), rel=1e-4)
+    finally:
+        trainer.close()

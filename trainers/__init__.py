@@ -25,6 +25,8 @@ _EXPORTS: dict[str, str] = {
     "RLConfig": "trainers.common",
     "GRPOConfig": "trainers.grpo",
     "GRPOTrainer": "trainers.grpo",
+    "AgentGRPOConfig": "trainers.agent_grpo",
+    "AgentGRPOTrainer": "trainers.agent_grpo",
     "PPOConfig": "trainers.ppo",
     "PPOTrainer": "trainers.ppo",
     "PolicyWithValue": "trainers.ppo",

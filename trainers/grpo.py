@@ -115,6 +115,11 @@ class GRPOTrainer(EngineReferenceMixin, RLTrainer):
     def uses_reference(self) -> bool:
         return self.config.beta > 0
 
+    @property
+    def norm_len(self) -> int:
+        """Dr. GRPO's constant length normaliser: the generation budget of one sample."""
+        return self.config.max_new_tokens
+
     def rollout(self, rows: list[dict]) -> tuple[RolloutBatch, Tensor, dict[str, float]]:
         """Generate and score one set of prompt rows: `(batch, rewards [N] incl. the overlong
         penalty, metrics)`. No collective call."""
@@ -210,12 +215,12 @@ class GRPOTrainer(EngineReferenceMixin, RLTrainer):
             clip_high=self.clip_high,
             agg=self.algorithm.agg,
             tis_weights=micro.get("tis_weights"),
-            norm_len=self.config.max_new_tokens,
+            norm_len=self.norm_len,
         )
         metrics = {k: stats[k] for k in ("clip_fraction", "ratio_mean", "approx_kl")}
         if "ref_logprobs" in micro:
             kl = aggregate(
-                kl_k3(logprobs, micro["ref_logprobs"], mask), mask, self.algorithm.agg, self.config.max_new_tokens
+                kl_k3(logprobs, micro["ref_logprobs"], mask), mask, self.algorithm.agg, self.norm_len
             )
             loss = loss + self.config.beta * kl
             metrics["kl_loss"] = kl.detach()

@@ -159,7 +159,9 @@ class ChatCompletionRequest(SamplingRequest):
         for i, m in enumerate(v):
             if not isinstance(m.get("role"), str):
                 raise ValueError(f"messages[{i}] needs a string 'role'")
-        return v
+        # NOTE: an assistant turn that only calls tools may omit its content or send null (the OpenAI Agents
+        # SDK does); as vLLM, the template sees "" (templates index m['content'] directly).
+        return [m if m.get("content") is not None else {**m, "content": ""} for m in v]
 
     @model_validator(mode="after")
     def _alias(self) -> ChatCompletionRequest:
