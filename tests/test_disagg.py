@@ -1,0 +1,141 @@
+"""Disaggregated rollout: 2 `rollout serve` child processes + this process as the learner (`RolloutPool`,
+`WeightBroadcaster`, `ServerProcesses`). One broadcast per update reaches both servers (versions bumped on
+both, greedy outputs of each equal HF `generate` on the new weights, logprobs equal a teacher-forced forward);
+a server killed mid-call: the call finishes on the other, says so in the log, and later updates go to the
+survivor only. Servers bind 127.0.0.1 on free ports and are stopped by the fixture."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import pytest
+import torch
+
+for _mod in ("fastapi", "uvicorn", "httpx"):
+    pytest.importorskip(_mod, reason=f"disaggregated rollout tests need {_mod} (pip install -e '.[serve,dev]')")
+
+import httpx  # noqa: E402
+from support.serving import save_tiny  # noqa: E402
+from support.tiny_models import hf_greedy, make_model  # noqa: E402
+
+from rollout.rollout_pool import RolloutPool  # noqa: E402
+from rollout.server_procs import ServerProcesses  # noqa: E402
+from rollout.weight_transfer import buckets, flatten, unflatten  # noqa: E402
+
+pytestmark = pytest.mark.timeout(300)
+
+KEY = "disagg-key"
+PROMPTS = [[7, 30, 41, 9, 77, 12], [5, 66, 90, 3], [21, 54, 18, 33, 71]]
+SERVE_ARGS = ["--api-key", KEY, "--page-size", "16", "--num-blocks", "256", "--dtype", "float32",
+              "--log-level", "warning"]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    model_dir = save_tiny(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+    with ServerProcesses(str(model_dir), n=2, threads=1, serve_args=SERVE_ARGS,
+                         log_dir=str(tmp_path_factory.mktemp("logs")), start_timeout_s=180) as procs:
+        yield procs
+    assert all(p.poll() is not None for p in procs.procs)  # stopped: no orphan server
+
+
+def get(url: str, path: str) -> dict:
+    return httpx.get(url + path, headers={"Authorization": f"Bearer {KEY}"}, timeout=60).json()
+
+
+def greedy_on(url: str, prompt: list[int], n: int = 8) -> list[int]:
+    r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                   json={"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+                         "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]["token_ids"]
+
+
+@torch.no_grad()
+def teacher_forced(model, prompt: list[int], completion: list[int]) -> torch.Tensor:  # [T]
+    ids = torch.tensor([prompt + completion])
+    logp = torch.log_softmax(model(ids).logits[0, len(prompt) - 1 : -1].float(), -1)
+    return logp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_buckets_round_trip_by_dtype_and_size():
+    a, b, c = torch.randn(3, 4), torch.randn(10), torch.arange(6, dtype=torch.int64).view(2, 3)
+    tied = [("x", a), ("y", b), ("i", c), ("x_tied", a), ("z", torch.randn(2, 2))]
+    out = list(buckets(tied, bucket_bytes=4 * 14))  # a (12 floats) + b (10) overflow: b starts a new bucket
+    assert [[n for n, _ in bk] for bk in out] == [["x"], ["y", "z"], ["i"]]  # tied x_tied sent once
+    for bk in out:
+        views = unflatten(flatten([t for _, t in bk]), [list(t.shape) for _, t in bk])
+        assert all(torch.equal(v, t) for v, (_, t) in zip(views, bk, strict=True))
+    with pytest.raises(ValueError, match="one dtype"):
+        flatten([a, c])
+
+
+def test_one_broadcast_reaches_both_servers(servers):
+    v0 = [get(u, "/get_weight_version")["weight_version"] for u in servers.urls]
+    new = make_model("qwen3", seed=5)
+    with RolloutPool(servers.urls, api_key=KEY, request_timeout_s=120) as pool:
+        calls = []
+        pool.sync.init()
+        real = pool.sync.group.broadcast
+        pool.sync.group = _Counting(pool.sync.group, calls)
+        version = pool.update_weights(new)
+        assert real is not None and len(calls) == 1  # the tiny model is one fp32 bucket: ONE broadcast
+        assert [get(u, "/get_weight_version")["weight_version"] for u in servers.urls] == [v + 1 for v in v0]
+        assert version == v0[0] + 1 == pool.policy_version
+        for url in servers.urls:  # each server now serves exactly the new weights
+            for prompt in PROMPTS:
+                assert greedy_on(url, prompt) == hf_greedy(new, prompt, 8)
+        # the pool's batches: token ids and logprobs straight from the servers, no retokenisation
+        batch = pool.generate(PROMPTS, temps=1.0, group_size=4, max_new_tokens=6, seed=3)
+        assert batch.completion_ids.shape[0] == len(PROMPTS) * 4 and batch.policy_version == version
+        for row in range(len(batch)):
+            prompt = PROMPTS[row // 4]
+            k = int(batch.completion_mask[row].sum())
+            completion = batch.completion_ids[row, :k].tolist()
+            want = teacher_forced(new, prompt, completion)
+            torch.testing.assert_close(batch.logprobs[row, :k], want, atol=2e-4, rtol=0)
+        again = pool.generate(PROMPTS, temps=1.0, group_size=4, max_new_tokens=6, seed=3)
+        assert torch.equal(again.completion_ids, batch.completion_ids)  # seeded per group, any server
+
+
+class _Counting:
+    """The group with its `broadcast` calls counted."""
+
+    def __init__(self, group, calls: list) -> None:
+        self.group, self.calls = group, calls
+
+    def broadcast(self, tensor, root):
+        self.calls.append(tensor.numel())
+        return self.group.broadcast(tensor, root)
+
+
+def test_killing_a_server_mid_call_finishes_on_the_other(servers, caplog):
+    # NOTE: last in the module: it kills one of the module's servers.
+    prompts = [[(7 * i + j) % 100 + 10 for j in range(6)] for i in range(12)]
+    with RolloutPool(servers.urls, api_key=KEY, request_timeout_s=120) as pool:
+        want = pool.generate(prompts, temps=1.0, group_size=2, max_new_tokens=24, seed=11)
+        box: dict = {}
+        with caplog.at_level(logging.WARNING, logger="rollout.rollout_pool"):
+            t = threading.Thread(target=lambda: box.setdefault("batch", pool.generate(
+                prompts, temps=1.0, group_size=2, max_new_tokens=24, seed=11)), daemon=True)
+            t.start()
+            deadline = time.monotonic() + 60
+            while pool.in_flight[servers.urls[1]] == 0:  # until server 1 holds groups
+                assert t.is_alive() and time.monotonic() < deadline, "server 1 never got a group"
+                time.sleep(0.005)
+            servers.kill(1)
+            t.join(180)
+            assert not t.is_alive(), "the call did not finish on the surviving server"
+        down = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
+        assert len(down) == 1 and servers.urls[1] in down[0] and servers.urls[0] in down[0], down
+        assert pool.alive == [servers.urls[0]] and pool.resubmitted >= 1
+        got = box["batch"]  # every group, and the same samples: seeds follow the group, not the server
+        assert torch.equal(got.completion_ids, want.completion_ids)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        # the next update rebuilds the group over the survivor only
+        v = get(servers.urls[0], "/get_weight_version")["weight_version"]
+        new = make_model("qwen3", seed=9)
+        assert pool.update_weights(new) == v + 1 and pool.sync.members == [servers.urls[0]]
+        assert greedy_on(servers.urls[0], PROMPTS[0]) == hf_greedy(new, PROMPTS[0], 8)
