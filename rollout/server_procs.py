@@ -58,7 +58,8 @@ class ServerProcesses:
         cpus: the CPU ids every server is pinned to (None: not pinned).
         threads: `OMP_NUM_THREADS` (torch threads) of each server.
         serve_args: extra `rollout serve` flags (engine config, `--api-key`, ...).
-        log_dir: each server's stdout and stderr go to `log_dir/server{i}.log` (None: a temporary folder).
+        log_dir: each server's stdout and stderr go to `log_dir/server{i}.log`, its pid to `server{i}.pid`
+            (None: a temporary folder).
         start_timeout_s: how long all servers may take to answer /health.
         python: the interpreter that runs them (default: this one).
     """
@@ -91,6 +92,7 @@ class ServerProcesses:
                                                        start_new_session=True, preexec_fn=_child_setup(cpus)))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 self.logs.append(log)
+                (self.log_dir / f"server{i}.pid").write_text(str(self.procs[-1].pid))
             self._wait_healthy(start_timeout_s)
         except BaseException:
             self.stop()

@@ -6,9 +6,15 @@ survivor only. Servers bind 127.0.0.1 on free ports and are stopped by the fixtu
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +31,7 @@ from rollout.server_procs import ServerProcesses  # noqa: E402
 from rollout.weight_transfer import buckets, flatten, unflatten  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
+ROOT = Path(__file__).resolve().parents[1]
 
 KEY = "disagg-key"
 PROMPTS = [[7, 30, 41, 9, 77, 12], [5, 66, 90, 3], [21, 54, 18, 33, 71]]
@@ -139,3 +146,56 @@ def test_killing_a_server_mid_call_finishes_on_the_other(servers, caplog):
         new = make_model("qwen3", seed=9)
         assert pool.update_weights(new) == v + 1 and pool.sync.members == [servers.urls[0]]
         assert greedy_on(servers.urls[0], PROMPTS[0]) == hf_greedy(new, PROMPTS[0], 8)
+
+
+def test_recipe_trains_on_two_servers_and_ctrl_c_leaves_no_orphan(tmp_path):
+    """`recipes/grpo_disagg.py` in one command: 2 servers started as children, GRPO steps whose rollouts come
+    from them and whose weights reach them (the servers' logprobs equal the learner's on every step: the
+    broadcast landed), then Ctrl-C: the learner exits and both servers are gone."""
+    from support.training import save_tiny_addition_checkpoint
+
+    model = save_tiny_addition_checkpoint(tmp_path / "model")
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(ROOT / "recipes" / "grpo_disagg.py"), "--model", model, "--rollout_servers", "2",
+           "--steps", "1000", "--prompts_per_step", "4", "--group_size", "4", "--output_dir", str(out),
+           "--server_cpus", "0", "--learner_cpus", "0"]  # NOTE: pinned flags given: the default pins nothing here
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    log = tmp_path / "learner.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+    metrics = out / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 180
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, f"no 3 steps in 180 s: {log.read_text()[-3000:]}"
+            time.sleep(0.2)
+        pids = [int((out / "servers" / f"server{i}.pid").read_text()) for i in range(2)]
+        assert all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGINT)  # Ctrl-C
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records[:3]] == [1, 2, 3]
+    # the learner's logprobs of the servers' tokens, under the weights it broadcast, equal the servers' own
+    assert all(r["logprob_mismatch_max"] < 1e-4 for r in records), [r["logprob_mismatch_max"] for r in records]
+    assert [r["policy_version"] for r in records[:3]] == [0.0, 1.0, 2.0]
+    deadline = time.monotonic() + 30
+    while any(_alive(p) for p in pids):
+        assert time.monotonic() < deadline, f"orphan rollout server(s) after Ctrl-C: {[p for p in pids if _alive(p)]}"
+        time.sleep(0.1)
+    assert "weights broadcast to 2 server(s)" in log.read_text()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # NOTE: a zombie (exited, not yet reaped by its parent) counts as gone
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
