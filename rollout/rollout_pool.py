@@ -84,10 +84,21 @@ class RolloutPool:
                      if weight_transfer == "broadcast" else None)
         self.disk_dir = disk_dir
         self.device = torch.device("cpu")  # NOTE: batches are built here; the trainer moves them
-        self.policy_version = min(self._version(u) for u in self.urls)
         self.in_flight = {u: 0 for u in self.urls}
         self.resubmitted = 0  # groups sent again after their server failed
         self._lock = threading.Lock()
+        versions = {}
+        for url in self.urls:
+            try:
+                versions[url] = self._version(url)
+            except Exception as e:
+                self.mark_dead(url, f"{type(e).__name__}: {e}")
+        if not versions:
+            raise RuntimeError(f"no rollout server answers: {', '.join(self.urls)}")
+        if len(set(versions.values())) > 1:
+            logger.warning("the rollout servers start at different weight versions %s: batches report the "
+                           "oldest", versions)
+        self.policy_version = min(versions.values())
         self._workers = ThreadPoolExecutor(64, thread_name_prefix="rollout-pool")
 
     # ------------------------------------------------------------------------ liveness
@@ -237,8 +248,9 @@ class RolloutPool:
                                type(e).__name__, e)
                 self.sync.close_group()
         if len(set(versions)) != 1:
-            raise RuntimeError(f"the servers disagree on the weight version after the broadcast: {versions}")
-        self.policy_version = versions[0]
+            logger.warning("the servers hold the same weights under different versions %s (they started apart): "
+                           "batches report the oldest", versions)
+        self.policy_version = min(versions)
         logger.info("weights v%d on %d server(s) in %.2fs", self.policy_version, len(live), time.perf_counter() - start)
         return self.policy_version
 

@@ -118,6 +118,63 @@ class _Counting:
         return self.group.broadcast(tensor, root)
 
 
+class _HungServer:
+    """A server on 127.0.0.1 that answers its version, then hangs (a stuck process): every later request,
+    /health included, gets no answer until the test ends."""
+
+    def __init__(self) -> None:
+        import http.server
+
+        release = self.release = threading.Event()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path == "/get_weight_version":
+                    body = b'{"weight_version": 0}'
+                    self.send_response(200)
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                else:
+                    release.wait(60)
+
+            def do_POST(self):
+                release.wait(60)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.release.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def test_a_hung_server_is_dropped_at_the_request_deadline(servers, caplog):
+    hung = _HungServer()
+    prompts = PROMPTS * 2
+    try:
+        with RolloutPool([servers.urls[0]], api_key=KEY) as alone:
+            want = alone.generate(prompts, temps=1.0, group_size=2, max_new_tokens=8, seed=5)
+        with RolloutPool([hung.url, servers.urls[0]], api_key=KEY, request_timeout_s=3, health_timeout_s=1) as pool:
+            start = time.monotonic()
+            with caplog.at_level(logging.WARNING, logger="rollout.rollout_pool"):
+                got = pool.generate(prompts, temps=1.0, group_size=2, max_new_tokens=8, seed=5)
+            # one deadline, one probe: far from an infinite wait
+            assert time.monotonic() - start < 30
+            assert pool.alive == [servers.urls[0]] and 1 <= pool.resubmitted <= len(prompts)
+        down = [r.getMessage() for r in caplog.records if "is down" in r.getMessage()]
+        assert len(down) == 1 and hung.url in down[0] and "ReadTimeout" in down[0], down
+        assert torch.equal(got.completion_ids, want.completion_ids)
+    finally:
+        hung.close()
+
+
 def test_killing_a_server_mid_call_finishes_on_the_other(servers, caplog):
     # NOTE: last in the module: it kills one of the module's servers.
     prompts = [[(7 * i + j) % 100 + 10 for j in range(6)] for i in range(12)]
