@@ -54,6 +54,8 @@ class WeightBroadcaster:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend == "nccl" and not (torch.cuda.is_available() and hasattr(torch.distributed, "ProcessGroupNCCL")):
+            raise ValueError("backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo'")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.urls = [u.rstrip("/") for u in urls]

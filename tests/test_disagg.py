@@ -107,6 +107,22 @@ def test_one_broadcast_reaches_both_servers(servers):
         assert torch.equal(again.completion_ids, batch.completion_ids)  # seeded per group, any server
 
 
+def test_bad_weight_group_requests_are_refused_by_name(servers):
+    def init(**info):
+        return httpx.post(servers.urls[0] + "/init_weight_transfer_engine", headers={"Authorization": f"Bearer {KEY}"},
+                          json={"init_info": {"master_address": "127.0.0.1", "master_port": 1, **info}}, timeout=30)
+
+    r = init(backend="nccl", rank_offset=1, world_size=3)
+    assert r.status_code == 400 and "nccl" in r.json()["error"]["message"]
+    r = init(rank_offset=3, world_size=3)
+    assert r.status_code == 400 and "rank_offset 3" in r.json()["error"]["message"]
+    if not torch.cuda.is_available():
+        from rollout.weight_sync import WeightBroadcaster
+
+        with pytest.raises(ValueError, match="nccl"):
+            WeightBroadcaster(servers.urls, backend="nccl")
+
+
 class _Counting:
     """The group with its `broadcast` calls counted."""
 
