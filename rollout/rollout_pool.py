@@ -86,6 +86,7 @@ class RolloutPool:
         self.device = torch.device("cpu")  # NOTE: batches are built here; the trainer moves them
         self.in_flight = {u: 0 for u in self.urls}
         self.resubmitted = 0  # groups sent again after their server failed
+        self.closed = False
         self._lock = threading.Lock()
         versions = {}
         for url in self.urls:
@@ -150,6 +151,9 @@ class RolloutPool:
             try:
                 r = self.http.post(url + "/v1/completions", json=body)
             except Exception as e:  # connection refused / reset, read timeout (the request's deadline)
+                if self.closed:  # NOTE: the learner is leaving (Ctrl-C): no server is to blame
+                    self._done(url)
+                    raise RuntimeError("the rollout pool was closed") from None
                 reason = f"{type(e).__name__}: {e}"
             else:
                 if r.status_code == 200 or r.status_code < 500:
@@ -276,6 +280,7 @@ class RolloutPool:
         pass
 
     def close(self) -> None:
+        self.closed = True
         if self.sync is not None:
             self.sync.close()
         self._workers.shutdown(wait=False, cancel_futures=True)

@@ -221,45 +221,62 @@ def test_killing_a_server_mid_call_finishes_on_the_other(servers, caplog):
         assert greedy_on(servers.urls[0], PROMPTS[0]) == hf_greedy(new, PROMPTS[0], 8)
 
 
-def test_recipe_trains_on_two_servers_and_ctrl_c_leaves_no_orphan(tmp_path):
+def test_recipe_survives_a_dead_server_and_ctrl_c_leaves_no_orphan(tmp_path):
     """`recipes/grpo_disagg.py` in one command: 2 servers started as children, GRPO steps whose rollouts come
     from them and whose weights reach them (the servers' logprobs equal the learner's on every step: the
-    broadcast landed), then Ctrl-C: the learner exits and both servers are gone."""
+    broadcast landed); server 1 killed after step 3: the run goes on with server 0 and says so; then Ctrl-C:
+    the learner exits and no server is left."""
     from support.training import save_tiny_addition_checkpoint
 
     model = save_tiny_addition_checkpoint(tmp_path / "model")
     out = tmp_path / "run"
     cmd = [sys.executable, str(ROOT / "recipes" / "grpo_disagg.py"), "--model", model, "--rollout_servers", "2",
            "--steps", "1000", "--prompts_per_step", "4", "--group_size", "4", "--output_dir", str(out),
-           "--server_cpus", "0", "--learner_cpus", "0"]  # NOTE: pinned flags given: the default pins nothing here
+           "--server_cpus", "0", "--learner_cpus", "0"]  # NOTE: given, so the test process's cores stay as they are
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     log = tmp_path / "learner.log"
     with open(log, "w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
     metrics = out / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + 180
-        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+
+    def wait_steps(n: int, timeout: float = 180) -> None:
+        deadline = time.monotonic() + timeout
+        while not (metrics.exists() and len(metrics.read_text().splitlines()) >= n):
             assert proc.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, f"no 3 steps in 180 s: {log.read_text()[-3000:]}"
-            time.sleep(0.2)
+            assert time.monotonic() < deadline, f"no {n} steps in {timeout} s: {log.read_text()[-3000:]}"
+            time.sleep(0.1)
+
+    try:
+        wait_steps(3)
         pids = [int((out / "servers" / f"server{i}.pid").read_text()) for i in range(2)]
         assert all(_alive(p) for p in pids)
+        os.killpg(pids[1], signal.SIGKILL)  # server 1 dies mid-run
+        wait_steps(7)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
         proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [r["step"] for r in records[:3]] == [1, 2, 3]
+    assert [r["step"] for r in records[:7]] == list(range(1, 8))
+    assert [r["policy_version"] for r in records[:7]] == [float(v) for v in range(7)]
     # the learner's logprobs of the servers' tokens, under the weights it broadcast, equal the servers' own
     assert all(r["logprob_mismatch_max"] < 1e-4 for r in records), [r["logprob_mismatch_max"] for r in records]
-    assert [r["policy_version"] for r in records[:3]] == [0.0, 1.0, 2.0]
+    text = log.read_text()
+    assert "weights broadcast to 2 server(s)" in text and "weights broadcast to 1 server(s)" in text
+    down = [line for line in text.splitlines() if "is down" in line]
+    assert len(down) == 1 and f"127.0.0.1:{_port(out, 1)} is down" in down[0], down
     deadline = time.monotonic() + 30
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, f"orphan rollout server(s) after Ctrl-C: {[p for p in pids if _alive(p)]}"
         time.sleep(0.1)
-    assert "weights broadcast to 2 server(s)" in log.read_text()
+
+
+def _port(out: Path, i: int) -> int:
+    """Server i's port, from its command line in the learner's log of started servers."""
+    log = (out.parent / "learner.log").read_text()
+    urls = log.split("rollout server(s) up: ")[1].split(" (logs")[0].split(", ")
+    return int(urls[i].rsplit(":", 1)[1])
 
 
 def _alive(pid: int) -> bool:
