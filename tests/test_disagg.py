@@ -134,6 +134,16 @@ class _Counting:
         return self.group.broadcast(tensor, root)
 
 
+def test_disk_fallback_updates_every_server(servers, tmp_path):
+    v0 = [get(u, "/get_weight_version")["weight_version"] for u in servers.urls]
+    new = make_model("qwen3", seed=7)
+    with RolloutPool(servers.urls, api_key=KEY, weight_transfer="disk", disk_dir=str(tmp_path / "w")) as pool:
+        assert pool.update_weights(new) == v0[0] + 1
+    assert [get(u, "/get_weight_version")["weight_version"] for u in servers.urls] == [v + 1 for v in v0]
+    for url in servers.urls:
+        assert greedy_on(url, PROMPTS[1]) == hf_greedy(new, PROMPTS[1], 8)
+
+
 class _HungServer:
     """A server on 127.0.0.1 that answers its version, then hangs (a stuck process): every later request,
     /health included, gets no answer until the test ends."""
@@ -221,6 +231,7 @@ def test_killing_a_server_mid_call_finishes_on_the_other(servers, caplog):
         assert greedy_on(servers.urls[0], PROMPTS[0]) == hf_greedy(new, PROMPTS[0], 8)
 
 
+@pytest.mark.slow  # NOTE: 3 more Python processes to start: ~25 s on a calm box, 35-70 s at load 8-12
 def test_recipe_survives_a_dead_server_and_ctrl_c_leaves_no_orphan(tmp_path):
     """`recipes/grpo_disagg.py` in one command: 2 servers started as children, GRPO steps whose rollouts come
     from them and whose weights reach them (the servers' logprobs equal the learner's on every step: the
