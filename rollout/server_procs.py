@@ -3,7 +3,7 @@
     with ServerProcesses(model_dir, n=2, cpus=[0], threads=1, serve_args=["--page-size", "16"]) as servers:
         servers.urls          # ["http://127.0.0.1:PORT", ...], each answering /health
 
-Each child runs `python -m rollout serve` on 127.0.0.1 and a free port, in a session (process group) of its
+Each child runs `rollout serve` on 127.0.0.1 and a free port, in a session (process group) of its
 own, optionally pinned to `cpus` (`os.sched_setaffinity`) with `OMP_NUM_THREADS=threads`. No orphans: the
 children are stopped (SIGTERM to their group, SIGKILL after a grace period) by `stop()`, on leaving the
 `with`, at interpreter exit (`atexit`), and, on Linux, by the kernel when the learner dies without cleaning
@@ -14,7 +14,6 @@ up (`PR_SET_PDEATHSIG`). The learner's SIGTERM is turned into `SystemExit` by `i
 from __future__ import annotations
 
 import atexit
-import ctypes
 import logging
 import os
 import signal
@@ -34,19 +33,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _child_setup(cpus: Sequence[int] | None):
-    """The function the child runs before `exec`: pinned, and killed when its parent dies (Linux)."""
-
-    def setup() -> None:
-        if cpus:
-            os.sched_setaffinity(0, set(cpus))
-        if sys.platform.startswith("linux"):
-            try:
-                ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-            except OSError:
-                pass
-
-    return setup
+# NOTE: each child starts through this bootstrap instead of a `preexec_fn` (unsafe in a process with threads):
+# it pins itself before torch starts its threads, asks the kernel for SIGTERM when the learner dies
+# (Linux `PR_SET_PDEATHSIG`), leaves at once if the learner is already gone, then runs `rollout serve`.
+BOOTSTRAP = """
+import ctypes, os, signal, sys
+cpus = os.environ.pop("ROLLOUT_SERVER_CPUS", "")
+if cpus:
+    os.sched_setaffinity(0, {int(c) for c in cpus.split(",")})
+if sys.platform.startswith("linux"):
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)
+    except OSError:
+        pass
+if os.getppid() != int(os.environ.pop("ROLLOUT_PARENT_PID", os.getppid())):
+    sys.exit("rollout serve: the learner that started this server is gone")
+from rollout.__main__ import main
+sys.exit(main(["serve", *sys.argv[1:]]))
+"""
 
 
 class ServerProcesses:
@@ -77,7 +81,8 @@ class ServerProcesses:
         self.urls: list[str] = []
         self.logs: list[Path] = []
         atexit.register(self.stop)
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ROLLOUT_PARENT_PID": str(os.getpid()),
+               "ROLLOUT_SERVER_CPUS": ",".join(str(c) for c in cpus or ())}
         # NOTE: the children import this very package (a source checkout on PYTHONPATH included)
         root = str(Path(__file__).resolve().parents[1])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
@@ -85,11 +90,11 @@ class ServerProcesses:
             for i in range(n):
                 port = _free_port()
                 log = self.log_dir / f"server{i}.log"
-                cmd = [python or sys.executable, "-m", "rollout", "serve", str(model_path), "--host", "127.0.0.1",
+                cmd = [python or sys.executable, "-c", BOOTSTRAP, str(model_path), "--host", "127.0.0.1",
                        "--port", str(port), *serve_args]
                 with open(log, "w") as out:
                     self.procs.append(subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                                       start_new_session=True, preexec_fn=_child_setup(cpus)))
+                                                       start_new_session=True))
                 self.urls.append(f"http://127.0.0.1:{port}")
                 self.logs.append(log)
                 (self.log_dir / f"server{i}.pid").write_text(str(self.procs[-1].pid))

@@ -261,6 +261,7 @@ def test_recipe_survives_a_dead_server_and_ctrl_c_leaves_no_orphan(tmp_path):
         wait_steps(3)
         pids = [int((out / "servers" / f"server{i}.pid").read_text()) for i in range(2)]
         assert all(_alive(p) for p in pids)
+        assert all(os.sched_getaffinity(p) == {0} for p in pids)  # --server_cpus 0
         os.killpg(pids[1], signal.SIGKILL)  # server 1 dies mid-run
         wait_steps(7)
         proc.send_signal(signal.SIGINT)  # Ctrl-C
@@ -281,6 +282,32 @@ def test_recipe_survives_a_dead_server_and_ctrl_c_leaves_no_orphan(tmp_path):
     while any(_alive(p) for p in pids):
         assert time.monotonic() < deadline, f"orphan rollout server(s) after Ctrl-C: {[p for p in pids if _alive(p)]}"
         time.sleep(0.1)
+
+
+@pytest.mark.slow  # NOTE: a learner process and its server to start: ~15 s calm
+def test_servers_die_with_a_learner_killed_outright(tmp_path):
+    """SIGKILL on the learner runs none of its cleanup; the kernel still stops its servers (PR_SET_PDEATHSIG)."""
+    model = save_tiny(tmp_path / "model")
+    script = (f"import sys; from rollout.server_procs import ServerProcesses\n"
+              f"s = ServerProcesses({str(model)!r}, n=1, serve_args=['--log-level', 'warning'], "
+              f"log_dir={str(tmp_path / 'logs')!r}, start_timeout_s=170)\n"
+              "print('UP', flush=True); sys.stdin.read()")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    learner = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                               env=env, cwd=ROOT, text=True)
+    try:
+        assert learner.stdout.readline().strip() == "UP"
+        pid = int((tmp_path / "logs" / "server0.pid").read_text())
+        assert _alive(pid)
+        learner.kill()
+        learner.wait(30)
+        deadline = time.monotonic() + 30
+        while _alive(pid):
+            assert time.monotonic() < deadline, "the server outlived its SIGKILLed learner"
+            time.sleep(0.1)
+    finally:
+        if learner.poll() is None:
+            learner.kill()
 
 
 def _port(out: Path, i: int) -> int:
