@@ -107,19 +107,48 @@ def _transfer(request: Request) -> dict:
 
 @router.post("/init_weight_transfer_engine")
 async def init_weight_transfer_engine(req: InitTransferRequest, request: Request) -> dict:
+    """Join the trainer's group as rank `rank_offset` of `world_size` (one broadcast can feed several servers);
+    `backend` "gloo" (default) or "nccl" (the engine on CUDA); `timeout_s` bounds the join and each receive.
+    A group this server was already in is left first."""
     info = req.init_info
     try:
         kwargs = dict(master_address=str(info["master_address"]), master_port=int(info["master_port"]),
-                      rank_offset=int(info.get("rank_offset", 1)), world_size=int(info.get("world_size", 2)))
+                      rank_offset=int(info.get("rank_offset", 1)), world_size=int(info.get("world_size", 2)),
+                      timeout_s=float(info.get("timeout_s", 120.0)), backend=str(info.get("backend", "gloo")))
     except (KeyError, TypeError, ValueError) as e:
         raise APIError(f"init_info needs master_address and master_port: {e}", "init_info") from None
+    if not 1 <= kwargs["rank_offset"] < kwargs["world_size"]:
+        raise APIError(f"init_info: rank_offset {kwargs['rank_offset']} outside [1, world_size "
+                       f"{kwargs['world_size']})", "init_info")
+    device = _bridge(request).engine.device
+    if kwargs["backend"] == "nccl" and device.type != "cuda":
+        raise APIError("init_info: backend 'nccl' needs the engine on a CUDA device; this one runs on "
+                       f"{device.type} (use 'gloo')", "init_info")
+    _close(request)
     t = _transfer(request)
     loop = asyncio.get_running_loop()
     try:
-        t["receiver"] = await loop.run_in_executor(t["pool"], lambda: WeightReceiver(**kwargs))
+        t["receiver"] = await loop.run_in_executor(t["pool"], lambda: WeightReceiver(**kwargs, device=device))
     except Exception as e:
         raise APIError(f"could not join the trainer's group: {type(e).__name__}: {e}", "init_info") from None
     return {"success": True}
+
+
+@router.post("/close_communicator")
+async def close_communicator(request: Request) -> dict:
+    """Leave the trainer's group (TRL's name), abandoning a transfer in progress; the weights serving stay."""
+    return {"success": True, "closed": _close(request)}
+
+
+def _close(request: Request) -> bool:
+    state = request.app.state
+    t = getattr(state, "transfer", None)
+    if t is None or t["receiver"] is None:
+        return False
+    # NOTE: a receive stuck on a dead trainer holds the old worker until its timeout; a new pool serves on.
+    t["pool"].shutdown(wait=False, cancel_futures=True)
+    del state.transfer
+    return True
 
 
 @router.post("/start_weight_update")
@@ -145,7 +174,12 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
     targets.update(dict(view.named_buffers(remove_duplicate=False)))
     info = req.update_info
     items = check_update(targets, info.get("names"), info.get("dtype_names"), info.get("shapes"))
-    t["pending"].append(asyncio.get_running_loop().run_in_executor(t["pool"], _releasing(receiver.receive), items))
+    packed = bool(info.get("packed", False))  # NOTE: vLLM's name: the chunk comes as one flat buffer
+    if packed and len({dtype for _, dtype, _ in items}) > 1:
+        raise APIError("update_info: a packed chunk holds tensors of one dtype", "update_info")
+    receive = receiver.receive_packed if packed else receiver.receive
+    if items:
+        t["pending"].append(asyncio.get_running_loop().run_in_executor(t["pool"], _releasing(receive), items))
     return {"success": True}
 
 

@@ -1,20 +1,21 @@
 """New weights for the served engine: from a `save_pretrained` directory, or pushed by a trainer process
 over `torch.distributed` (gloo on CPU, NCCL on GPU).
 
-The push uses a two-rank group of its own (trainer rank 0, server rank 1) built from a `TCPStore`, never
-torch's default process group, so the server holds no global distributed state. Tensors are staged and
+The push uses a group of its own built from a `TCPStore` (trainer rank 0; one server: rank 1; several
+servers fed by one broadcast, `rollout.weight_sync`: ranks 1..N), never torch's default process group, so
+the server holds no global distributed state. A chunk arrives tensor by tensor, or `packed` as one flat
+buffer of one dtype (`rollout.weight_transfer`). Tensors are staged and
 only copied into the engine when the update finishes, all or nothing: a failed push leaves the old
 weights serving.
 """
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
+from ..weight_transfer import new_group, unflatten
 from ..weights import strip_prefixes
 from .protocol import APIError
 
@@ -77,14 +78,15 @@ class WeightReceiver:
         master_address, master_port: the trainer's `TCPStore` (rank 0 hosts it).
         rank_offset: this server's rank; world_size: ranks in the group (2: one trainer, one server).
         timeout_s: how long joining, and each tensor, may wait for the trainer.
+        backend: "gloo" (tensors through the CPU) or "nccl" (into `device`, a CUDA device).
+        device: where received tensors land (the engine's device with NCCL).
     """
 
     def __init__(self, master_address: str, master_port: int, rank_offset: int = 1, world_size: int = 2,
-                 timeout_s: float = 120.0) -> None:
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = dist.TCPStore(master_address, int(master_port), int(world_size), is_master=False,
-                                   timeout=timeout)
-        self.group = dist.ProcessGroupGloo(self.store, int(rank_offset), int(world_size), timeout)
+                 timeout_s: float = 120.0, backend: str = "gloo", device: torch.device | str = "cpu") -> None:
+        self.store, self.group = new_group(master_address, master_port, int(rank_offset), int(world_size),
+                                           timeout_s, backend, is_master=False)
+        self.device = torch.device(device) if backend == "nccl" else torch.device("cpu")
         self.staged: dict[str, torch.Tensor] | None = None
 
     def start(self) -> None:
@@ -95,12 +97,23 @@ class WeightReceiver:
         if self.staged is None:
             raise RuntimeError("call /start_weight_update first")
         for name, dtype, shape in items:
-            t = torch.empty(shape, dtype=dtype)
+            t = torch.empty(shape, dtype=dtype, device=self.device)
             self.group.broadcast(t, 0).wait()
             self.staged[name] = t
+
+    def receive_packed(self, items: list) -> None:
+        """Receive one chunk sent as a single flat buffer (`rollout.weight_transfer.flatten`, one dtype)."""
+        if self.staged is None:
+            raise RuntimeError("call /start_weight_update first")
+        shapes = [shape for _, _, shape in items]
+        flat = torch.empty(sum(int(torch.Size(s).numel()) for s in shapes), dtype=items[0][1], device=self.device)
+        self.group.broadcast(flat, 0).wait()
+        for (name, _, _), view in zip(items, unflatten(flat, shapes), strict=True):
+            self.staged[name] = view
 
     def take(self) -> dict[str, torch.Tensor]:
         staged, self.staged = self.staged, None
         if staged is None:
             raise RuntimeError("no weight update in progress: call /start_weight_update first")
         return staged
+

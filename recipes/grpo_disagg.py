@@ -1,0 +1,157 @@
+"""GRPO with disaggregated rollout: `rollout serve` child processes generate, this process trains.
+
+One command starts everything: the policy (the embedded warm start of recipes/grpo.py, or `--model`) is
+saved, `--rollout_servers N` servers are started on it as child processes (127.0.0.1, free ports, pinned to
+`--server_cpus` with `--server_threads` OpenMP threads each), the learner pins itself to `--learner_cpus`,
+then GRPO (`trainers.disagg.DisaggGRPOTrainer`): each step the prompt groups go to the servers (least-loaded,
+per-request deadlines; a dead or hung server is dropped with a log line and its groups resubmitted to the
+others), the learner trains on the token ids and logprobs they return, and the new weights go to every
+server in one bucketed `torch.distributed` broadcast (gloo on CPU, NCCL on GPU; `--weight_transfer disk`
+falls back to `update_weights_from_disk`). Ctrl-C or SIGTERM stops the learner and its servers (no orphans).
+
+The algorithm is recipes/grpo.py's (same defaults: 32 prompts x 8 samples at T=1.2, per-digit addition
+reward, 2 passes x 2 minibatches of AdamW at 5e-4); only where generation runs differs.
+
+Launch (2 CPU cores: both servers on core 0, the learner on core 1):
+    python recipes/grpo_disagg.py --rollout_servers 2 --output_dir runs/grpo_disagg
+    python recipes/grpo_disagg.py --rollout_servers 1 --server_cpus 0 --learner_cpus 1 --steps 50
+A hub or local model: `--model PATH --dataset FILE --reward exact_match` (the servers load PATH too).
+NOTE: `rollout serve` loads its model on the CPU today, so this recipe runs on CPUs; the broadcast's NCCL
+path (`WeightBroadcaster(backend="nccl")`) is written for servers on GPUs but untested here (no GPU).
+"""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: see recipes/grpo.py
+
+import argparse
+import logging
+import time
+
+import torch
+from _common import (
+    GRPO_EMBEDDED_ENGINE,
+    GRPO_WARM_START,
+    REWARDS,
+    fresh_output_dir,
+    get_reward,
+    load_policy_and_prompts,
+    make_accelerator,
+    plot_rewards,
+    read_metrics,
+    summarize,
+    write_json,
+)
+from accelerate.utils import set_seed
+
+from rollout.rollout_pool import RolloutPool
+from rollout.server_procs import ServerProcesses, install_signal_handlers
+from trainers import GRPOConfig
+from trainers.disagg import DisaggGRPOTrainer
+
+TRAIN_PROMPTS = 8192
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default=None, help="local path or hub id (default: the embedded warm start)")
+    p.add_argument("--dataset", default=None, help="json/jsonl/parquet/csv, save_to_disk dir or hub id")
+    p.add_argument("--dataset_split", default="train")
+    p.add_argument("--reward", default="addition", choices=sorted(REWARDS))
+    p.add_argument("--algorithm", default="grpo", choices=["grpo", "dr_grpo", "dapo"])
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--prompts_per_step", type=int, default=32)
+    p.add_argument("--group_size", type=int, default=8)
+    p.add_argument("--temperature", type=float, default=1.2)
+    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--iterations", type=int, default=2)
+    p.add_argument("--minibatches", type=int, default=2)
+    p.add_argument("--max_new_tokens", type=int, default=5)
+    p.add_argument("--sft_target", type=float, default=GRPO_WARM_START["target_exact"])
+    p.add_argument("--sft_steps", type=int, default=GRPO_WARM_START["max_sft_steps"])
+    p.add_argument("--sft_seed", type=int, default=GRPO_WARM_START["seed"])
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output_dir", default="runs/grpo_disagg")
+    # the disaggregated layout
+    p.add_argument("--rollout_servers", type=int, default=2, help="rollout server processes to start")
+    p.add_argument("--server_cpus", default=None, help="CPU ids the servers share, e.g. '0' (default: core 0 of 2+)")
+    p.add_argument("--learner_cpus", default=None, help="CPU ids of the learner, e.g. '1' (default: the others)")
+    p.add_argument("--server_threads", type=int, default=1, help="OpenMP threads per server")
+    p.add_argument("--weight_transfer", default="broadcast", choices=["broadcast", "disk"])
+    p.add_argument("--bucket_mb", type=float, default=64.0, help="largest flat buffer of one broadcast (MB)")
+    p.add_argument("--request_timeout", type=float, default=300.0, help="deadline of one group's request (s)")
+    p.add_argument("--serve_args", default="", help="extra `rollout serve` flags, e.g. '--max-batch-tokens 4096'")
+    return p.parse_args(argv)
+
+
+def cpu_split(args) -> tuple[list[int] | None, list[int] | None]:
+    """(server CPUs, learner CPUs): the flags, else core 0 for the servers and the rest for the learner."""
+    ids = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
+    if args.server_cpus or args.learner_cpus:
+        return (ids(args.server_cpus) if args.server_cpus else None), (ids(args.learner_cpus) if args.learner_cpus else None)
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None, None
+    return cpus[:1], cpus[1:]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    install_signal_handlers()  # NOTE: SIGTERM unwinds like Ctrl-C: the servers are stopped either way
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # NOTE: one line per HTTP call otherwise
+    server_cpus, learner_cpus = cpu_split(args)
+    if learner_cpus:
+        os.sched_setaffinity(0, learner_cpus)
+        torch.set_num_threads(len(learner_cpus))
+    accelerator = make_accelerator()
+    set_seed(args.seed)
+    fresh_output_dir(accelerator, args.output_dir)
+    start = time.perf_counter()
+    model_path, tokenizer, model, dataset, warm_start_s = load_policy_and_prompts(
+        accelerator, args, TRAIN_PROMPTS, sft_seed=args.sft_seed
+    )
+    serve_args = ["--dtype", "float32", "--log-level", "warning", *args.serve_args.split()]
+    if not args.model:  # NOTE: the embedded task's engine settings (recipes/_common.py)
+        cfg = GRPO_EMBEDDED_ENGINE
+        serve_args += ["--page-size", str(cfg.page_size), "--num-blocks", str(cfg.num_blocks),
+                       "--max-batch-tokens", str(cfg.max_batch_tokens)]
+    config = GRPOConfig(
+        output_dir=args.output_dir, algorithm=args.algorithm, max_steps=args.steps,
+        prompts_per_step=args.prompts_per_step, group_size=args.group_size, temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens, learning_rate=args.lr, num_iterations=args.iterations,
+        num_minibatches=args.minibatches, seed=args.seed, log_stdout=True, progress=False,
+    )
+    spawn = time.perf_counter()
+    with ServerProcesses(model_path, n=args.rollout_servers, cpus=server_cpus, threads=args.server_threads,
+                         serve_args=serve_args, log_dir=os.path.join(args.output_dir, "servers")) as servers:
+        spawn_s = time.perf_counter() - spawn
+        pool = RolloutPool(servers.urls, tokenizer=tokenizer, request_timeout_s=args.request_timeout,
+                           weight_transfer=args.weight_transfer, bucket_bytes=int(args.bucket_mb * 2**20),
+                           disk_dir=os.path.join(args.output_dir, "sync"))
+        trainer = DisaggGRPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config,
+                                    accelerator=accelerator, pool=pool)
+        with trainer:
+            trainer.train()
+        alive = len(pool.alive)
+    history = read_metrics(args.output_dir)
+    wall = time.perf_counter() - start
+    summary = summarize(history, wall, warm_start_s=warm_start_s, servers_start_s=spawn_s, model=model_path,
+                        algorithm=args.algorithm, rollout_servers=args.rollout_servers, servers_alive_at_end=alive,
+                        server_cpus=server_cpus, learner_cpus=learner_cpus, weight_transfer=args.weight_transfer)
+    first, last = summary["reward_first5"], summary["reward_last5"]
+    plot_rewards(history, os.path.join(args.output_dir, "reward.png"),
+                 f"disaggregated {args.algorithm} ({args.rollout_servers} servers): reward {first:.3f} -> {last:.3f}")
+    write_json(summary, os.path.join(args.output_dir, "summary.json"))
+    trainer.policy.save_pretrained(os.path.join(args.output_dir, "final"))
+    tokenizer.save_pretrained(os.path.join(args.output_dir, "final"))
+    print(f"reward first5 {first:.3f} -> last5 {last:.3f} in {summary['steps']} steps, {wall:.0f}s "
+          f"({args.rollout_servers} rollout servers, {alive} alive at the end); outputs in {args.output_dir}")
+    return summary
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`DisaggGRPOTrainer`: GRPO whose rollouts come from `rollout serve` processes instead of an engine in the
+learner's process (the disaggregated layout: rollout servers on their own cores or GPUs, the learner on others).
+
+The trainer is `GRPOTrainer` unchanged but for its engine: a `rollout.rollout_pool.RolloutPool` with the
+engine's RL API (`generate` -> `RolloutBatch` of token ids and logprobs straight from the servers,
+`update_weights(policy)` -> one bucketed broadcast to every live server, `policy_version`). The step stays
+synchronous: generate on the servers, train here, broadcast, next step; the parity probe
+(`logprob_mismatch_max`) compares the servers' logprobs with the learner's own on the same tokens, so a
+broadcast that did not land shows there. One learner process (the broadcast has one rank 0).
+"""
+
+from __future__ import annotations
+
+from rollout.rollout_pool import RolloutPool
+
+from .grpo import GRPOConfig, GRPOTrainer
+
+
+class DisaggGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` on a `RolloutPool` (see the module docstring).
+
+    Args:
+        model, tokenizer, reward_funcs, train_dataset, config: as `GRPOTrainer`.
+        pool: the pool of rollout servers; they must serve the same initial weights as `model` (started on
+            the checkpoint it was loaded from). The trainer closes the pool; the servers are the caller's.
+    """
+
+    def __init__(self, model, tokenizer, reward_funcs, train_dataset, config: GRPOConfig | None = None, *,
+                 pool: RolloutPool, **kwargs) -> None:
+        if not isinstance(pool, RolloutPool):
+            raise ValueError(f"pool must be a rollout.rollout_pool.RolloutPool, got {type(pool).__name__}")
+        self.pool = pool
+        super().__init__(model, tokenizer, reward_funcs, train_dataset, config, **kwargs)
+        if self.accelerator.num_processes != 1:
+            raise ValueError("DisaggGRPOTrainer runs one learner process (the weight broadcast has one rank 0); "
+                             f"got {self.accelerator.num_processes}")
+
+    def build_engine(self) -> RolloutPool:
+        if self.config.engine_dtype is not None:
+            raise ValueError("engine_dtype does not apply to rollout servers: start them with --dtype instead")
+        return self.pool
