@@ -6,8 +6,9 @@
     pool.close()
 
 Each prompt's group is one `/v1/completions` request (token ids in, `n=group_size`, `return_token_ids`,
-`logprobs=0`: token ids and logprobs out, no retokenisation), sent to the live server with the fewest groups
-in flight. Group i of a call seeded `s` is seeded `row_seed(s, i)`, so its samples do not depend on which
+`logprobs=0`: token ids and logprobs out, no retokenisation; the answering weights' version from the
+`X-Weight-Version` header, or per token from `weight_versions` where the server reports them), sent to the live
+server with the fewest groups in flight. Group i of a call seeded `s` is seeded `row_seed(s, i)`, so its samples do not depend on which
 server runs it. Liveness: every request has a deadline (`request_timeout_s`); a request that fails (refused
 connection, timeout, 5xx) makes the pool probe that server's `/health` (`health_timeout_s`); a server that
 does not answer is marked dead with a log line and its groups go to the others, each group at most
@@ -162,7 +163,9 @@ class RolloutPool:
                         raise ValueError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
                     if attempt:
                         logger.warning("group %d done on %s after %d failed attempt(s)", i, url, attempt)
-                    return r.json()
+                    answer = r.json()
+                    answer["weight_version"] = int(r.headers.get("x-weight-version", self.policy_version))
+                    return answer
                 reason = f"HTTP {r.status_code}"
             errors.append(f"{url}: {reason}")
             if not self.healthy(url):
@@ -200,7 +203,7 @@ class RolloutPool:
         outputs: list[GenerationOutput] = []
         for i, f in enumerate(futures):
             answer = f.result(timeout=bound)
-            outputs += self._outputs(i, ids[i], group_size, answer, self.policy_version)
+            outputs += self._outputs(i, ids[i], group_size, answer, answer["weight_version"])
         return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
                           self.tokenizer)
 

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .weight_transfer import buckets, flatten, new_group
+from .weight_transfer import buckets, new_group
 
 logger = logging.getLogger("rollout.weight_sync")
 
@@ -66,6 +66,7 @@ class WeightBroadcaster:
         self.group = None
         self._store = None
         self.members: list[str] = []  # the servers in the current group, in rank order
+        self._buffers: dict[torch.dtype, torch.Tensor] = {}  # [<= bucket elements] per dtype, reused
         self._calls = ThreadPoolExecutor(max(2, len(self.urls)), thread_name_prefix="weight-sync")
 
     # ----------------------------------------------------------------------------- http
@@ -159,7 +160,7 @@ class WeightBroadcaster:
             # NOTE: every member checks the names and shapes and answers before it receives, so a refused
             # bucket never leaves this side waiting in the broadcast.
             self._all(lambda u, info=info: self._post(u, "/update_weights", {"update_info": info}))
-            flat = flatten([t for _, t in bucket], self.device)
+            flat = self._flat([t for _, t in bucket])
             self.group.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
         answers = self._all(lambda u: self._post(u, "/finish_weight_update"))
@@ -168,7 +169,22 @@ class WeightBroadcaster:
                     versions)
         return versions
 
+    def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """The bucket as one flat tensor on the group's device: a lone contiguous tensor as it is (a view, no
+        copy), else packed into a buffer kept across broadcasts (a fresh one each time costs page faults:
+        `flatten` of ~0.5 GB took ~1 s of a ~2 s update on a loaded CPU)."""
+        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == self.device:
+            return tensors[0].detach().reshape(-1)
+        n = sum(t.numel() for t in tensors)
+        buf = self._buffers.get(tensors[0].dtype)
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[tensors[0].dtype] = torch.empty(n, dtype=tensors[0].dtype, device=self.device)
+        out = buf[:n]
+        torch.cat([t.detach().reshape(-1).to(self.device) for t in tensors], out=out)
+        return out
+
     def close(self) -> None:
+        self._buffers.clear()
         self.close_group()
         self._calls.shutdown(wait=False, cancel_futures=True)
         self.http.close()

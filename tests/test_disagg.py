@@ -57,6 +57,8 @@ def greedy_on(url: str, prompt: list[int], n: int = 8) -> list[int]:
                    json={"prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
                          "return_token_ids": True})
     assert r.status_code == 200, r.text
+    # the weights that answered, named by the response itself
+    assert int(r.headers["x-weight-version"]) == get(url, "/get_weight_version")["weight_version"]
     return r.json()["choices"][0]["token_ids"]
 
 

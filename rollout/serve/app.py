@@ -76,6 +76,27 @@ class Guard:
         return await self.app(scope, replay, send)
 
 
+class VersionHeader:
+    """ASGI middleware: every `/v1/` response carries `X-Weight-Version`, the engine's `policy_version` when the
+    response starts (for a non-streamed completion: once its samples are done), so a client that feeds token
+    ids and takes token ids back also knows which weights answered."""
+
+    def __init__(self, app, bridge: EngineBridge) -> None:
+        self.app, self.bridge = app, bridge
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith("/v1/"):
+            return await self.app(scope, receive, send)
+
+        async def send_versioned(message) -> None:
+            if message["type"] == "http.response.start":
+                version = str(self.bridge.weight_version).encode()
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-weight-version", version)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_versioned)
+
+
 async def _reply(send, status: int, body: dict) -> None:
     data = json.dumps(body).encode()
     await send({"type": "http.response.start", "status": status,
@@ -141,5 +162,6 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
         return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error"),
                             status_code=500)
 
+    app.add_middleware(VersionHeader, bridge=bridge)
     app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
     return app
