@@ -1,0 +1,222 @@
+"""Tensor parallelism: one engine per rank on a model sharded with `DistributedConfig(tp_size=N)`.
+
+Every rank of a tensor-parallel group runs the same step on its own shards (its attention heads, its KV
+heads: the paged cache is sized per shard), so every rank must make the same decisions. Rank 0 of the
+group leads; `TensorParallelGroup` ties the others to it over a CPU (gloo) group whose collectives are
+bounded by `ContinuousBatchingConfig.cpu_group_timeout`:
+
+- at construction the ranks agree on the engine config (ValueError naming the fields that differ) and
+  on the memory plan (the smallest page count and step budget of all ranks);
+- every round (`exchange`) rank 0 sends the commands it took from its inbox (submissions, cancellations,
+  pauses), its stop mode and whether it steps; the other ranks apply those instead of their own inbox, so
+  submissions and cancellations made on rank 0 reach every rank, and each rank's scheduler (deterministic
+  given the same inputs) makes the same schedule;
+- every step (`agree_sampled`) rank 0's sampled tokens and logprobs replace the others', so unseeded
+  sampling is one stream for all ranks; the ranks also check they scheduled the same rows;
+- rank 0 sends an empty message when idle (every quarter of the timeout), so a follower waiting for the
+  next round only times out when rank 0 really stopped answering;
+- a follower applies a round only once its own `update_weights` / `reset_prefix_cache` calls caught up
+  with rank 0's (policy version and flush count travel with each message), so the shards of one forward
+  always hold the same weights and every rank drops its prefix cache at the same point.
+
+A collective that times out raises `TensorParallelTimeout` naming the group, the timeout and what was
+being exchanged; the group is then broken and every later exchange raises at once.
+
+Results are delivered on every rank: a follower's outbox receives rank 0's requests (same ids; automatic
+ids are deterministic, so ranks running the same code get the same ids).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .config import ContinuousBatchingConfig
+from .model_facts import text_config
+
+# NOTE: gloo needs a finite timeout; "None" (no bound) is a year.
+NO_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+class TensorParallelTimeout(RuntimeError):
+    """A rank of the tensor-parallel CPU group did not answer within `cpu_group_timeout`."""
+
+
+def tp_size_of(model: torch.nn.Module) -> int:
+    """The tensor-parallel size a model was loaded with (`DistributedConfig(tp_size=N)`), 1 if none."""
+    return int(getattr(model, "_tp_size", None) or getattr(model, "tp_size", None) or 1)
+
+
+def check_tp_model(model: torch.nn.Module, tp_size: int) -> None:
+    """ValueError naming the setting when a sharded model cannot run in the paged engine."""
+    if getattr(model, "hf_device_map", None) is not None:
+        raise ValueError("device_map and distributed_config are mutually exclusive: tensor parallelism shards every "
+                         "module across the ranks while device_map places whole modules on devices; load with one")
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError(f"the model was loaded with tp_size={tp_size} but torch.distributed is not initialised "
+                         "(launch with torchrun --nproc-per-node N)")
+    tc = text_config(model)
+    heads = tc.num_attention_heads
+    kv_heads = getattr(tc, "num_key_value_heads", None) or heads
+    for name, value in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads)):
+        if value % tp_size:
+            raise ValueError(f"tp_size={tp_size} must divide the model's {name} ({value}): each rank's paged KV "
+                             f"cache holds {name}/tp_size heads; pick --nproc-per-node among the divisors of {value}")
+
+
+def tp_ranks(model: torch.nn.Module) -> list[int]:
+    """The global ranks of this rank's tensor-parallel group (the model's device mesh)."""
+    mesh = getattr(model, "_device_mesh", None) or getattr(model, "device_mesh", None)
+    if mesh is None:
+        return list(range(dist.get_world_size()))
+    names = getattr(mesh, "mesh_dim_names", None) or ()
+    sub = mesh["tp"] if "tp" in names and len(names) > 1 else mesh
+    return sorted(dist.get_process_group_ranks(sub.get_group()))
+
+
+def config_fields(config: ContinuousBatchingConfig) -> dict:
+    return {f.name: repr(getattr(config, f.name)) for f in dataclasses.fields(config)}
+
+
+@dataclasses.dataclass(slots=True)
+class Round:
+    """What rank 0 sends each round: its commands (("add", Request), ("cancel", id), ...), its stop mode,
+    whether it steps, and the weight state the step needs (policy version, prefix-cache flushes)."""
+
+    commands: list
+    stop_mode: str | None
+    stepping: bool
+    version: int
+    flushes: int
+
+
+class TensorParallelGroup:
+    """The ranks of one tensor-parallel group, tied to rank 0 over a CPU gloo group (module docstring).
+
+    Construction is collective over the default process group (every rank builds its engine).
+
+    Args:
+        model: the sharded model (`DistributedConfig(tp_size=N)`).
+        config: this rank's engine config (every rank must pass an equal one).
+    """
+
+    def __init__(self, model: torch.nn.Module, config: ContinuousBatchingConfig) -> None:
+        self.size = tp_size_of(model)
+        check_tp_model(model, self.size)
+        self.timeout_s = config.cpu_group_timeout
+        timeout = timedelta(seconds=self.timeout_s or NO_TIMEOUT_S)
+        # NOTE: new_group is collective over the whole world, so every rank creates every TP group, in order.
+        mine = tp_ranks(model)
+        layouts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(layouts, mine)
+        self.group = None
+        for ranks in sorted({tuple(r) for r in layouts}):
+            group = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
+            if list(ranks) == mine:
+                self.group = group
+        self.rank = dist.get_rank(self.group)
+        self.leader = self.rank == 0
+        self.lock = threading.RLock()  # NOTE: one round at a time, in message order (see `exchange`)
+        self.broken: str | None = None
+        self.flushes = 0  # reset_prefix_cache calls of this rank's core (rollout.core)
+        self.heartbeat_s = (self.timeout_s or 120.0) / 4
+        self._last_sent = time.monotonic()
+        self._agree_config(config)
+
+    # ------------------------------------------------------------ collectives
+    def gather(self, obj, what: str) -> list:
+        """`all_gather_object` over the group, bounded by the timeout (TensorParallelTimeout names `what`)."""
+        if self.broken is not None:
+            raise TensorParallelTimeout(self.broken)
+        out: list = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except Exception as e:  # NOTE: gloo raises RuntimeError / DistBackendError on a timeout or a dead peer
+            self.broken = (f"tensor parallelism: rank {self.rank} of {self.size} waited past cpu_group_timeout="
+                           f"{self.timeout_s} s for the other ranks while {what} (a rank is stuck or gone): "
+                           f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            raise TensorParallelTimeout(self.broken) from e
+        return out
+
+    def _agree_config(self, config: ContinuousBatchingConfig) -> None:
+        fields = self.gather(config_fields(config), "comparing engine configs")
+        differ = sorted(k for k in fields[0] if any(f.get(k) != fields[0][k] for f in fields))
+        if differ:
+            raise ValueError(f"tensor-parallel ranks disagree on the engine config: {', '.join(differ)} "
+                             f"({', '.join(f'{k}={[f[k] for f in fields]}' for k in differ)}); pass the same "
+                             "ContinuousBatchingConfig on every rank")
+
+    def agree_plan(self, num_pages: int, max_batch_tokens: int) -> tuple[int, int]:
+        """The smallest cache and step budget of all ranks (each sized its own from its free memory)."""
+        plans = self.gather((num_pages, max_batch_tokens), "agreeing on the KV cache size")
+        return min(p[0] for p in plans), min(p[1] for p in plans)
+
+    # ------------------------------------------------------------------ rounds
+    def wants_round(self) -> bool:
+        """For the manager's background thread: a follower always waits for rank 0's next round; rank 0
+        runs one when a heartbeat is due."""
+        return not self.leader or time.monotonic() - self._last_sent >= self.heartbeat_s
+
+    def idle_wait_s(self) -> float:
+        return max(0.01, self.heartbeat_s - (time.monotonic() - self._last_sent)) if self.leader else 0.0
+
+    def exchange(self, commands: list, stop_mode: str | None, stepping: bool, core, outbox) -> tuple:
+        """Rank 0: send this round (or nothing, when it has nothing to do and no heartbeat is due). Others:
+        wait for rank 0's round and return it in place of their own; its new requests become live in
+        `outbox`. Call holding `self.lock`, not the step lock (a follower waits here for its own
+        `update_weights`). Returns `(commands, stop_mode, stepping)`."""
+        if self.leader:
+            if not commands and not stepping and stop_mode is None and not self.wants_round():
+                return commands, stop_mode, stepping
+            message = Round(commands, stop_mode, stepping, core.policy_version, self.flushes)
+            self.gather(message, "sending the round's requests")
+            self._last_sent = time.monotonic()
+            return commands, stop_mode, stepping
+        message = self.gather(None, "waiting for rank 0's next round")[0]
+        self._catch_up(message, core)
+        adds = [arg for kind, arg in message.commands if kind == "add"]
+        with outbox.cv:
+            outbox.expect([r for r in adds if r.request_id not in outbox.live])
+        return message.commands, message.stop_mode, message.stepping
+
+    def _catch_up(self, message: Round, core) -> None:
+        """Wait (bounded) until this rank's weights and prefix flushes are where rank 0's were."""
+        deadline = time.monotonic() + (self.timeout_s or NO_TIMEOUT_S)
+        while core.policy_version < message.version or self.flushes < message.flushes:
+            if time.monotonic() > deadline:
+                self.broken = (f"tensor parallelism: rank {self.rank} is at policy version {core.policy_version} "
+                               f"({self.flushes} prefix flushes) but rank 0 is at {message.version} "
+                               f"({message.flushes}) and this rank did not catch up within cpu_group_timeout="
+                               f"{self.timeout_s} s: call update_weights / reset_prefix_cache on every rank")
+                raise TensorParallelTimeout(self.broken)
+            time.sleep(0.002)
+
+    def agree_sampled(self, result, request_ids: list[str]):
+        """Rank 0's sampled tokens (and logprobs) for every rank; RuntimeError if the ranks scheduled
+        different rows (their schedules diverged)."""
+        gathered = self.gather((request_ids, result if self.leader else None), "sharing the sampled tokens")
+        if any(ids != gathered[0][0] for ids, _ in gathered):
+            self.broken = (f"tensor parallelism: the ranks' schedules diverged (rank 0 sampled {gathered[0][0][:4]}..., "
+                           f"rank {self.rank} {request_ids[:4]}...)")
+            raise RuntimeError(self.broken)
+        return gathered[0][1]
+
+
+class AgreedSampler:
+    """A sampler whose output is rank 0's on every rank (wraps `rollout.sampler.Sampler`)."""
+
+    def __init__(self, sampler, group: TensorParallelGroup) -> None:
+        self.inner = sampler
+        self.group = group
+
+    def __call__(self, logits, params, request_ids, logprobs_mode, requests=None):
+        result = self.inner(logits, params, request_ids, logprobs_mode, requests=requests)
+        return self.group.agree_sampled(result, list(request_ids))
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
