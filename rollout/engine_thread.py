@@ -54,8 +54,8 @@ def _engine_loop(ref: weakref.ref, cv: threading.Condition) -> None:
                 continue
         try:
             worked, going = manager.round()
-        except TensorParallelTimeout:  # NOTE: the group is broken; callers get its error (rollout.collect)
-            logger.exception("tensor-parallel round failed; the engine thread ends")
+        except TensorParallelTimeout as e:  # NOTE: the group is broken; callers get its error (rollout.collect)
+            logger.error("the engine thread ends: %s", e)
             return
         team = team or worked
         if not going:

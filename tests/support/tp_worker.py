@@ -1,12 +1,11 @@
 """The rank side of `tests/test_tp.py`: run under `torchrun --nproc-per-node 2` on CPU (gloo).
 
-`--mode main`: every check of one launch on models loaded with `DistributedConfig(tp_size=2)` from the
-checkpoints in `--ckpt` (one folder per architecture, saved by the test); each rank writes what it saw
-to `--out/rank{r}.json` and the test compares the ranks with each other and with the references the
-ranks computed on the unsharded model.
-`--mode stuck`: rank 1 builds its engine and then stops answering; rank 0's `generate_batch` must raise
-`TensorParallelTimeout` within the timeout (what it saw goes to `rank0.json`; it then exits with 3 so
-torchrun ends rank 1 at once).
+Every check of one launch on models loaded with `DistributedConfig(tp_size=2)` from the checkpoints in
+`--ckpt` (one folder per architecture, saved by the test); each rank writes what it saw to
+`--out/rank{r}.json` and the test compares the ranks with each other and with the references the ranks
+computed on the unsharded model. Last, the stuck rank: rank 1 builds its engine and then stops answering;
+rank 0's `generate_batch` must raise `TensorParallelTimeout` within the timeout (`stuck.json`); rank 0
+then exits with 3, so torchrun ends rank 1 at once and the launch fails on purpose.
 """
 
 from __future__ import annotations
@@ -181,9 +180,11 @@ def main_mode(ckpt: Path, out_dir: Path, rank: int) -> None:
                 ContinuousBatchingConfig(page_size=8, num_blocks=64)).values()]
     result["refusals"] = refusals(ckpt, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    stuck(ckpt, out_dir, rank, timeout=3.0)
 
 
-def stuck_mode(ckpt: Path, out_dir: Path, rank: int, timeout: float) -> None:
+def stuck(ckpt: Path, out_dir: Path, rank: int, timeout: float) -> None:
+    """Last: rank 1 stops answering; rank 0 must raise within `timeout` (then exits 3, ending the launch)."""
     model = load(ckpt / "qwen3", tp=True)
     cbc = ContinuousBatchingConfig(page_size=8, num_blocks=64, cpu_group_timeout=timeout)
     if rank == 1:  # NOTE: builds its engine (collective), then stops answering
@@ -197,7 +198,7 @@ def stuck_mode(ckpt: Path, out_dir: Path, rank: int, timeout: float) -> None:
         error = None
     except TensorParallelTimeout as e:
         error = str(e)
-    (out_dir / "rank0.json").write_text(json.dumps({"error": error, "elapsed": time.monotonic() - start}))
+    (out_dir / "stuck.json").write_text(json.dumps({"error": error, "elapsed": time.monotonic() - start}))
     sys.stdout.flush()
     os._exit(3)  # NOTE: a failing rank: torchrun ends the stuck one
 
@@ -206,17 +207,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ckpt", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--mode", choices=("main", "stuck"), default="main")
-    parser.add_argument("--timeout", type=float, default=3.0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     try:
-        if args.mode == "main":
-            main_mode(args.ckpt, args.out, rank)
-        else:
-            stuck_mode(args.ckpt, args.out, rank, args.timeout)
+        main_mode(args.ckpt, args.out, rank)
     except Exception:
         traceback.print_exc()
         sys.stdout.flush()
