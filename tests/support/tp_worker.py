@@ -43,7 +43,50 @@ def save_checkpoints(ckpt: Path) -> Path:
     kv1 = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=1, max_position_embeddings=1024, **COMMON)
     AutoModelForCausalLM.from_config(kv1).save_pretrained(ckpt / "llama_kv1")
+    from trainers.tasks import build_tiny_model, make_addition_tokenizer
+
+    build_tiny_model(make_addition_tokenizer(), hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                     seed=0).save_pretrained(ckpt / "addition")
     return ckpt
+
+
+def grpo_trainer(path: Path, output_dir: Path, model=None):
+    """A 3-step GRPO run (SGD, seeded sampling) on the tiny addition model at `path` (or `model`): the same
+    prompts and sampling seeds in one process and on the two ranks of a TP=2 policy."""
+    from accelerate import Accelerator
+
+    from support.training import digit_share
+    from trainers import GRPOConfig, GRPOTrainer
+    from trainers.tasks import make_addition_tokenizer
+
+    model = model if model is not None else AutoModelForCausalLM.from_pretrained(path)
+    rows = [{"prompt": f"{i:03d}+{i:03d}="} for i in range(8)]
+    config = GRPOConfig(output_dir=str(output_dir), max_steps=3, prompts_per_step=2, group_size=4, max_new_tokens=6,
+                        max_grad_norm=None, shuffle=False, log_stdout=False, progress=False,
+                        engine_config=ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=256))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    # NOTE: an Accelerator without cpu=True sees one process on a CPU under torchrun: no DDP wrapper and no
+    # prompt split (both TP ranks train on the same batch; the gradients are the shards' own)
+    return GRPOTrainer(model, make_addition_tokenizer(), digit_share, rows, config, accelerator=Accelerator(),
+                       optimizer=optimizer)
+
+
+def full_state(model) -> dict[str, torch.Tensor]:
+    """Every parameter whole (the shards of a TP model gathered: collective)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+
+
+def check_grpo(ckpt: Path, out_dir: Path, rank: int) -> dict:
+    model = AutoModelForCausalLM.from_pretrained(ckpt / "addition", distributed_config=DistributedConfig(tp_size=2))
+    trainer = grpo_trainer(ckpt / "addition", out_dir / f"grpo{rank}", model)
+    history = trainer.train()
+    state = full_state(model)
+    if rank == 0:
+        torch.save(state, out_dir / "grpo_tp.pt")
+    version = trainer.engine.policy_version
+    trainer.close()
+    return {"rewards": [m["reward_mean"] for m in history], "mismatch": [m["logprob_mismatch_max"] for m in history],
+            "version": version}
 
 
 def load(path: Path, tp: bool):
@@ -179,6 +222,7 @@ def main_mode(ckpt: Path, out_dir: Path, rank: int) -> None:
                 tp_model, ids, GenerationConfig(max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None),
                 ContinuousBatchingConfig(page_size=8, num_blocks=64)).values()]
     result["refusals"] = refusals(ckpt, rank)
+    result["grpo"] = check_grpo(ckpt, out_dir, rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     stuck(ckpt, out_dir, rank, timeout=3.0)
 
