@@ -28,9 +28,11 @@ ids are deterministic, so ranks running the same code get the same ids).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import threading
 import time
+import weakref
 from datetime import timedelta
 
 import torch
@@ -41,6 +43,12 @@ from .model_facts import text_config
 
 # NOTE: gloo needs a finite timeout; "None" (no bound) is a year.
 NO_TIMEOUT_S = 365 * 24 * 3600.0
+
+
+def _destroy_group(group) -> None:
+    with contextlib.suppress(Exception):  # NOTE: at exit the default group may be gone already
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
 
 
 class TensorParallelTimeout(RuntimeError):
@@ -119,6 +127,8 @@ class TensorParallelGroup:
             group = dist.new_group(list(ranks), backend="gloo", timeout=timeout)
             if list(ranks) == mine:
                 self.group = group
+        # NOTE: each gloo group holds sockets and threads: freed with this object (its engine core)
+        weakref.finalize(self, _destroy_group, self.group)
         self.rank = dist.get_rank(self.group)
         self.leader = self.rank == 0
         self.lock = threading.RLock()  # NOTE: one round at a time, in message order (see `exchange`)
@@ -163,7 +173,9 @@ class TensorParallelGroup:
         return not self.leader or time.monotonic() - self._last_sent >= self.heartbeat_s
 
     def idle_wait_s(self) -> float:
-        return max(0.01, self.heartbeat_s - (time.monotonic() - self._last_sent)) if self.leader else 0.0
+        """How long the idle background thread may sleep: until rank 0's next heartbeat (a follower only
+        idles while a caller drives, and is woken when it stops)."""
+        return max(0.01, self.heartbeat_s - (time.monotonic() - self._last_sent)) if self.leader else 30.0
 
     def exchange(self, commands: list, stop_mode: str | None, stepping: bool, core, outbox) -> tuple:
         """Rank 0: send this round (or nothing, when it has nothing to do and no heartbeat is due). Others:
