@@ -85,6 +85,8 @@ class EngineCore:
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
         # NOTE: under tensor parallelism each rank holds its own KV heads only (rollout.tp)
         self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
+        # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.tp)
+        self.follower = self.tp is not None and not self.tp.leader
         per_layer = kv_shape_from_config(model.config, self.dtype, tp_size_of(model))
         shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
         tc = text_config(model)
@@ -199,7 +201,7 @@ class EngineCore:
             request_id = f"req_{next(self._arrival)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
+        if request_id in self.requests and not self.follower:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         try:
             ids = input_ids if prompt_checked else self.check_prompt(input_ids)

@@ -67,7 +67,7 @@ class ContinuousBatchingManager:
         # NOTE: a manager dropped without destroy() wakes its thread, which then ends (rollout.engine_thread).
         weakref.finalize(self, wake, self._cv)
         self.step_lock = threading.RLock()  # held during a round; hold it to keep steps out
-        self._inbox = Inbox(self._cv)
+        self._inbox = Inbox(self._cv, follower=self._core.follower)
         self._outbox = Outbox(self._cv)
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -251,7 +251,7 @@ class ContinuousBatchingManager:
         if not self._accepting or self._destroyed:
             logger.warning("add_request refused: the manager is stopped (call start() first)")
             return None
-        if request_id is not None and request_id in self._outbox.live:
+        if request_id is not None and request_id in self._outbox.live and not self.core.follower:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         # NOTE: validated outside the lock: a round takes it between steps.
         req = self.core.make_request(
@@ -289,7 +289,7 @@ class ContinuousBatchingManager:
                 return False
             seen: set[str] = set()
             for req in requests:
-                if req.request_id in self._outbox.live or req.request_id in seen:
+                if (req.request_id in self._outbox.live and not self.core.follower) or req.request_id in seen:
                     raise ValueError(f"request_id {req.request_id!r} is already in use by a live request")
                 seen.add(req.request_id)
             self._outbox.expect(requests)

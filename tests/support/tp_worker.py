@@ -167,7 +167,11 @@ def check_engine(path: Path, model, rank: int) -> dict:
     other = load(path.parent / "qwen3_b", tp=False)
     ids = prompts(1)[:3]
     engine = RolloutEngine(model, config=ContinuousBatchingConfig(page_size=8, num_blocks=64))
+    if rank == 1:  # NOTE: rank 0's round brings these requests before rank 1 submits them itself
+        time.sleep(0.5)
     first = engine.generate(ids, temps=0.0, max_new_tokens=MAX_NEW).completion_ids.tolist()
+    if rank == 1:  # NOTE: rank 0's next round must wait until rank 1's weights are new too
+        time.sleep(0.5)
     version = engine.update_weights(other.state_dict())
     after = engine.generate(ids, temps=0.0, max_new_tokens=MAX_NEW).completion_ids.tolist()
     engine.sleep()
