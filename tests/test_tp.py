@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -139,3 +140,60 @@ def _initial(ckpt):
     from transformers import AutoModelForCausalLM
 
     return dict(AutoModelForCausalLM.from_pretrained(ckpt / "addition").named_parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_rollout_serve_on_two_ranks(tmp_path):
+    """`rollout serve --tensor-parallel-size 2` under torchrun: rank 0 serves (greedy = unsharded generate,
+    with the tokenizer's text), cache/weight routes answer 400, SIGINT ends both ranks."""
+    import signal
+    import urllib.error
+    import urllib.request
+
+    from support.serving import save_tiny
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny(tmp_path / "served")
+    port = free_port()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+         "-m", "rollout", "serve", str(model_dir), "--tensor-parallel-size", "2", "--port", str(port),
+         "--page-size", "8", "--num-blocks", "64"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def post(path: str, body: dict | None = None) -> tuple[int, dict]:
+        data = json.dumps(body or {}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data,
+                                     headers={"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(0.5)
+        prompt = [5, 6, 7, 8, 9]
+        status, body = post("/v1/completions", {"model": str(model_dir), "prompt": prompt, "max_tokens": 8,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert status == 200
+        ref = AutoModelForCausalLM.from_pretrained(model_dir)
+        expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                pad_token_id=0)[0, len(prompt):].tolist()
+        assert body["choices"][0]["token_ids"] == expected
+        status, body = post("/reset_prefix_cache")
+        assert status == 400 and "tensor-parallel" in body["error"]["message"]
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(model_dir) in " ".join(p.info["cmdline"] or [])]
+    assert left == []
