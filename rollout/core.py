@@ -102,7 +102,7 @@ class EngineCore:
             cpu_share_set=config.memory_percent_set, attn=attn_memory,
         )
         if self.tp is not None:
-            num_pages, self.max_batch_tokens = self.tp.agree_plan(num_pages, self.max_batch_tokens)
+            num_pages, self.max_batch_tokens = self.tp.agree_min(num_pages, self.max_batch_tokens)
         self.page_size = config.page_size
         self.backend = create_backend(attn_name, self.device, self.dtype, page_size=config.page_size,
                                       num_pages=num_pages, max_batch_tokens=self.max_batch_tokens)
@@ -112,6 +112,8 @@ class EngineCore:
             config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
             config.page_size * shape.bytes_per_token,
         )
+        if self.tp is not None:
+            offload_pages = self.tp.agree_min(offload_pages)[0]
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
         self.page_pool = PagePool(num_pages, config.page_size, enable_prefix_caching=sharing)

@@ -6,7 +6,7 @@ group leads; `TensorParallelGroup` ties the others to it over a CPU (gloo) group
 bounded by `ContinuousBatchingConfig.cpu_group_timeout`:
 
 - at construction the ranks agree on the engine config (ValueError naming the fields that differ) and
-  on the memory plan (the smallest page count and step budget of all ranks);
+  on the memory plan (the smallest page count, step budget and CPU offload pages of all ranks);
 - every round (`exchange`) rank 0 sends the commands it took from its inbox (submissions, cancellations,
   pauses), its stop mode and whether it steps; the other ranks apply those instead of their own inbox, so
   submissions and cancellations made on rank 0 reach every rank, and each rank's scheduler (deterministic
@@ -161,10 +161,11 @@ class TensorParallelGroup:
                              f"({', '.join(f'{k}={[f[k] for f in fields]}' for k in differ)}); pass the same "
                              "ContinuousBatchingConfig on every rank")
 
-    def agree_plan(self, num_pages: int, max_batch_tokens: int) -> tuple[int, int]:
-        """The smallest cache and step budget of all ranks (each sized its own from its free memory)."""
-        plans = self.gather((num_pages, max_batch_tokens), "agreeing on the KV cache size")
-        return min(p[0] for p in plans), min(p[1] for p in plans)
+    def agree_min(self, *sizes: int) -> tuple[int, ...]:
+        """The smallest of each size over all ranks (pages, step budget, offload pages: each rank sized its
+        own from its free memory, and the schedules depend on them)."""
+        plans = self.gather(sizes, "agreeing on the KV cache size")
+        return tuple(min(p[i] for p in plans) for i in range(len(sizes)))
 
     # ------------------------------------------------------------------ rounds
     def wants_round(self) -> bool:
@@ -230,4 +231,6 @@ class AgreedSampler:
         return self.group.agree_sampled(result, list(request_ids))
 
     def __getattr__(self, name: str):
+        if name == "inner":  # NOTE: not set yet (a copy): no recursion
+            raise AttributeError(name)
         return getattr(self.inner, name)

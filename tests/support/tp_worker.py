@@ -213,7 +213,8 @@ def main_mode(ckpt: Path, out_dir: Path, rank: int) -> None:
                                        logprobs_mode="raw")
         got, stats = run_manager(tp_model, ids, cbc)
         result["archs"][arch] = {"got": got, "ref": [reference(ref, p) for p in ids], "stats": stats}
-        if arch == "qwen3":
+        if arch == "qwen3":  # NOTE: preempted pages parked in CPU offload instead of recomputed
+            result["offload"] = run_manager(tp_model, ids, cbc.replace(cpu_offload_space=0.01))
             roomy = cbc.replace(num_blocks=64, max_batch_tokens=64)
             result["kv_bytes"] = [run_manager(tp_model, ids, roomy)[1]["kv_bytes"],
                                   run_manager(ref, ids, roomy)[1]["kv_bytes"]]
