@@ -134,6 +134,9 @@ class TensorParallelGroup:
         self.lock = threading.RLock()  # NOTE: one round at a time, in message order (see `exchange`)
         self.broken: str | None = None
         self.flushes = 0  # reset_prefix_cache calls of this rank's core (rollout.core)
+        # NOTE: a pure follower (`rollout serve`'s other ranks: no code of their own calls the engine) replays
+        # rank 0's prefix flushes instead of waiting for its own
+        self.replay_flushes = False
         self.heartbeat_s = (self.timeout_s or 120.0) / 4
         self._last_sent = time.monotonic()
         self._agree_config(config)
@@ -198,6 +201,8 @@ class TensorParallelGroup:
 
     def _catch_up(self, message: Round, core) -> None:
         """Wait (bounded) until this rank's weights and prefix flushes are where rank 0's were."""
+        while self.replay_flushes and self.flushes < message.flushes:
+            core.reset_prefix_cache()  # NOTE: counts itself in self.flushes
         deadline = time.monotonic() + (self.timeout_s or NO_TIMEOUT_S)
         while core.policy_version < message.version or self.flushes < message.flushes:
             if time.monotonic() > deadline:

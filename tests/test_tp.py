@@ -152,8 +152,9 @@ def _initial(ckpt):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_rollout_serve_on_two_ranks(tmp_path):
-    """`rollout serve --tensor-parallel-size 2` under torchrun: rank 0 serves (greedy = unsharded generate,
-    with the tokenizer's text), cache/weight routes answer 400, SIGINT ends both ranks."""
+    """`rollout serve --tensor-parallel-size 2` under torchrun: rank 0 serves (greedy = unsharded generate),
+    prefix flush and sleep / wake work (rank 1 replays the flushes), weight routes answer 400, SIGINT ends both
+    ranks."""
     import signal
     import urllib.error
     import urllib.request
@@ -189,15 +190,19 @@ def test_rollout_serve_on_two_ranks(tmp_path):
                 break
             except OSError:
                 time.sleep(0.5)
-        prompt = [5, 6, 7, 8, 9]
-        status, body = post("/v1/completions", {"model": str(model_dir), "prompt": prompt, "max_tokens": 8,
-                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
-        assert status == 200
+        prompt = list(range(5, 30))
         ref = AutoModelForCausalLM.from_pretrained(model_dir)
         expected = ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                 pad_token_id=0)[0, len(prompt):].tolist()
-        assert body["choices"][0]["token_ids"] == expected
-        status, body = post("/reset_prefix_cache")
+        # NOTE: a flush and a sleep on rank 0 are replayed by rank 1 (else the next round would time out)
+        for route in ("/v1/completions", "/reset_prefix_cache", "/sleep", "/wake_up", "/v1/completions"):
+            if route == "/v1/completions":
+                status, body = post(route, {"model": str(model_dir), "prompt": prompt, "max_tokens": 8, "n": 2,
+                                            "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+                assert status == 200 and [c["token_ids"] for c in body["choices"]] == [expected] * 2
+            else:
+                assert post(route)[0] == 200, route
+        status, body = post("/update_weights_from_disk", {"model_path": str(model_dir)})
         assert status == 400 and "tensor-parallel" in body["error"]["message"]
     finally:
         proc.send_signal(signal.SIGINT)
