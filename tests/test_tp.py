@@ -99,13 +99,14 @@ def test_unseeded_sampling_is_one_stream_for_both_ranks(launched):
     assert r0["engine"]["sampled_logprobs"] == r1["engine"]["sampled_logprobs"]
 
 
-def test_update_weights_from_a_full_state_dict_into_the_shards(launched):
+def test_update_weights_into_the_shards_from_a_state_dict_or_a_tp_model(launched):
     (r0, r1), *_ = launched
     for r in (r0, r1):
         e = r["engine"]
         assert e["after"] == e["after_ref"] != e["first"]
         assert e["again"] == e["after"]  # NOTE: after sleep / wake
-        assert e["version"] == 1 and e["kv_asleep"] == 0
+        assert e["kv_asleep"] == 0
+        assert e["back"] == e["first"] and e["version"] == 2  # NOTE: from another TP model's shards
 
 
 def test_bad_configurations_are_refused_by_name(launched):

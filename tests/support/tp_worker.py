@@ -179,8 +179,11 @@ def check_engine(path: Path, model, rank: int) -> dict:
     engine.wake()
     again = engine.generate(ids, temps=0.0, max_new_tokens=MAX_NEW).completion_ids.tolist()
     sampled = engine.generate(ids, temps=1.0, group_size=4, max_new_tokens=MAX_NEW)
+    # NOTE: back to the first weights, from another sharded model (DTensor to DTensor, shard to shard)
+    version = engine.update_weights(load(path, tp=True))
+    back = engine.generate(ids, temps=0.0, max_new_tokens=MAX_NEW).completion_ids.tolist()
     engine.close()
-    return {"first": first, "after": after, "again": again, "version": version, "kv_asleep": kv_asleep,
+    return {"first": first, "after": after, "again": again, "back": back, "version": version, "kv_asleep": kv_asleep,
             "after_ref": [reference(other, p)[0] for p in ids],
             "sampled": sampled.completion_ids.tolist(), "sampled_logprobs": sampled.logprobs.tolist()}
 
