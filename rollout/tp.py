@@ -17,13 +17,18 @@ bounded by `ContinuousBatchingConfig.cpu_group_timeout`:
   next round only times out when rank 0 really stopped answering;
 - a follower applies a round only once its own `update_weights` / `reset_prefix_cache` calls caught up
   with rank 0's (policy version and flush count travel with each message), so the shards of one forward
-  always hold the same weights and every rank drops its prefix cache at the same point.
+  always hold the same weights and every rank drops its prefix cache at the same point (a pure follower,
+  `rollout serve`'s other ranks, replays rank 0's flushes instead: `replay_flushes`).
 
 A collective that times out raises `TensorParallelTimeout` naming the group, the timeout and what was
 being exchanged; the group is then broken and every later exchange raises at once.
 
 Results are delivered on every rank: a follower's outbox receives rank 0's requests (same ids; automatic
-ids are deterministic, so ranks running the same code get the same ids).
+ids are deterministic, so ranks running the same code get the same ids). A follower's own submissions only
+say which of those results it waits for (its inbox drops its own commands).
+Every rank must build its engine (collective) and start it, and make the same `update_weights` /
+`reset_prefix_cache` / `sleep` calls; the model's own all-reduces run on transformers' process group, whose
+timeout (not `cpu_group_timeout`) bounds a rank that dies inside a forward.
 """
 
 from __future__ import annotations
