@@ -144,6 +144,7 @@ class TensorParallelGroup:
         self.replay_flushes = False
         self.heartbeat_s = (self.timeout_s or 120.0) / 4
         self._last_sent = time.monotonic()
+        self._weights_state = (0, 0)  # (policy version, flushes) of rank 0's previous round
         self._agree_config(config)
 
     # ------------------------------------------------------------ collectives
@@ -197,26 +198,43 @@ class TensorParallelGroup:
             message = Round(commands, stop_mode, stepping, core.policy_version, self.flushes)
             self.gather(message, "sending the round's requests")
             self._last_sent = time.monotonic()
+            if self._weights_moved(message):  # NOTE: step only once every rank's weights caught up
+                errors = [e for e in self.gather(None, "waiting for the other ranks' update_weights") if e]
+                if errors:
+                    self.broken = errors[0]
+                    raise TensorParallelTimeout(self.broken)
             return commands, stop_mode, stepping
         message = self.gather(None, "waiting for rank 0's next round")[0]
-        self._catch_up(message, core)
+        if self._weights_moved(message):
+            error = self._catch_up(message, core)
+            self.gather(error, "telling rank 0 this rank's weights caught up")
+            if error is not None:
+                self.broken = error
+                raise TensorParallelTimeout(error)
         with outbox.cv:  # NOTE: this rank's own submission of the same id may come before or after
             outbox.expect([arg for kind, arg in message.commands if kind == "add"])
         return message.commands, message.stop_mode, message.stepping
 
-    def _catch_up(self, message: Round, core) -> None:
-        """Wait (bounded) until this rank's weights and prefix flushes are where rank 0's were."""
+    def _weights_moved(self, message: Round) -> bool:
+        """Whether rank 0's policy version or flush count changed since its previous round."""
+        state = (message.version, message.flushes)
+        moved, self._weights_state = state != self._weights_state, state
+        return moved
+
+    def _catch_up(self, message: Round, core) -> str | None:
+        """Wait until this rank's weights and prefix flushes are where rank 0's were; the error, if they do not
+        within 0.8 x the timeout (so that rank 0, waiting for the answer, hears it before its own timeout)."""
         while self.replay_flushes and self.flushes < message.flushes:
             core.reset_prefix_cache()  # NOTE: counts itself in self.flushes
-        deadline = time.monotonic() + (self.timeout_s or NO_TIMEOUT_S)
+        deadline = time.monotonic() + 0.8 * (self.timeout_s or NO_TIMEOUT_S)
         while core.policy_version < message.version or self.flushes < message.flushes:
             if time.monotonic() > deadline:
-                self.broken = (f"tensor parallelism: rank {self.rank} is at policy version {core.policy_version} "
-                               f"({self.flushes} prefix flushes) but rank 0 is at {message.version} "
-                               f"({message.flushes}) and this rank did not catch up within cpu_group_timeout="
-                               f"{self.timeout_s} s: call update_weights / reset_prefix_cache on every rank")
-                raise TensorParallelTimeout(self.broken)
+                return (f"tensor parallelism: rank {self.rank} is at policy version {core.policy_version} "
+                        f"({self.flushes} prefix flushes) but rank 0 is at {message.version} ({message.flushes}) "
+                        f"and rank {self.rank} did not catch up within 0.8 x cpu_group_timeout={self.timeout_s} s: "
+                        "call update_weights / reset_prefix_cache / sleep on every rank")
             time.sleep(0.002)
+        return None
 
     def agree_sampled(self, result, request_ids: list[str]):
         """Rank 0's sampled tokens (and logprobs) for every rank; RuntimeError if the ranks scheduled

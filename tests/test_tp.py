@@ -44,7 +44,7 @@ def launched(tmp_path_factory):
 
 def test_both_ranks_see_the_same_results(launched):
     (r0, r1), *_ = launched
-    assert r0 == r1
+    assert r0 == r1 and r0["archs"].keys() == set(ARCHS)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -115,6 +115,12 @@ def test_bad_configurations_are_refused_by_name(launched):
         assert "num_key_value_heads" in r["refusals"]["kv_heads"]
         assert "device_map" in r["refusals"]["device_map"]
         assert "page_size" in r["refusals"]["config"] and "disagree" in r["refusals"]["config"]
+
+
+def test_a_rank_that_skips_update_weights_makes_rank0_raise(launched):
+    (r0, r1), *_ = launched
+    assert r0["lagging"] is not None and "did not catch up" in r0["lagging"] and "update_weights" in r0["lagging"]
+    assert r1["lagging"] == r0["lagging"]
 
 
 def test_a_stuck_rank_makes_the_other_raise_within_the_timeout(launched):

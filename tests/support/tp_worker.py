@@ -231,8 +231,26 @@ def main_mode(ckpt: Path, out_dir: Path, rank: int) -> None:
                 ContinuousBatchingConfig(page_size=8, num_blocks=64)).values()]
     result["refusals"] = refusals(ckpt, rank)
     result["grpo"] = check_grpo(ckpt, out_dir, rank)
+    result["lagging"] = lagging(load(ckpt / "qwen3", tp=True), rank)
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
     stuck(ckpt, out_dir, rank, timeout=3.0)
+
+
+def lagging(model, rank: int) -> str | None:
+    """Rank 0 updates its weights, rank 1 never does: rank 0's next generate raises with rank 1's reason."""
+    engine = RolloutEngine(model, config=ContinuousBatchingConfig(page_size=8, num_blocks=64, cpu_group_timeout=2.0))
+    error = None
+    if rank == 0:
+        engine.update_weights(model)
+        try:
+            engine.generate([[1, 2, 3]], temps=0.0, max_new_tokens=2)
+        except TensorParallelTimeout as e:
+            error = str(e)
+    else:
+        engine.manager.thread.join(timeout=30)  # NOTE: its engine thread ends on the same error
+        error = engine.manager.core.tp.broken
+    engine.close()
+    return error
 
 
 def stuck(ckpt: Path, out_dir: Path, rank: int, timeout: float) -> None:
