@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +27,20 @@ pytestmark = pytest.mark.timeout(240)
 STUCK_TIMEOUT_S = 3.0
 
 
+def run_bounded(command: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    """Run a torchrun launch in its own process group; past `timeout` the whole group is killed (killing only
+    torchrun would leave its workers behind), then the test fails with their output."""
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"the torchrun launch ran past {timeout} s:\n{out[-3000:]}\n{err[-6000:]}")
+    return subprocess.CompletedProcess(command, proc.returncode, out, err)
+
+
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
     ckpt = save_checkpoints(tmp_path_factory.mktemp("tp_ckpt"))
@@ -34,7 +49,7 @@ def launched(tmp_path_factory):
                str(free_port()), str(WORKER), "--ckpt", str(ckpt), "--out", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
                CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=200)
+    proc = run_bounded(command, env, timeout=200)
     ranks = [out / f"rank{r}.json" for r in (0, 1)]
     assert all(p.exists() for p in ranks) and (out / "stuck.json").exists(), proc.stdout[-3000:] + proc.stderr[-6000:]
     # NOTE: the launch fails on purpose: the last check's rank 0 exits 3 after its stuck peer timed out
@@ -162,7 +177,6 @@ def test_rollout_serve_on_two_ranks(tmp_path):
     """`rollout serve --tensor-parallel-size 2` under torchrun: rank 0 serves (greedy = unsharded generate),
     prefix flush and sleep / wake work (rank 1 replays the flushes), weight routes answer 400, SIGINT ends both
     ranks."""
-    import signal
     import urllib.error
     import urllib.request
 
@@ -176,7 +190,7 @@ def test_rollout_serve_on_two_ranks(tmp_path):
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
          "-m", "rollout", "serve", str(model_dir), "--tensor-parallel-size", "2", "--port", str(port),
          "--page-size", "8", "--num-blocks", "64"],
-        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
 
     def post(path: str, body: dict | None = None) -> tuple[int, dict]:
         data = json.dumps(body or {}).encode()
@@ -213,6 +227,10 @@ def test_rollout_serve_on_two_ranks(tmp_path):
         assert status == 400 and "tensor-parallel" in body["error"]["message"]
     finally:
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # NOTE: never leave the ranks behind
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
     left = [p.pid for p in psutil.process_iter(["cmdline"]) if str(model_dir) in " ".join(p.info["cmdline"] or [])]
     assert left == []
