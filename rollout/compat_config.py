@@ -6,7 +6,7 @@ transformers' continuous batching runs unchanged. The fields below are accepted 
 have no effect on rollout's engine. `COMPAT_FIELDS` says, for each, what it does in transformers (why
 it is accepted) and what it does here; `log_unavailable_features` is the one place that says so at
 run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA,
-`cpu_group_timeout` for tensor parallelism); they stay fields of the config for that reason.
+`cpu_group_timeout` now bounds the tensor-parallel CPU group, `rollout.tp`); they stay fields of the config.
 """
 
 from __future__ import annotations
@@ -66,7 +66,8 @@ COMPAT_FIELDS: dict[str, CompatField] = {
     ),
     "cpu_group_timeout": CompatField(
         "timeout in seconds of the CPU process group used under tensor parallelism",
-        "nothing yet (planned for tensor parallelism); validated as a number > 0",
+        "the same: bounds every collective of the tensor-parallel CPU group (rollout.tp); a number > 0, or "
+        "None to wait forever",
     ),
     "auto_switch_to_flash": CompatField(
         "switches a model's sdpa/eager attention to flash attention when available",

@@ -38,6 +38,7 @@ from .sampling_fields import generation_defaults, make_sampling, overrides
 from .scheduler import Scheduler
 from .stages import SchedulerOutput
 from .token_logprobs import check_scoring, record_logprobs
+from .tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from .weights import versioned_tensors, weights_version
 
 logger = logging.getLogger("rollout")
@@ -82,7 +83,11 @@ class EngineCore:
         self.sliding = any(w is not None for w in self.windows)
         sharing = config.allow_block_sharing
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
-        per_layer = kv_shape_from_config(model.config, self.dtype)
+        # NOTE: under tensor parallelism each rank holds its own KV heads only (rollout.tp)
+        self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
+        # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.tp)
+        self.follower = self.tp is not None and not self.tp.leader
+        per_layer = kv_shape_from_config(model.config, self.dtype, tp_size_of(model))
         shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
         tc = text_config(model)
         attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
@@ -96,6 +101,8 @@ class EngineCore:
             step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
             cpu_share_set=config.memory_percent_set, attn=attn_memory,
         )
+        if self.tp is not None:
+            num_pages, self.max_batch_tokens = self.tp.agree_min(num_pages, self.max_batch_tokens)
         self.page_size = config.page_size
         self.backend = create_backend(attn_name, self.device, self.dtype, page_size=config.page_size,
                                       num_pages=num_pages, max_batch_tokens=self.max_batch_tokens)
@@ -105,6 +112,8 @@ class EngineCore:
             config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
             config.page_size * shape.bytes_per_token,
         )
+        if self.tp is not None:
+            offload_pages = self.tp.agree_min(offload_pages)[0]
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
         self.page_pool = PagePool(num_pages, config.page_size, enable_prefix_caching=sharing)
@@ -115,7 +124,7 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
                                   compiled=config.default_compile_level >= 1 and self.device.type == "cpu")
-        self.sampler = Sampler(self.device)
+        self.sampler = Sampler(self.device) if self.tp is None else AgreedSampler(Sampler(self.device), self.tp)
         self.set_generation_config(generation_config)
         tc = text_config(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
@@ -124,6 +133,7 @@ class EngineCore:
         self.requests: dict[str, Request] = {}  # live (not final) requests by id
         self.stats = dict.fromkeys(STAT_COUNTERS, 0)
         self._arrival = itertools.count()
+        self.batch_ids = itertools.count()  # NOTE: ids of `add_requests` batches under tensor parallelism
         self._weights = versioned_tensors(self.view)
         self._weights_seen = weights_version(self._weights)
         logger.info(
@@ -193,7 +203,7 @@ class EngineCore:
             request_id = f"req_{next(self._arrival)}"
         if not isinstance(request_id, str) or not request_id:
             raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
-        if request_id in self.requests:
+        if request_id in self.requests and not self.follower:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         try:
             ids = input_ids if prompt_checked else self.check_prompt(input_ids)
@@ -336,7 +346,8 @@ class EngineCore:
     def _check_weights(self) -> None:
         """Before admitting requests: parameters changed in place since the last check (an optimizer step
         on the trainer's own model, a `copy_` without `update_weights`) make every cached prefix stale."""
-        if weights_version(self._weights) != self._weights_seen:
+        # NOTE: not under tensor parallelism: ranks would notice at different rounds (use update_weights)
+        if self.tp is None and weights_version(self._weights) != self._weights_seen:
             dropped = self.reset_prefix_cache()
             logger.info("parameters changed in place (version counters): dropped %d cached prefix pages", dropped)
 
@@ -345,6 +356,8 @@ class EngineCore:
         """Forget every cached prefix page (and anything that would share KV computed so far), and the
         packed weight copies of `rollout.linear` (rebuilt at the next step from the current weights)."""
         self.scheduler.forget_prefixes()
+        if self.tp is not None:
+            self.tp.flushes += 1
         drop_packed(self.view)
         self._weights_seen = weights_version(self._weights)
         return self.page_pool.reset_prefix_cache()

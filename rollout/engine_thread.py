@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import threading
 import weakref
 
 from .openmp import release_thread_team
+from .tp import TensorParallelTimeout
+
+logger = logging.getLogger("rollout")
 
 
 def start_engine_thread(manager, cv: threading.Condition) -> threading.Thread:
@@ -39,14 +43,20 @@ def _engine_loop(ref: weakref.ref, cv: threading.Condition) -> None:
             return
         with cv:
             if manager.idle():
-                del manager
+                tp = manager.core.tp
+                wait_s = IDLE_RECHECK_S if tp is None else tp.idle_wait_s()  # NOTE: rank 0's heartbeat
+                del manager, tp
                 if team:
                     team = False
                     release_thread_team()
                 if ref() is not None:  # NOTE: collected just now (in this thread): no notify will come
-                    cv.wait(IDLE_RECHECK_S)
+                    cv.wait(wait_s)
                 continue
-        worked, going = manager.round()
+        try:
+            worked, going = manager.round()
+        except TensorParallelTimeout as e:  # NOTE: the group is broken; callers get its error (rollout.collect)
+            logger.error("the engine thread ends: %s", e)
+            return
         team = team or worked
         if not going:
             if team:

@@ -18,10 +18,13 @@ from .requests import Request, RequestStatus
 
 
 class Inbox:
-    """Args: cv: the manager's condition variable (guards the queue and the held requests)."""
+    """Args: cv: the manager's condition variable (guards the queue and the held requests); follower: a
+    tensor-parallel rank other than 0, whose rounds apply rank 0's commands (`rollout.tp`): its own are dropped
+    (its submissions only register which results it waits for)."""
 
-    def __init__(self, cv: threading.Condition) -> None:
+    def __init__(self, cv: threading.Condition, follower: bool = False) -> None:
         self.cv = cv
+        self.follower = follower
         self.commands: deque[tuple[str, object]] = deque()
         self.held: deque[Request] = deque()  # submitted while paused, admitted on resume
         self.paused: str | None = None  # the pause mode the rounds have reached (None: running)
@@ -31,7 +34,8 @@ class Inbox:
 
     def push(self, kind: str, arg: object = None) -> None:
         """Queue one command ("add", "cancel", "pause", "resume"); call under `cv`."""
-        self.commands.append((kind, arg))
+        if not self.follower:
+            self.commands.append((kind, arg))
 
     def take(self) -> list[tuple[str, object]]:
         """Every queued command, oldest first, leaving the queue empty; call under `cv`."""

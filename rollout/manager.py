@@ -6,7 +6,7 @@ news), and two drivers of it: the manager's own background thread (`rollout serv
 (`rollout.collect`, inside `driving()`: `RolloutEngine.generate`, `generate_batch`), while the thread
 parks.
 Both run equally fast: a thread that waits for the other to compute gives back its OpenMP team
-(`rollout.openmp`), so the waiting trainer's idle workers do not throttle the engine thread's.
+(`rollout.openmp`). Under tensor parallelism every rank runs rank 0's rounds (`rollout.tp`).
 
 Differences from transformers' manager, on purpose:
   - `for result in manager` ends once every request submitted so far has delivered its final result;
@@ -67,7 +67,7 @@ class ContinuousBatchingManager:
         # NOTE: a manager dropped without destroy() wakes its thread, which then ends (rollout.engine_thread).
         weakref.finalize(self, wake, self._cv)
         self.step_lock = threading.RLock()  # held during a round; hold it to keep steps out
-        self._inbox = Inbox(self._cv)
+        self._inbox = Inbox(self._cv, follower=self._core.follower)
         self._outbox = Outbox(self._cv)
         self._thread: threading.Thread | None = None
         self._accepting = False
@@ -94,18 +94,14 @@ class ContinuousBatchingManager:
             raise RuntimeError("this manager was destroyed")
         return self._core
 
-    @property
-    def policy_version(self) -> int:
-        return self.core.policy_version
+    policy_version = property(lambda self: self.core.policy_version)
 
     @property
     def thread(self) -> threading.Thread | None:
         """The background engine thread of the current session (None before the first `start`)."""
         return self._thread
 
-    @property
-    def is_destroyed(self) -> bool:
-        return self._destroyed
+    is_destroyed = property(lambda self: self._destroyed)
 
     @property
     def pause_mode(self) -> str | None:
@@ -255,7 +251,7 @@ class ContinuousBatchingManager:
         if not self._accepting or self._destroyed:
             logger.warning("add_request refused: the manager is stopped (call start() first)")
             return None
-        if request_id is not None and request_id in self._outbox.live:
+        if request_id is not None and request_id in self._outbox.live and not self.core.follower:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         # NOTE: validated outside the lock: a round takes it between steps.
         req = self.core.make_request(
@@ -274,7 +270,7 @@ class ContinuousBatchingManager:
         if not self._accepting or self._destroyed:
             logger.warning("add_requests refused: the manager is stopped (call start() first)")
             return []
-        stamp = time.monotonic_ns()
+        stamp = time.monotonic_ns() if self.core.tp is None else next(self.core.batch_ids)  # NOTE: same on every rank
         core = self.core
         reqs = [core.make_request(ids_i, request_id=f"req_{stamp}_{i}", **kwargs) for i, ids_i in enumerate(inputs)]
         order = list(range(len(reqs)))
@@ -293,7 +289,7 @@ class ContinuousBatchingManager:
                 return False
             seen: set[str] = set()
             for req in requests:
-                if req.request_id in self._outbox.live or req.request_id in seen:
+                if (req.request_id in self._outbox.live and not self.core.follower) or req.request_id in seen:
                     raise ValueError(f"request_id {req.request_id!r} is already in use by a live request")
                 seen.add(req.request_id)
             self._outbox.expect(requests)
@@ -356,14 +352,19 @@ class ContinuousBatchingManager:
         drives. Call holding the manager's condition (the one `start` hands the thread)."""
         if self._drivers and self._stop_mode is None:
             return True
+        if self.core.tp is not None and self.core.tp.wants_round():  # NOTE: follow rank 0 / heartbeat
+            return False
         return (not self._inbox and not (self.core.has_work() and self._inbox.paused != "keep")
                 and self._stop_mode is None)
 
     def round(self) -> tuple[bool, bool]:
-        """The one stepping path: apply the queued commands, run one step, publish the news. Returns
-        (whether anything was done, whether the background thread goes on). Callers use `run_once` or
-        `collect` inside `driving()`; the background thread calls this."""
+        """The one stepping path: apply the queued commands, run one step, publish the news. Returns (whether
+        anything was done, whether the background thread goes on). Used by `run_once`, `collect`, the thread."""
         core = self.core
+        with core.tp.lock if core.tp is not None else contextlib.nullcontext():
+            return self._round(core)
+
+    def _round(self, core: EngineCore) -> tuple[bool, bool]:
         with self._cv:
             commands = self._inbox.take()
             stop_mode = self._stop_mode
@@ -371,6 +372,8 @@ class ContinuousBatchingManager:
                 self._paused = None
                 commands.append(("resume", None))
         stepping = core.has_work() and self._inbox.paused != "keep"
+        if core.tp is not None:  # NOTE: every rank runs rank 0's round (rollout.tp)
+            commands, stop_mode, stepping = core.tp.exchange(commands, stop_mode, stepping, core, self._outbox)
         if not commands and not stepping and stop_mode is None:
             return False, True
         with self.step_lock:

@@ -36,13 +36,14 @@ class KVShape:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
 
 
-def kv_shape_from_config(config, dtype: torch.dtype) -> KVShape:
-    """Best estimate of the KV footprint from a HF config (used for sizing; tensors use real shapes)."""
+def kv_shape_from_config(config, dtype: torch.dtype, tp_size: int = 1) -> KVShape:
+    """Best estimate of the KV footprint from a HF config (used for sizing; tensors use real shapes); with
+    tensor parallelism, of one rank's shard (`num_key_value_heads / tp_size` heads, see rollout.tp)."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVShape(config.num_hidden_layers, kv_heads, head_dim, dtype)
+    return KVShape(config.num_hidden_layers, kv_heads // tp_size, head_dim, dtype)
 
 
 def step_bytes_per_token(config, dtype: torch.dtype, max_requests: int | None = None) -> tuple[int, int]:

@@ -33,8 +33,11 @@ class Outbox:
 
     # ------------------------------------------------------------ producers
     def expect(self, requests: Iterable[Request]) -> None:
-        """Register submitted requests (call under `cv`, after checking their ids are free)."""
+        """Register submitted requests (call under `cv`, after checking their ids are free). An id live already
+        is left as it is: a tensor-parallel follower's submission of a request rank 0's round brought (rollout.tp)."""
         for req in requests:
+            if req.request_id in self.live:
+                continue
             self.live.add(req.request_id)
             self.streams.pop(req.request_id, None)  # NOTE: never a stale stream of an earlier same-id request
             if req.streaming:

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
@@ -62,6 +63,7 @@ def copy_weights(view: torch.nn.Module, source) -> int:
             if target is None:
                 unknown.append(name)
                 continue
+            target, value = local_pair(target, value)
             pair = (target.data_ptr(), value.data_ptr())
             if pair[0] != pair[1] and pair not in done:
                 target.copy_(value)
@@ -70,6 +72,20 @@ def copy_weights(view: torch.nn.Module, source) -> int:
     if unknown:
         raise ValueError(_unknown_names(unknown))
     return copied
+
+
+def local_pair(target: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(destination, source)` as plain tensors: a tensor-parallel parameter (a DTensor, `rollout.tp`) is
+    written through its local shard, from the same shard of a full tensor (sliced per the parameter's
+    placements, no communication) or of another sharded tensor (redistributed to the same placements)."""
+    if not isinstance(target, DTensor):
+        return target, value.full_tensor() if isinstance(value, DTensor) else value
+    if isinstance(value, DTensor):
+        if value.placements != target.placements:
+            value = value.redistribute(target.device_mesh, target.placements)
+        return target.to_local(), value.to_local()
+    shard = distribute_tensor(value.detach().to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+    return target.to_local(), shard.to_local()
 
 
 def _target_of(targets: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the path)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + max_tokens")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the model over N ranks (launch with torchrun --nproc-per-node N); rank 0 serves HTTP")
     p.add_argument("--max-body-bytes", type=int, default=16 * 2**20, help="larger request bodies get a 413")
     p.add_argument("--log-level", default="info")
     p.add_argument("--tool-call-parser", default=None, choices=("hermes",),
@@ -67,12 +69,16 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**given)
 
 
-def load(model_path: str, dtype: str):
-    """(model, tokenizer or None, generation config) of a `save_pretrained` directory."""
+def load(model_path: str, dtype: str, tp_size: int = 1):
+    """(model, tokenizer or None, generation config) of a `save_pretrained` directory (sharded over `tp_size`
+    ranks with `DistributedConfig(tp_size=...)` when > 1)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.distributed import DistributedConfig
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype))
+    kwargs = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
+                                                 **kwargs)
     model.eval()
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
@@ -99,18 +105,25 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"rollout serve needs the [serve] extra (pip install 'rollout[serve]'): {e}") from None
     from ..engine import RolloutEngine
     from ..openmp import release_thread_team
+    from .tp import follow, refuse_rank0_only_routes
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = engine_config(args)
     except ValueError as e:
         raise SystemExit(f"rollout serve: {e}") from None
-    model, tokenizer, gc = load(args.model_path, args.dtype)
+    model, tokenizer, gc = load(args.model_path, args.dtype, args.tensor_parallel_size)
     engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
     release_thread_team()  # NOTE: loading ran torch work here; the engine thread steps from now on
+    tp = engine.manager.core.tp
+    if tp is not None and not tp.leader:
+        follow(engine)  # NOTE: rollout.serve.tp: the other ranks follow rank 0's rounds
+        return 0
     try:
         app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key, args.max_model_len,
                         args.max_body_bytes, args.tool_call_parser)
+        if tp is not None:
+            refuse_rank0_only_routes(app)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())
     finally:
         engine.close()
