@@ -96,6 +96,7 @@ def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
         "completion_mask": batch.trained_mask.bool(),  # [N, T] sampled tokens (not an environment's)
         "rollout_logprobs": batch.logprobs,  # [N, T]
         "temperatures": batch.temperatures,  # [N]
+        **({} if batch.versions is None else {"versions": batch.versions}),  # [N, T] policy version per token
     }
 
 
