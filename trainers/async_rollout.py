@@ -54,6 +54,9 @@ class AsyncRollouts:
         self.trainer = trainer
         self.max_staleness = trainer.config.max_staleness
         self.steps = range(first_step, last_step)
+        # NOTE: its own prompt source: `PromptSource` re-shuffles in place at an epoch change, and the
+        # learner reads the same steps' rows (for the rewards) on its own thread
+        self.prompts = copy.copy(trainer.prompts)
         self.version = version
         self.ready: dict[int, tuple[RolloutBatch, dict[str, float]]] = {}
         self.error: BaseException | None = None
@@ -75,7 +78,7 @@ class AsyncRollouts:
                     if self.stopping:
                         return
                     started_at = self.version
-                rows = self.trainer.prompts.rows(step)
+                rows = self.prompts.rows(step)
                 batch, metrics = generate_step(self.trainer, rows, step)
                 metrics["rollout_start_version"] = float(started_at)
                 with self.cv:
