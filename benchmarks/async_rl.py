@@ -106,7 +106,12 @@ def main() -> None:
     p.add_argument("--run", choices=["sync", "sync1", "async"], default=None, help="(internal) one run in this process")
     p.add_argument("--out", default=None)
     p.add_argument("--replot", action="store_true", help="redraw the figure from the last results.json")
+    p.add_argument("--plot_demo", nargs=2, metavar=("SYNC_DIR", "ASYNC_DIR"), default=None,
+                   help="reward curves of two recipes/grpo.py output dirs (without / with --async_rollout)")
     args = p.parse_args()
+    if args.plot_demo:
+        plot_demo(*args.plot_demo)
+        return
     if args.replot:
         report = json.loads((LOGS / "results.json").read_text())
         plot(report, PLOTS / "async_rl.png", report["speedup_mean"])
@@ -162,6 +167,27 @@ def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def plot_demo(sync_dir: str, async_dir: str) -> None:
+    """The embedded recipe's reward per step, sync vs `--async_rollout`, into LOGS/demo_async_vs_sync.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, folder, color in (("sync", sync_dir, "tab:blue"), ("async, staleness 1", async_dir, "tab:orange")):
+        records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((Path(folder) / "summary.json").read_text())
+        label = f"{name}: {summary['reward_first5']:.3f} -> {summary['reward_last5']:.3f}"
+        ax.plot([r["step"] for r in records], [r["reward_mean"] for r in records], color=color, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward_mean")
+    ax.set_title("recipes/grpo.py (embedded addition demo), sync vs --async_rollout", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(LOGS / "demo_async_vs_sync.png", dpi=120)
 
 
 if __name__ == "__main__":
