@@ -33,7 +33,6 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 LOGS = HERE / "logs" / "async_rl"
-PLOTS = LOGS  # NOTE: the figure sits beside its logs
 
 
 def copy_reward(prompts, completions, **columns):
@@ -106,25 +105,27 @@ def main() -> None:
     p.add_argument("--run", choices=["sync", "sync1", "async"], default=None, help="(internal) one run in this process")
     p.add_argument("--out", default=None)
     p.add_argument("--replot", action="store_true", help="redraw the figure from the last results.json")
+    p.add_argument("--logs", default=str(LOGS), help="where the runs, results.json and the figure go")
     p.add_argument("--plot_demo", nargs=2, metavar=("SYNC_DIR", "ASYNC_DIR"), default=None,
                    help="reward curves of two recipes/grpo.py output dirs (without / with --async_rollout)")
     args = p.parse_args()
     if args.plot_demo:
         plot_demo(*args.plot_demo)
         return
+    logs = Path(args.logs)
     if args.replot:
-        report = json.loads((LOGS / "results.json").read_text())
-        plot(report, PLOTS / "async_rl.png", report["speedup_mean"])
+        report = json.loads((logs / "results.json").read_text())
+        plot(report, logs / "async_rl.png", report["speedup_mean"])
         return
     if args.run:
         run_one(args.run, args, Path(args.out))
         return
-    LOGS.mkdir(parents=True, exist_ok=True)
+    logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     results: dict[str, list[dict]] = {"sync": [], "async": []}
     for rep in range(args.repeats):
         for mode in ("sync", "async"):
-            out = LOGS / f"{mode}_{rep}"
+            out = logs / f"{mode}_{rep}"
             load = os.getloadavg()[0]
             cmd = [sys.executable, __file__, "--run", mode, "--out", str(out), "--steps", str(args.steps),
                    "--prompts_per_step", str(args.prompts_per_step), "--group_size", str(args.group_size),
@@ -141,9 +142,9 @@ def main() -> None:
             print(json.dumps(row))
     pairs = [s["wall_s"] / a["wall_s"] for s, a in zip(results["sync"], results["async"], strict=True)]
     report = {"args": vars(args), "speedup_per_pair": pairs, "speedup_mean": statistics.mean(pairs), **results}
-    (LOGS / "results.json").write_text(json.dumps(report, indent=1))
+    (logs / "results.json").write_text(json.dumps(report, indent=1))
     print(f"async / sync wall-clock speedup per pair: {[round(x, 3) for x in pairs]}")
-    plot(results, PLOTS / "async_rl.png", statistics.mean(pairs))
+    plot(results, logs / "async_rl.png", statistics.mean(pairs))
 
 
 def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
