@@ -53,6 +53,8 @@ def run_one(mode: str, args, out_dir: Path) -> None:
     from trainers import GRPOConfig, GRPOTrainer
     from trainers.tasks import AdditionTask, build_tiny_model, make_addition_tokenizer
 
+    if args.switch_interval is not None:  # NOTE: the GIL hand-off interval (Python's default 5 ms)
+        sys.setswitchinterval(args.switch_interval)
     torch.set_num_threads(2 if mode == "sync" else 1)  # NOTE: "sync1": the synchronous trainer at 1 thread
     tokenizer = make_addition_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=256,
@@ -100,6 +102,7 @@ def main() -> None:
     p.add_argument("--max_new_tokens", type=int, default=128)
     p.add_argument("--max_staleness", type=int, default=1)
     p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--switch_interval", type=float, default=None, help="sys.setswitchinterval in every run")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--run", choices=["sync", "sync1", "async"], default=None, help="(internal) one run in this process")
@@ -131,6 +134,8 @@ def main() -> None:
                    "--prompts_per_step", str(args.prompts_per_step), "--group_size", str(args.group_size),
                    "--max_new_tokens", str(args.max_new_tokens), "--max_staleness", str(args.max_staleness),
                    "--lr", str(args.lr), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+            if args.switch_interval is not None:
+                cmd += ["--switch_interval", str(args.switch_interval)]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if proc.returncode:
                 raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
