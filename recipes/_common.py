@@ -82,6 +82,22 @@ def trainer_run_kwargs(args) -> dict:
     )
 
 
+def add_async_args(p) -> None:
+    """Asynchronous rollouts (GRPO, `trainers.async_rollout`)."""
+    p.add_argument("--async_rollout", action="store_true",
+                   help="generate the next steps' groups on a producer thread while the learner trains")
+    p.add_argument("--max_staleness", type=int, default=1, help="most policy versions generation runs ahead")
+    p.add_argument("--stale_tis_cap", type=float, default=2.0, help="cap of the importance weight of stale tokens")
+    p.add_argument("--rollout_threads", type=int, default=None, help="torch threads of the producer thread")
+    p.add_argument("--learner_threads", type=int, default=None, help="torch threads of the learner thread")
+
+
+def async_run_kwargs(args) -> dict:
+    """The `GRPOConfig` fields set by `add_async_args` flags."""
+    return dict(async_rollout=args.async_rollout, max_staleness=args.max_staleness, stale_tis_cap=args.stale_tis_cap,
+                rollout_threads=args.rollout_threads, learner_threads=args.learner_threads)
+
+
 def resolve_checkpoint(output_dir: str, spec: str | None) -> str | None:
     """`--resume_from_checkpoint`: None, a checkpoint directory, or "latest" (the newest
     `checkpoint-N` under `output_dir`, None when there is none yet)."""

@@ -19,6 +19,7 @@ With no arguments this is the embedded CPU demo, end to end and offline:
 
 Launch (a tqdm bar shows the reward; the default takes MEASURED on 2 CPU cores):
     accelerate launch recipes/grpo.py
+    accelerate launch recipes/grpo.py --async_rollout --max_staleness 1   # generation overlaps training
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/grpo.py      # 2 CPU ranks
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \\
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match \\
@@ -56,7 +57,9 @@ from _common import (
     GRPO_EMBEDDED_ENGINE,
     GRPO_WARM_START,
     REWARDS,
+    add_async_args,
     add_run_args,
+    async_run_kwargs,
     checkpoint_step,
     fresh_output_dir,
     get_reward,
@@ -117,6 +120,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/grpo")
     add_run_args(p)
+    add_async_args(p)
     return p.parse_args(argv)
 
 
@@ -162,6 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
         seed=args.seed,
         log_stdout=False,  # the tqdm bar shows the reward; metrics.jsonl has everything
         **trainer_run_kwargs(args),
+        **async_run_kwargs(args),
     )
     trainer = GRPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config, accelerator=accelerator)
     with trainer:

@@ -38,6 +38,8 @@ class RolloutBatch:
         return self.completion_mask if self.loss_mask is None else self.completion_mask * self.loss_mask
     top_logprobs: torch.Tensor | None = None  # [N, T, k] fp32, best first, when generated with top_logprobs=k
     top_ids: torch.Tensor | None = None  # [N, T, k] int64
+    # NOTE: a request that spans an in-flight weight update holds tokens of two (or more) versions
+    versions: torch.Tensor | None = None  # [N, T] int64 policy_version that sampled each token, 0 where masked
 
     @property
     def input_ids(self) -> torch.Tensor:  # [N, P + T]
@@ -77,6 +79,7 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
     completion_ids = torch.full((n, t_len), pad, dtype=torch.long)
     completion_mask = torch.zeros((n, t_len), dtype=torch.long)
     logprobs = torch.zeros((n, t_len), dtype=torch.float32)
+    versions = torch.zeros((n, t_len), dtype=torch.long)
     for row, out in enumerate(outputs):
         p = prompts[row // group_size]
         if p:
@@ -87,6 +90,7 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
             completion_ids[row, :k] = torch.tensor(out.generated_tokens)
             completion_mask[row, :k] = 1
             logprobs[row, :k] = torch.tensor(out.logprobs, dtype=torch.float32)
+            versions[row, :k] = torch.tensor(out.versions if out.versions else [out.policy_version] * k)
     top_lp = top_ids = None
     if top_logprobs:  # NOTE: [N, T, k], 0 where masked
         top_lp = torch.zeros((n, t_len, top_logprobs), dtype=torch.float32)
@@ -111,5 +115,6 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
         completions_text=texts,
         top_logprobs=top_lp,
         top_ids=top_ids,
+        versions=versions,
     )
     return batch.to(device)

@@ -306,7 +306,7 @@ class EngineCore:
         news: list[Request] = []
         logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
         for req, token, logprob in zip(reqs, result.tokens, logprobs, strict=True):
-            reason = req.append_token(token, logprob)
+            reason = req.append_token(token, logprob, self.policy_version)
             if reason is not None:
                 self._finalize(req, RequestStatus.FINISHED, reason)
                 news.append(req)

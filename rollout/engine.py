@@ -7,6 +7,7 @@ calling thread (`manager.collect`) until they are done, then pads them into a `R
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
@@ -271,7 +272,7 @@ class RolloutEngine:
         return check_token_ids(completion, self.manager.core.vocab_size, "completion_ids")
 
     # ---------------------------------------------------------- weight update
-    def update_weights(self, source, in_flight: str = "finish") -> int:
+    def update_weights(self, source, in_flight: str = "finish", recompute_kv: bool = False) -> int:
         """Load new policy weights in place; returns the new `policy_version`.
 
         `source`: an nn.Module (DDP / accelerate / compile wrappers are unwrapped), a state dict, or an
@@ -279,24 +280,31 @@ class RolloutEngine:
         existing storage. Built on the trainer's own module, `update_weights(model)` copies nothing.
         Every prefix-cache page computed with the old weights is dropped. Requests in flight finish
         under the old weights first (`in_flight="finish"`) or are aborted with their partial output
-        (`in_flight="abort"`), or, with the manager paused in "keep" mode, stay where they are and go on
-        under the new weights after `resume()` (`in_flight="keep"`)."""
+        (`in_flight="abort"`), or stay where they are and go on under the new weights (`in_flight="keep"`):
+        on a live engine (a `generate` on another thread, the engine thread) the update lands between two
+        steps; paused in "keep" mode, they go on after `resume()`. Their KV computed so far is kept (it
+        is their own context, never shared with another request), or with `recompute_kv=True` dropped and
+        recomputed under the new weights before their next token. Each token's version is in
+        `RolloutBatch.versions`."""
         self._check_open()
         if in_flight not in ("finish", "abort", "keep"):
             raise ValueError(f"in_flight must be 'finish', 'abort' or 'keep', got {in_flight!r}")
-        if in_flight == "keep" and self.manager.pause_mode != "keep":
-            raise ValueError("in_flight='keep' needs the manager paused with mode='keep'")
+        if recompute_kv and in_flight != "keep":
+            raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
         if in_flight == "abort":
             self.manager.abort_live()
-        with self._lock:  # NOTE: a generate() running in another thread finishes first
+        # NOTE: "keep" does not wait for a generate() running on another thread (it holds `_lock`).
+        with contextlib.nullcontext() if in_flight == "keep" else self._lock:
             if in_flight != "keep":
                 self.manager.wait_idle()
-            with self.manager.step_lock:
+            with self.manager.step_lock:  # NOTE: between two steps
                 core = self.manager.core
                 try:
                     copied = copy_weights(core.view, source)
                 finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
                     core.reset_prefix_cache()
+                    if recompute_kv:
+                        core.scheduler.drop_kv()
                 core.policy_version += 1
             logger.info("policy weights updated (version %d, %d tensors copied)", core.policy_version, copied)
             return core.policy_version

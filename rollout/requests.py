@@ -36,6 +36,7 @@ class GenerationOutput:
     error: str | None = None
     policy_version: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache instead of computed
+    versions: list[int] | None = None  # [num generated] the policy_version that sampled each token
     # NOTE: scoring (teacher-forced) fields, None unless asked for: logprobs of the given tokens
     # (prompt then forced) from `score_from` on, and top-k logprobs / ids of given and generated tokens.
     scores: list[float] | None = None  # [G - score_from]
@@ -117,6 +118,7 @@ class Request:
     token_ids: list[int] = field(init=False)
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)  # policy_version that sampled each generated token
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at admission
     page_ids: list[int] = field(default_factory=list)
@@ -179,10 +181,11 @@ class Request:
         """Tokens still to run through the model before the next sample."""
         return self.num_tokens - self.num_computed_tokens
 
-    def append_token(self, token: int, logprob: float | None) -> str | None:
-        """Add a sampled token; returns the `stop_reason` it leaves (None: keep going)."""
+    def append_token(self, token: int, logprob: float | None, version: int = 0) -> str | None:
+        """Add a token sampled under policy `version`; returns the `stop_reason` it leaves (None: keep going)."""
         self.token_ids.append(token)
         self.generated.append(token)
+        self.versions.append(version)
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.eos_token_ids:
@@ -223,4 +226,5 @@ class Request:
             error=self.error,
             policy_version=self.policy_version,
             num_cached_tokens=self.num_cached_tokens,
+            versions=list(self.versions),
         )

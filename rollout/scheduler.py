@@ -356,6 +356,19 @@ class Scheduler:
             if sliding:
                 self.num_recycled_pages += self.tables.recycle(req)
 
+    def drop_kv(self) -> int:
+        """New weights, KV refilled: every live request's KV is dropped (pages freed, offloaded copies
+        discarded) and it recomputes its tokens before its next sample; the running ones go back to the
+        front of the queue in their order. Returns how many requests lost KV."""
+        hit = [r for r in self.waiting if r.num_computed_tokens or r.offloaded] + self.running
+        for req in hit:
+            req.high_water = max(req.high_water, req.num_computed_tokens)
+            self._release(req)
+            req.num_computed_tokens, req.stale_kv, req.status = 0, False, RequestStatus.PENDING
+        self.waiting.extendleft(reversed(self.running))
+        self.running = []
+        return len(hit)
+
     def forget_prefixes(self) -> None:
         """KV computed so far is stale (new weights): no new request may read it through the in-flight
         map or a fork, and the live requests' pages are never offered to the prefix cache."""

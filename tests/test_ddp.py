@@ -92,6 +92,22 @@ def test_real_runs_keep_ranks_identical_while_rolling_out_different_prompts(laun
             assert a["mismatch"] <= 1e-4
         lines = (out / algorithm / "metrics.jsonl").read_text().splitlines()
         assert [json.loads(line)["step"] for line in lines] == [1, 2]  # the main process logs once
+        # a reward metric only rank 0 logs (rank 1's prompts never vary) is gathered, not lost or NaN
+        assert [a["varying_rows"] for a in zero[1:]] == [b["varying_rows"] for b in one[1:]] == [8.0, 8.0]
+        assert [json.loads(line)["varying_rows"] for line in lines] == [8.0, 8.0]
+
+
+def test_ppo_whitening_uses_statistics_over_all_ranks(launched):
+    from trainers.ppo import whiten
+
+    out, _, _ = launched
+    halves = [next(r for r in json.loads((out / f"rank{k}.json").read_text())["records"] if r["algorithm"] == "whiten")
+              for k in (0, 1)]
+    x, mask = ddp_worker.whiten_inputs()
+    got = torch.tensor(halves[0]["values"] + halves[1]["values"])
+    assert torch.allclose(got, whiten(x, mask), atol=1e-5)  # the combined batch's statistics
+    local = torch.cat([whiten(x[:4], mask[:4]), whiten(x[4:], mask[4:])])
+    assert not torch.allclose(got, local, atol=1e-2)  # rank-local statistics would differ
 
 
 def test_eval_sweep_splits_prompts_across_ranks_into_one_csv(launched, tmp_path):

@@ -184,6 +184,16 @@ def test_grpo_short_run_writes_outputs(tmp_path, keep_rng):
     assert (out / "final" / "config.json").exists() and (out / "init" / "warm_start.json").exists()
 
 
+def test_grpo_recipe_async_rollout_flags(tmp_path, keep_rng):
+    grpo = load_recipe("grpo")
+    out = tmp_path / "grpo_async"
+    args = ["--steps", "3", "--sft_steps", "3", "--prompts_per_step", "4", "--group_size", "4"]
+    grpo.main([*args, "--async_rollout", "--max_staleness", "1", "--output_dir", str(out)])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["staleness_max"] <= 1 and "time_generate_exposed" in r for r in records)
+
+
 def test_grpo_recipe_on_a_chat_model_and_a_gsm8k_file_resumes(tmp_path, keep_rng, monkeypatch):
     """`--model DIR` (a saved tiny model whose tokenizer has a chat template) and
     `--dataset tests/data/gsm8k_tiny.jsonl --prompt_column question --answer_column answer

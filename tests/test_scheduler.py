@@ -472,3 +472,27 @@ def test_random_workloads_fifo(workload, num_blocks, budget, max_requests, margi
 @given(num_blocks=st.integers(6, 16), **POLICY_ARGS)
 def test_random_workloads_prefill_first(workload, num_blocks, budget, max_requests, margin, caching):
     _random_workload(workload, num_blocks, budget, max_requests, "prefill_first", margin, caching)
+
+
+def test_drop_kv_frees_every_page_and_recomputes_prompt_plus_generated():
+    """`update_weights(..., recompute_kv=True)`: running requests lose their KV, go back to the front of
+    the queue in their order (ahead of a request that was waiting), and recompute every token they hold."""
+    s = make_scheduler(num_blocks=16, budget=64, caching=True)
+    a, b = make_request("a", 6, max_new_tokens=8), make_request("b", 5, max_new_tokens=8)
+    s.add(a)
+    s.add(b)
+    step(s)
+    step(s)  # each has 2 generated tokens now: 8 and 7 tokens, 7 and 6 computed
+    late = make_request("late", 3, max_new_tokens=1)
+    s.add(late)
+    s.forget_prefixes()  # NOTE: what `EngineCore.reset_prefix_cache` does first on new weights
+    s.bm.reset_prefix_cache()
+    assert a.stale_kv and b.stale_kv
+    assert s.drop_kv() == 2
+    assert s.running == [] and [r.request_id for r in s.waiting] == ["a", "b", "late"]
+    assert s.bm.num_free_pages == s.bm.num_pages and not s.bm.cached  # every page back, none cached
+    assert (a.num_computed_tokens, b.num_computed_tokens, a.stale_kv, b.stale_kv) == (0, 0, False, False)
+    out, _ = step(s)
+    assert chunks(out) == [("a", 8), ("b", 7), ("late", 3)]  # prompt + generated, then sample again
+    assert len(a.generated) == 3 and len(b.generated) == 3
+    run_to_end(s)

@@ -153,6 +153,26 @@ def test_update_while_paused_keep_applies_to_held_requests(server, tmp_path):
     assert tokens(box["out"]) == hf_greedy(model, PROMPT, 8)
 
 
+def test_weight_versions_show_an_update_landing_mid_request(server, tmp_path):
+    """A request kept running across an update: `weight_versions` (one per token, beside `token_ids`)
+    switches from the old version to the new one at the token where it was frozen."""
+    model = make_model("qwen3", seed=7)
+    model.save_pretrained(tmp_path / "m7")
+    v0 = version(server)
+    running, box = in_thread(lambda: greedy(server, [4] * 10, n=300))
+    wait_until_running(server, running, "the 300-token request")
+    call(server, "POST", "/pause", mode="keep")
+    frozen = len(next(iter(live_requests(server).values())).generated)
+    r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "m7")})
+    assert r.status_code == 200 and r.json()["weight_version"] == v0 + 1
+    call(server, "POST", "/resume")
+    running.join(60)
+    choice = box["out"]["choices"][0]
+    assert len(choice["token_ids"]) == 300 and 0 < frozen < 300
+    assert choice["weight_versions"] == [v0] * frozen + [v0 + 1] * (300 - frozen)
+    assert greedy(server)["choices"][0]["weight_versions"] == [v0 + 1] * 8
+
+
 def test_trainer_process_pushes_weights_over_gloo(server):
     v0 = version(server)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}

@@ -372,11 +372,18 @@ def reduction_of(name: str) -> str:
 
 
 def reduce_metrics(accelerator, metrics: dict[str, float]) -> dict[str, float]:
-    """Combine per-rank scalar metrics (same keys on every rank) through one `gather`."""
+    """Combine per-rank scalar metrics through one `gather`. A key only some ranks log (a reward function's
+    `log_metric` on some ranks), or log as NaN, is combined over the ranks that have a value."""
     if accelerator.num_processes == 1:
         return dict(metrics)
-    keys = sorted(metrics)
-    local = torch.tensor([[float(metrics[k]) for k in keys]], dtype=torch.float64, device=accelerator.device)
+    from accelerate.utils import gather_object
+
+    keys = sorted(set().union(*gather_object([sorted(metrics)])))  # NOTE: every rank's keys
+    local = torch.tensor([[float(metrics.get(k, math.nan)) for k in keys]], dtype=torch.float64, device=accelerator.device)
     gathered = accelerator.gather(local).cpu()  # [W, K]
     ops = {"max": lambda c: c.max(), "sum": lambda c: c.sum(), "mean": lambda c: c.mean()}
-    return {k: ops[reduction_of(k)](gathered[:, i]).item() for i, k in enumerate(keys)}
+    out = {}
+    for i, k in enumerate(keys):
+        column = gathered[:, i][~gathered[:, i].isnan()]  # [<= W]
+        out[k] = ops[reduction_of(k)](column).item() if column.numel() else math.nan
+    return out

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from rollout import RolloutBatch
 from trainers.algorithms import get_algorithm, nonconstant_group_mask
+from trainers.async_rollout import AsyncRolloutMixin
 from trainers.base import RLTrainer
 from trainers.common import RLConfig, scored_logprobs
 from trainers.losses import aggregate, clipped_policy_loss, kl_k3, masked_mean
@@ -49,6 +50,11 @@ class GRPOConfig(RLConfig):
         overlong_buffer: DAPO's soft overlong punishment: a completion longer than
             `max_new_tokens - overlong_buffer` loses up to `overlong_penalty` reward, linearly in
             the tokens it uses of the buffer (0 = off).
+        async_rollout: generate ahead of the learner on a producer thread (`trainers.async_rollout`),
+            at most `max_staleness` policy versions behind it (0 = wait for every update: the
+            synchronous update exactly); tokens sampled by an older version get truncated importance
+            weights capped at `stale_tis_cap` (None = off); `mask_stale` drops tokens staler than
+            `max_staleness`. `rollout_threads` / `learner_threads`: torch threads of each side (None = as is).
     """
 
     output_dir: str = "outputs/grpo"
@@ -58,6 +64,12 @@ class GRPOConfig(RLConfig):
     overlong_filter: bool = False
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
+    async_rollout: bool = False
+    max_staleness: int = 1
+    stale_tis_cap: float | None = 2.0
+    mask_stale: bool = True
+    rollout_threads: int | None = None
+    learner_threads: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,6 +79,10 @@ class GRPOConfig(RLConfig):
             raise ValueError(f"beta must be >= 0, got {self.beta}")
         if self.max_resample_rounds < 0:
             raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
+        if self.max_staleness < 0 or (self.stale_tis_cap is not None and self.stale_tis_cap <= 0):
+            raise ValueError(f"max_staleness must be >= 0 and stale_tis_cap > 0, got {self.max_staleness}, {self.stale_tis_cap}")
+        if self.async_rollout and self.max_resample_rounds:
+            raise ValueError("async_rollout does not support max_resample_rounds (DAPO refills) yet")
         if not 0 <= self.overlong_buffer < self.max_new_tokens:
             raise ValueError(
                 f"overlong_buffer must be in [0, max_new_tokens={self.max_new_tokens}), got {self.overlong_buffer}"
@@ -82,7 +98,7 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: 
     return -factor * over / buffer
 
 
-class GRPOTrainer(EngineReferenceMixin, RLTrainer):
+class GRPOTrainer(EngineReferenceMixin, AsyncRolloutMixin, RLTrainer):
     """Group-relative policy optimisation with one rollout engine per process.
 
     Args:

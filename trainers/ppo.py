@@ -14,6 +14,7 @@ clipped surrogate (`agg="token_mean"`) plus `vf_coef` x the clipped value loss; 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,6 +27,7 @@ from trainers.losses import (
     gae,
     kl_k3,
     masked_mean,
+    masked_sum,
     value_loss,
 )
 from trainers.reference import EngineReferenceMixin
@@ -159,11 +161,16 @@ class PPOTrainer(EngineReferenceMixin, RLTrainer):
             metrics["kl"] = masked_mean(kl_k3(own["logprobs"], ref, mask), mask).item()
         # 4. GAE over the generated tokens
         advantages, data["returns"] = gae(token_rewards, own["values"], mask, cfg.gamma, cfg.lam)
-        data["advantages"] = whiten(advantages, mask) if cfg.whiten_advantages else advantages
+        ranks = None if self.accelerator.num_processes == 1 else self.all_sum
+        data["advantages"] = whiten(advantages, mask, all_sum=ranks) if cfg.whiten_advantages else advantages
         metrics.update(reward_metrics)
         metrics["returns_mean"] = masked_mean(data["returns"], mask).item()
         metrics["time_train"] = time.perf_counter() - start
         return data, metrics
+
+    def all_sum(self, t: Tensor) -> Tensor:
+        """`t` summed over the ranks (whitening statistics of the whole batch)."""
+        return self.accelerator.reduce(t.to(self.accelerator.device), reduction="sum")
 
     def loss(self, micro: dict[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:
         """Clipped surrogate (token mean) + vf_coef x clipped value loss on one micro-batch."""
@@ -188,8 +195,15 @@ class PPOTrainer(EngineReferenceMixin, RLTrainer):
         return policy_loss + self.config.vf_coef * v_loss, metrics
 
 
-def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8) -> Tensor:
-    """`(x - mean) / std` over the masked entries of `x [N, T]`; 0 where the mask is 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean).square(), mask)
+def whiten(x: Tensor, mask: Tensor, eps: float = 1e-8, all_sum: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """`(x - mean) / std` over the masked entries of `x [N, T]`; 0 where the mask is 0. With `all_sum` (a
+    sum over the ranks) the mean and variance are those of every rank's masked entries together."""
+    if all_sum is None:
+        mean = masked_mean(x, mask)
+        var = masked_mean((x - mean).square(), mask)
+    else:
+        total = all_sum(torch.stack([masked_sum(x, mask), mask.bool().sum().to(x.dtype)]))  # [2]
+        count = total[1].clamp_min(1)
+        mean = total[0] / count
+        var = all_sum(masked_sum((x - mean).square(), mask)) / count
     return torch.where(mask.bool(), (x - mean) * torch.rsqrt(var + eps), 0.0)

@@ -54,7 +54,7 @@ def merge_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         policy_version=min(b.policy_version for b in batches),
         completions_text=None if any(x is None for x in texts) else [s for x in texts for s in x],
         **{name: _cat_optional([getattr(b, name) for b in batches], width) for name, width in
-           (("loss_mask", t), ("rewards", None), ("num_turns", None))},
+           (("loss_mask", t), ("rewards", None), ("num_turns", None), ("versions", t))},
     )
 
 
@@ -83,7 +83,7 @@ def take_rows(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
         policy_version=batch.policy_version,
         completions_text=None if batch.completions_text is None else [batch.completions_text[i] for i in rows],
         **{name: None if getattr(batch, name) is None else getattr(batch, name)[index]
-           for name in ("loss_mask", "rewards", "num_turns")},
+           for name in ("loss_mask", "rewards", "num_turns", "versions")},
     )
 
 
@@ -96,6 +96,7 @@ def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
         "completion_mask": batch.trained_mask.bool(),  # [N, T] sampled tokens (not an environment's)
         "rollout_logprobs": batch.logprobs,  # [N, T]
         "temperatures": batch.temperatures,  # [N]
+        **({} if batch.versions is None else {"versions": batch.versions}),  # [N, T] policy version per token
     }
 
 

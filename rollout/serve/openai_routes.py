@@ -148,6 +148,7 @@ def _response(req, samples: list[SampleText], prompts, rid: str, model: str, cha
                 choice["prompt_logprobs"] = prompt_logprobs(req, s)
         if req.return_token_ids:
             choice["token_ids"] = list(s.tokens)
+            choice["weight_versions"] = s.versions[: len(s.tokens)]
             if not chat:
                 choice["prompt_token_ids"] = list(s.prompt_ids)
         choices.append(choice)
@@ -205,6 +206,7 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
                 choice["text"] = delta
             if req.return_token_ids:
                 choice["token_ids"] = tokens
+                choice["weight_versions"] = s.versions[s.sent_tokens - len(tokens): s.sent_tokens]
                 if not chat and s.sent_tokens == len(tokens):
                     choice["prompt_token_ids"] = s.prompt_ids
             yield event(choice)

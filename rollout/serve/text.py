@@ -32,6 +32,7 @@ class SampleText:
         self.skip = skip_special_tokens
         self.tokens: list[int] = []
         self.logprobs: list[float] | None = None
+        self.versions: list[int] = []  # policy_version that sampled each token
         self.text = ""  # emitted so far
         self.finish_reason: str | None = None
         self.error: str | None = None
@@ -51,6 +52,7 @@ class SampleText:
             return ""
         self.tokens = list(out.generated_tokens)
         self.logprobs = out.logprobs
+        self.versions = list(out.versions or [])
         self.cached_tokens = out.num_cached_tokens
         if out.top_logprobs is not None:
             self.top = (out.top_logprobs, out.top_ids)

@@ -31,14 +31,18 @@ from accelerate import Accelerator  # noqa: E402
 from rollout import ContinuousBatchingConfig  # noqa: E402
 from support.training import digit_share, trained_state  # noqa: E402
 from trainers import GRPOConfig, GRPOTrainer, PolicyWithValue, PPOConfig, PPOTrainer  # noqa: E402
+from trainers.ppo import whiten  # noqa: E402
 from trainers.tasks import build_tiny_model, make_addition_tokenizer  # noqa: E402
 
 ALGORITHMS = ("grpo", "dapo", "ppo")
 ENGINE = ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=256)
 
 
-def half_constant(completions, varies, **kwargs):
-    """Rows whose "varies" column is False score a constant 1: DAPO drops their groups."""
+def half_constant(completions, varies, log_metric=None, **kwargs):
+    """Rows whose "varies" column is False score a constant 1: DAPO drops their groups. A batch with varying
+    rows logs `varying_rows` (their count): on two ranks only rank 0 logs it (the metric gather must cope)."""
+    if log_metric is not None and any(varies):
+        log_metric("varying_rows", sum(varies))
     return [s if v else 1.0 for s, v in zip(digit_share(None, completions), varies, strict=True)]
 
 
@@ -75,6 +79,14 @@ def build(algorithm: str, accelerator: Accelerator, output_dir: str, prompts_per
     return cls(model, tokenizer, half_constant, ROWS, config, accelerator=accelerator, optimizer=optimizer)
 
 
+def whiten_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    """Advantages `[8, 5]` and a mask whose two halves have different means, spreads and token counts."""
+    x = torch.arange(40, dtype=torch.float32).view(8, 5).square() / 50
+    mask = torch.ones(8, 5, dtype=torch.bool)
+    mask[4:, 2:] = False
+    return x, mask
+
+
 def parameter_hash(trainer) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(trained_state(trainer).items()):
@@ -106,8 +118,13 @@ def real_runs(accelerator: Accelerator, out: str) -> list[dict]:
             metrics = trainer.step()
             records.append(
                 {"algorithm": algorithm, "step": metrics["step"], "prompts": prompts, "hash": parameter_hash(trainer),
-                 "mismatch": metrics["logprob_mismatch_max"]}
+                 "mismatch": metrics["logprob_mismatch_max"], "varying_rows": metrics.get("varying_rows")}
             )
+        if algorithm == "ppo":  # NOTE: whitening statistics over both ranks' halves of WHITEN_X
+            x, mask = whiten_inputs()
+            n = x.shape[0] // accelerator.num_processes
+            rows = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
+            records.append({"algorithm": "whiten", "values": whiten(x[rows], mask[rows], all_sum=trainer.all_sum).tolist()})
         trainer.close()
     return records
 

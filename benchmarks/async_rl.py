@@ -1,0 +1,200 @@
+"""Asynchronous vs synchronous GRPO on a generation-heavy task (issue 28): wall-clock per step, reward curves.
+
+Question: when generation is ~40-60% of a synchronous step, how much faster is a step when rollout runs on
+one core and the learner on the other (`GRPOConfig(async_rollout=True, max_staleness=1)`, 1 torch thread
+each) than the synchronous trainer at 2 torch threads, same steps and seeds; and does it learn alike?
+
+Task ("copy the operand"): the addition task's prompts ("123+456="), completions of exactly
+`--max_new_tokens` (128) characters (EOS disabled); reward = the share of completion positions holding the
+character of the first operand repeated ("123123123..."), in [0, 1] (random policy ~0.07). The policy: the
+embedded recipe's Qwen3 shape (hidden 128, 3 layers, char-level vocab of 16), randomly initialised, seed 0.
+GRPO, 8 prompts x 8 samples per step, T = 1.0, lr 2e-3, 1 pass in 2 minibatches.
+
+Each configuration runs in its own process (fresh OpenMP state), runs alternate (sync, async, sync, ...):
+
+    python benchmarks/async_rl.py --steps 40 --repeats 2     # -> benchmarks/logs/async_rl/ (results.json, async_rl.png)
+"""
+
+# ruff: noqa: E402
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: as recipes/grpo.py (a shared 2-core box)
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+LOGS = HERE / "logs" / "async_rl"
+
+
+def copy_reward(prompts, completions, **columns):
+    """Share of positions matching the first operand repeated (length of the budget, set by the caller)."""
+    out = []
+    for prompt, completion in zip(prompts, completions, strict=True):
+        operand = prompt.split("+")[0]
+        target = (operand * (copy_reward.length // len(operand) + 1))[: copy_reward.length]
+        out.append(sum(a == b for a, b in zip(completion, target, strict=False)) / copy_reward.length)
+    return out
+
+
+def run_one(mode: str, args, out_dir: Path) -> None:
+    """One training run in this process; metrics.jsonl into `out_dir`."""
+    import torch
+
+    from rollout import ContinuousBatchingConfig
+    from trainers import GRPOConfig, GRPOTrainer
+    from trainers.tasks import AdditionTask, build_tiny_model, make_addition_tokenizer
+
+    if args.switch_interval is not None:  # NOTE: the GIL hand-off interval (Python's default 5 ms)
+        sys.setswitchinterval(args.switch_interval)
+    torch.set_num_threads(2 if mode == "sync" else 1)  # NOTE: "sync1": the synchronous trainer at 1 thread
+    tokenizer = make_addition_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=256,
+                             seed=0)
+    # NOTE: no EOS: every completion runs the whole budget (a generation-heavy, fixed-length workload)
+    tokenizer.eos_token = None
+    model.generation_config.eos_token_id = None
+    copy_reward.length = args.max_new_tokens
+    dataset = AdditionTask(num_digits=3, seed=0).to_dataset(args.steps * args.prompts_per_step)
+    async_fields = dict(async_rollout=True, max_staleness=args.max_staleness, rollout_threads=1, learner_threads=1)
+    config = GRPOConfig(
+        output_dir=str(out_dir), max_steps=args.steps, prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0,
+        learning_rate=args.lr, num_iterations=1, num_minibatches=2, seed=0, log_stdout=False, progress=False,
+        engine_config=ContinuousBatchingConfig(page_size=32, num_blocks=512),
+        **(async_fields if mode == "async" else {}),
+    )
+    start = time.perf_counter()
+    with GRPOTrainer(model, tokenizer, copy_reward, dataset, config) as trainer:
+        trainer.train()
+    print(json.dumps({"mode": mode, "wall_s": time.perf_counter() - start}))
+
+
+def summary(records: list[dict], skip: int) -> dict:
+    """Reward at the start and the end, and the mean per-step time fields after `skip` warm-up steps."""
+    body = records[skip:]
+    out = {
+        "reward_first5": statistics.mean(r["reward_mean"] for r in records[:5]),
+        "reward_last5": statistics.mean(r["reward_mean"] for r in records[-5:]),
+        "time_generate": statistics.mean(r["time_generate"] for r in body),
+        "time_train": statistics.mean(r["time_train"] for r in body),
+    }
+    if "time_generate_exposed" in body[0]:
+        out["time_generate_exposed"] = statistics.mean(r["time_generate_exposed"] for r in body)
+        out["staleness_mean"] = statistics.mean(r["staleness_mean"] for r in body)
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--repeats", type=int, default=2, help="runs of each mode, alternating")
+    p.add_argument("--prompts_per_step", type=int, default=8)
+    p.add_argument("--group_size", type=int, default=8)
+    p.add_argument("--max_new_tokens", type=int, default=128)
+    p.add_argument("--max_staleness", type=int, default=1)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--switch_interval", type=float, default=None, help="sys.setswitchinterval in every run")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--run", choices=["sync", "sync1", "async"], default=None, help="(internal) one run in this process")
+    p.add_argument("--out", default=None)
+    p.add_argument("--replot", action="store_true", help="redraw the figure from the last results.json")
+    p.add_argument("--logs", default=str(LOGS), help="where the runs, results.json and the figure go")
+    p.add_argument("--plot_demo", nargs=2, metavar=("SYNC_DIR", "ASYNC_DIR"), default=None,
+                   help="reward curves of two recipes/grpo.py output dirs (without / with --async_rollout)")
+    args = p.parse_args()
+    if args.plot_demo:
+        plot_demo(*args.plot_demo)
+        return
+    logs = Path(args.logs)
+    if args.replot:
+        report = json.loads((logs / "results.json").read_text())
+        plot(report, logs / "async_rl.png", report["speedup_mean"])
+        return
+    if args.run:
+        run_one(args.run, args, Path(args.out))
+        return
+    logs.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    for rep in range(args.repeats):
+        for mode in ("sync", "async"):
+            out = logs / f"{mode}_{rep}"
+            load = os.getloadavg()[0]
+            cmd = [sys.executable, __file__, "--run", mode, "--out", str(out), "--steps", str(args.steps),
+                   "--prompts_per_step", str(args.prompts_per_step), "--group_size", str(args.group_size),
+                   "--max_new_tokens", str(args.max_new_tokens), "--max_staleness", str(args.max_staleness),
+                   "--lr", str(args.lr), "--hidden", str(args.hidden), "--layers", str(args.layers)]
+            if args.switch_interval is not None:
+                cmd += ["--switch_interval", str(args.switch_interval)]
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            if proc.returncode:
+                raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
+            wall = json.loads(proc.stdout.strip().splitlines()[-1])["wall_s"]
+            records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+            row = {"mode": mode, "rep": rep, "wall_s": wall, "s_per_step": wall / args.steps,
+                   "load_before": load, "load_after": os.getloadavg()[0], **summary(records, 2)}
+            results[mode].append({**row, "rewards": [r["reward_mean"] for r in records]})
+            print(json.dumps(row))
+    pairs = [s["wall_s"] / a["wall_s"] for s, a in zip(results["sync"], results["async"], strict=True)]
+    report = {"args": vars(args), "speedup_per_pair": pairs, "speedup_mean": statistics.mean(pairs), **results}
+    (logs / "results.json").write_text(json.dumps(report, indent=1))
+    print(f"async / sync wall-clock speedup per pair: {[round(x, 3) for x in pairs]}")
+    plot(results, logs / "async_rl.png", statistics.mean(pairs))
+
+
+def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, color in (("sync", "tab:blue"), ("async", "tab:orange")):
+        for i, run in enumerate(results[mode]):
+            label = f"{mode} run {i + 1} ({run['s_per_step']:.2f} s/step, load {run['load_before']:.0f})"
+            style = "-" if i == 0 else "--"  # NOTE: sync runs are deterministic: their curves coincide
+            ax.plot(range(1, len(run["rewards"]) + 1), run["rewards"], style, color=color, alpha=0.9 - 0.3 * i,
+                    label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward_mean")
+    ax.set_title(f"GRPO, copy task (128-token completions), 2 cores\nasync (staleness 1, 1+1 threads) vs sync "
+                 f"(2 threads): {speedup:.2f}x wall-clock per step", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def plot_demo(sync_dir: str, async_dir: str) -> None:
+    """The embedded recipe's reward per step, sync vs `--async_rollout`, into LOGS/demo_async_vs_sync.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, folder, color in (("sync", sync_dir, "tab:blue"), ("async, staleness 1", async_dir, "tab:orange")):
+        records = [json.loads(line) for line in (Path(folder) / "metrics.jsonl").read_text().splitlines()]
+        summary = json.loads((Path(folder) / "summary.json").read_text())
+        label = f"{name}: {summary['reward_first5']:.3f} -> {summary['reward_last5']:.3f}"
+        ax.plot([r["step"] for r in records], [r["reward_mean"] for r in records], color=color, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward_mean")
+    ax.set_title("recipes/grpo.py (embedded addition demo), sync vs --async_rollout", fontsize=10)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(LOGS / "demo_async_vs_sync.png", dpi=120)
+
+
+if __name__ == "__main__":
+    main()

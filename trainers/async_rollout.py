@@ -1,0 +1,235 @@
+"""Asynchronous rollouts for GRPO: generation runs ahead of the learner by at most `max_staleness` versions.
+
+`GRPOConfig(async_rollout=True, max_staleness=K)`: a producer thread generates step j's groups on the
+engine's own copy of the policy as soon as the engine holds version >= j - K (versions counted in RL
+steps), while the learner trains on an earlier step. The learner hands each update to the engine in flight
+(`update_weights(in_flight="keep")`, between two engine steps, KV kept), so a batch started under version
+v may finish under v + 1: every token carries the version that sampled it (`RolloutBatch.versions`).
+
+The loss sees the learner's own recomputation as `old_logprobs` (the proximal policy, as in the
+synchronous trainer). A token sampled under an older version (staleness = learner version - token version
+> 0) gets a truncated importance weight `min(exp(old_logprobs - rollout_logprobs), stale_tis_cap)`
+(decoupled PPO, AReaL); with `mask_stale`, tokens staler than `max_staleness` leave the loss. Fresh tokens
+are treated exactly as in the synchronous trainer, so `max_staleness=0` (generation waits for every
+update) reproduces the synchronous update bit for bit.
+
+Threads: `torch.set_num_threads` acts per calling thread for the OpenMP pool that torch's CPU kernels use
+(each thread keeps its own team size; a new thread starts from the last value set anywhere), so with
+`rollout_threads=1` / `learner_threads=1` rollout runs on one core and the learner on the other.
+Metrics: `staleness_mean` / `staleness_max` (over trained tokens), `stale_fraction`,
+`stale_logprob_gap` (|rollout - learner| logprob on stale tokens), `time_generate` (the producer's time
+for this batch), `time_generate_exposed` (the learner's wait for it), `time_generate_overlapped`.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+
+import torch
+from torch import Tensor
+
+from rollout import RolloutBatch, RolloutEngine
+from rollout.openmp import release_thread_team
+from trainers.base import colocated_engine_config
+from trainers.common import rollout_seed
+from trainers.losses import masked_mean
+from trainers.rollouts import encode_prompt
+
+logger = logging.getLogger("trainers")
+
+
+class AsyncRollouts:
+    """The producer thread and the hand-off of finished batches to the learner.
+
+    Args:
+        trainer: the `GRPOTrainer` (its engine, prompts, tokenizer and config are used).
+        first_step, last_step: the RL steps to generate (`range(first_step, last_step)`).
+        version: the policy version (in RL steps) the engine holds now.
+    """
+
+    def __init__(self, trainer, first_step: int, last_step: int, version: int) -> None:
+        self.trainer = trainer
+        self.max_staleness = trainer.config.max_staleness
+        self.steps = range(first_step, last_step)
+        # NOTE: its own prompt source: `PromptSource` re-shuffles in place at an epoch change, and the
+        # learner reads the same steps' rows (for the rewards) on its own thread
+        self.prompts = copy.copy(trainer.prompts)
+        self.version = version
+        self.ready: dict[int, tuple[RolloutBatch, dict[str, float]]] = {}
+        self.error: BaseException | None = None
+        self.stopping = False
+        self.cv = threading.Condition()
+        self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+        self.thread.start()
+
+    # ------------------------------------------------------------------ producer
+    def _run(self) -> None:
+        threads = self.trainer.config.rollout_threads
+        if threads is not None:
+            torch.set_num_threads(threads)  # NOTE: this thread's OpenMP team only
+        try:
+            for step in self.steps:
+                with self.cv:
+                    while not self.stopping and self.version < step - self.max_staleness:
+                        self.cv.wait()
+                    if self.stopping:
+                        return
+                    started_at = self.version
+                rows = self.prompts.rows(step)
+                batch, metrics = generate_step(self.trainer, rows, step)
+                metrics["rollout_start_version"] = float(started_at)
+                with self.cv:
+                    self.ready[step] = (batch, metrics)
+                    self.cv.notify_all()
+        except BaseException as e:  # NOTE: re-raised on the learner's thread by `take`
+            logger.exception("rollout producer failed")
+            with self.cv:
+                self.error = e
+                self.cv.notify_all()
+        finally:
+            release_thread_team()
+
+    # ------------------------------------------------------------------- learner
+    def take(self, step: int) -> tuple[RolloutBatch, dict[str, float]]:
+        """Step `step`'s batch, waiting for it; the wait is logged as `time_generate_exposed`."""
+        start = time.perf_counter()
+        with self.cv:
+            while step not in self.ready:
+                if self.error is not None:
+                    raise RuntimeError(f"the rollout producer failed: {self.error!r}") from self.error
+                if not self.thread.is_alive():
+                    raise RuntimeError(f"the rollout producer ended before step {step}'s batch")
+                self.cv.wait(timeout=1.0)  # NOTE: re-check the thread's liveness each second
+            batch, metrics = self.ready.pop(step)
+        exposed = time.perf_counter() - start
+        metrics["time_generate_exposed"] = exposed
+        metrics["time_generate_overlapped"] = max(0.0, metrics["time_generate"] - exposed)
+        return batch, metrics
+
+    def published(self, version: int) -> None:
+        """The engine now holds `version` (in RL steps): generation may run up to `version + K`."""
+        with self.cv:
+            self.version = version
+            self.cv.notify_all()
+
+    def close(self, timeout: float = 60.0) -> None:
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        self.thread.join(timeout)
+        if self.thread.is_alive():
+            logger.warning("the rollout producer did not stop within %.0f s (a generate still running)", timeout)
+
+
+def generate_step(trainer, rows: list[dict], step: int) -> tuple[RolloutBatch, dict[str, float]]:
+    """`RLTrainer.generate` for RL step `step` (its seeds), on the producer's thread."""
+    cfg, acc = trainer.config, trainer.accelerator
+    start = time.perf_counter()
+    batch = trainer.engine.generate(
+        [encode_prompt(trainer.tokenizer, row["prompt"], cfg.chat_template) for row in rows],
+        temps=cfg.temperatures(rows),
+        group_size=cfg.group_size,
+        max_new_tokens=cfg.max_new_tokens,
+        top_k=cfg.top_k,
+        top_p=cfg.top_p,
+        seed=rollout_seed(cfg.seed, step, acc.process_index, acc.num_processes, len(rows) * cfg.group_size),
+    ).to(acc.device)
+    elapsed = time.perf_counter() - start
+    return batch, {
+        "time_generate": elapsed,
+        "rollout_tokens_per_s": batch.completion_mask.sum().item() / max(elapsed, 1e-9),
+        "response_length": batch.completion_lengths.float().mean().item(),
+    }
+
+
+def stale_correction(data: dict[str, Tensor], version: int, max_staleness: int, tis_cap: float | None,
+                     mask_stale: bool) -> dict[str, float]:
+    """Correct `data` (a GRPO update's tensors, `versions [N, T]` in RL steps) in place for tokens sampled
+    by an older policy than `version`: truncated importance weights on them (`tis_cap`), and with
+    `mask_stale` no loss on tokens staler than `max_staleness`. Fresh tokens are left as they are.
+    Returns the staleness metrics."""
+    mask = data["loss_mask"]  # [N, T]
+    staleness = torch.where(mask, version - data["versions"], 0)  # [N, T]
+    stale = mask & (staleness > 0)  # [N, T]
+    gap = (data["rollout_logprobs"] - data["old_logprobs"]).abs()  # [N, T]
+    metrics = {
+        "staleness_mean": masked_mean(staleness.float(), mask).item() if mask.any() else 0.0,
+        "staleness_max": float(staleness.max()) if staleness.numel() else 0.0,
+        "stale_fraction": masked_mean(stale.float(), mask).item() if mask.any() else 0.0,
+        "stale_logprob_gap": masked_mean(gap, stale).item() if stale.any() else 0.0,
+    }
+    if tis_cap is not None and stale.any():
+        weights = torch.exp(data["old_logprobs"] - data["rollout_logprobs"]).clamp(max=tis_cap)  # [N, T]
+        fresh = data.get("tis_weights", torch.ones_like(weights))
+        data["tis_weights"] = torch.where(stale, weights, fresh).detach()
+    too_stale = mask & (staleness > max_staleness)
+    metrics["stale_masked_fraction"] = masked_mean(too_stale.float(), mask).item() if mask_stale and mask.any() else 0.0
+    if mask_stale:
+        data["loss_mask"] = mask & ~too_stale
+    return metrics
+
+
+class AsyncRolloutMixin:
+    """Plugs `AsyncRollouts` into an `RLTrainer` when `config.async_rollout` (else a pass-through): the
+    engine on its own copy of the policy, batches from the producer, in-flight weight syncs, the
+    staleness correction before the update."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        self.rollouts: AsyncRollouts | None = None
+        super().__init__(*args, **kwargs)
+        if self.config.async_rollout:
+            self.sleeps = False  # NOTE: the engine generates while the learner trains
+
+    def build_engine(self) -> RolloutEngine:
+        cfg = self.config
+        if not cfg.async_rollout or cfg.engine_dtype is not None:
+            return super().build_engine()
+        # NOTE: the optimizer must not change the weights under a running generation: the engine gets a
+        # copy, refreshed by each sync.
+        model = copy.deepcopy(self.policy).eval()
+        model.requires_grad_(False)
+        config = colocated_engine_config(cfg.engine_config, cfg.engine_memory_fraction, next(model.parameters()).device)
+        return RolloutEngine(model, tokenizer=self.tokenizer, config=config)
+
+    def train(self) -> list[dict[str, float]]:
+        if not self.config.async_rollout:
+            return super().train()
+        self._learner_threads()
+        self._engine_base = self.step_count - self.engine.policy_version
+        self.rollouts = AsyncRollouts(self, self.step_count, self.config.max_steps, self.step_count)
+        try:
+            return super().train()
+        finally:
+            self.rollouts.close()
+            self.rollouts = None
+
+    def _learner_threads(self) -> None:
+        if self.config.learner_threads is not None:
+            torch.set_num_threads(self.config.learner_threads)
+
+    def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
+        if self.rollouts is None:
+            return super().generate(rows)
+        batch, metrics = self.rollouts.take(self.step_count)
+        done = batch.completion_mask.bool()  # [N, T]
+        batch.versions = torch.where(done, batch.versions + self._engine_base, 0)  # NOTE: in RL steps
+        metrics["policy_version"] = float(batch.versions[done].min()) if done.any() else float(self.step_count)
+        return batch, metrics
+
+    def optimize(self, data: dict[str, Tensor]) -> dict[str, float]:
+        if self.rollouts is None:
+            return super().optimize(data)
+        cfg = self.config
+        extra = stale_correction(data, self.step_count, cfg.max_staleness, cfg.stale_tis_cap, cfg.mask_stale)
+        return {**super().optimize(data), **extra}
+
+    def sync_weights(self) -> float:
+        if self.rollouts is None:
+            return super().sync_weights()
+        start = time.perf_counter()
+        self.engine.update_weights(self.policy, in_flight="keep")
+        self.rollouts.published(self.step_count + 1)  # NOTE: `step` counts this update after the sync
+        return time.perf_counter() - start
