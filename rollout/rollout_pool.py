@@ -226,10 +226,13 @@ class RolloutPool:
             if len(lps) != len(tokens):
                 raise RuntimeError(f"group {i}: {len(tokens)} tokens but {len(lps)} logprobs")
             versions = c.get("weight_versions")  # NOTE: per-token versions where the server reports them
+            if versions is not None and len(versions) != len(tokens):
+                raise RuntimeError(f"group {i}: {len(tokens)} tokens but {len(versions)} weight versions")
+            versions = [int(v) for v in versions] if versions else None
             outs.append(GenerationOutput(
                 request_id=f"pool_{i}_{j}", prompt_ids=prompt, generated_tokens=tokens, logprobs=lps,
                 status=RequestStatus.FINISHED, finish_reason=c["finish_reason"],
-                policy_version=min(versions) if versions else version))
+                policy_version=min(versions) if versions else version, versions=versions))
         return outs
 
     # ------------------------------------------------------------------------- weights

@@ -105,8 +105,24 @@ def test_one_broadcast_reaches_both_servers(servers):
             completion = batch.completion_ids[row, :k].tolist()
             want = teacher_forced(new, prompt, completion)
             torch.testing.assert_close(batch.logprobs[row, :k], want, atol=2e-4, rtol=0)
+            # per-token versions come from the servers' `weight_versions` (0 on padding)
+            assert batch.versions[row, :k].tolist() == [version] * k and not batch.versions[row, k:].any()
         again = pool.generate(PROMPTS, temps=1.0, group_size=4, max_new_tokens=6, seed=3)
         assert torch.equal(again.completion_ids, batch.completion_ids)  # seeded per group, any server
+
+
+def test_pool_outputs_carry_the_servers_per_token_versions():
+    """A choice that spans an in-flight update (weight_versions [3, 3, 4]) keeps both versions per token;
+    a length mismatch is an error, not a silent truncation."""
+    choice = {"index": 0, "token_ids": [5, 6, 7], "logprobs": {"token_logprobs": [-0.1, -0.2, -0.3]},
+              "finish_reason": "length", "weight_versions": [3, 3, 4]}
+    (out,) = RolloutPool._outputs(0, [1, 2], 1, {"choices": [choice]}, 9)
+    assert out.versions == [3, 3, 4] and out.policy_version == 3
+    with pytest.raises(RuntimeError, match="weight versions"):
+        RolloutPool._outputs(0, [1, 2], 1, {"choices": [{**choice, "weight_versions": [3]}]}, 9)
+    (old,) = RolloutPool._outputs(0, [1, 2], 1, {"choices": [{k: v for k, v in choice.items()
+                                                               if k != "weight_versions"}]}, 9)
+    assert old.versions is None and old.policy_version == 9  # a server without per-token versions
 
 
 def test_bad_weight_group_requests_are_refused_by_name(servers):
