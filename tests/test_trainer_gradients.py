@@ -128,6 +128,11 @@ def test_grpo_variants_with_kl_update_equals_the_hand_gradient(tokenizer, tmp_pa
         # the logged kl is the k3 estimate of the batch (policy = reference at step 0: exactly 0)
         assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
         assert (data["ref_logprobs"] - data["old_logprobs"])[mask].abs().max() < 1e-5
+        if algorithm == "dr_grpo":
+            # NOTE: one more padded column: T = MAX_NEW + 1, and the divisor must stay MAX_NEW
+            data = {k: torch.cat([v, torch.zeros_like(v[:, :1])], 1) if v.dim() == 2 else v for k, v in data.items()}
+            mask = data["loss_mask"]
+            assert mask.shape[1] == MAX_NEW + 1
         data["old_logprobs"] = perturbed(data, "old_logprobs", 0.4, seed=1)
         data["ref_logprobs"] = perturbed(data, "ref_logprobs", 0.4, seed=2)
         top_k, tis = extra.get("top_k"), torch.ones_like(data["old_logprobs"])
