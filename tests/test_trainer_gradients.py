@@ -63,6 +63,13 @@ def token_logprobs_by_hand(module, data, top_k: int | None = None) -> torch.Tens
     return scaled.log_softmax(-1).gather(-1, data["completion_ids"][..., None]).squeeze(-1)
 
 
+def check_tis_weights(data, cap) -> None:
+    """The stored TIS weights are min(exp(trainer old - rollout), cap) on the sampled tokens."""
+    mask = data["completion_mask"]
+    want = torch.exp(data["old_logprobs"] - data["rollout_logprobs"]).clamp(max=cap)
+    assert torch.allclose(data["tis_weights"][mask], want[mask], atol=1e-6)
+
+
 def perturbed(data, key, scale, seed):
     g = torch.Generator().manual_seed(seed)
     noise = (torch.rand(data[key].shape, generator=g) * 2 - 1) * scale
@@ -125,6 +132,8 @@ def test_grpo_variants_with_kl_update_equals_the_hand_gradient(tokenizer, tmp_pa
         data, metrics = trainer.collect()
         mask = data["loss_mask"]
         assert mask.any()
+        if extra:
+            check_tis_weights(data, 1.5)
         # the logged kl is the k3 estimate of the batch (policy = reference at step 0: exactly 0)
         assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
         assert (data["ref_logprobs"] - data["old_logprobs"])[mask].abs().max() < 1e-5
@@ -199,7 +208,8 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
         torch.manual_seed(0)
         model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
         settings = common_settings(tmp_path, prompts_per_step=8, group_size=1, gamma=gamma, lam=lam,
-                                   vf_coef=vf_coef, value_clip=value_clip, clip_low=clip_low, clip_high=clip_high)
+                                   vf_coef=vf_coef, value_clip=value_clip, clip_low=clip_low, clip_high=clip_high,
+                                   tis_cap=1.5, top_k=TOP_K)
         trainer = PPOTrainer(model, tokenizer, recorded_reward, dataset, PPOConfig(**settings))
     try:
         data, metrics = trainer.collect()
@@ -218,6 +228,9 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
         assert metrics["returns_mean"] == pytest.approx(returns[mask].mean().item(), rel=1e-5)
         assert metrics["reward_mean"] == pytest.approx(sum(seen) / len(seen), rel=1e-6)
 
+        check_tis_weights(data, 1.5)
+        values0 = data["old_values"].clone()  # NOTE: the values the update's forward sees (same weights)
+        data["tis_weights"] = tis = 1 + perturbed(data, "tis_weights", 0.5, seed=3) - data["tis_weights"]
         data["old_logprobs"] = perturbed(data, "old_logprobs", 0.4, seed=1)
         data["old_values"] = perturbed(data, "old_values", 0.5, seed=2)
         delta, logged = sgd_step(trainer, data)
@@ -231,22 +244,28 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
             out_logits, out_values = completion_forward(module, data)
             v = out_values[:, :-1]
             scaled = out_logits[:, :-1].float() / data["temperatures"].float()[:, None, None]
+            kth = scaled.topk(TOP_K, dim=-1).values[..., -1:]  # [N, T, 1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             lp = scaled.log_softmax(-1).gather(-1, data["completion_ids"][..., None]).squeeze(-1)
             g_pol, per_token, _ = policy_grad_by_hand(lp.detach(), data["old_logprobs"], data["advantages"], mask,
                                                       clip_low, clip_high)
+            g_pol, per_token = tis * g_pol, tis * per_token
             old, ret, vd = data["old_values"], data["returns"], v.detach()
             inside = (vd - old).abs() < value_clip
             v_clipped = old + (vd - old).clamp(-value_clip, value_clip)
             unclipped, clipped = (vd - ret) ** 2, (v_clipped - ret) ** 2
-            # NOTE: inside the trust region both terms are equal; `old + (v - old)` may round v by an ulp
-            use_clipped = (clipped > unclipped) & ~inside
+            use_clipped = clipped > unclipped
+            # NOTE: the count from the values at the weights before the step (`vd` comes from weights
+            # restored by subtraction: a near tie of the two terms could flip on the last bit)
+            v_clipped0 = old + (values0 - old).clamp(-value_clip, value_clip)
+            counted = (v_clipped0 - ret) ** 2 > (values0 - ret) ** 2
             g_v = torch.where(use_clipped, (v_clipped - ret) * inside, vd - ret)  # d 0.5 max(.,.) / dv
             lp_grad = torch.where(mask, w * g_pol, 0.0)
             v_grad = torch.where(mask, vf_coef * w * g_v, 0.0)
             torch.autograd.backward([lp, v], [lp_grad, v_grad])
             holder.update(policy=(w * per_token)[mask].sum().item(),
                           value=(w * 0.5 * torch.maximum(unclipped, clipped))[mask].sum().item(),
-                          vclip=use_clipped[mask].float().mean().item())
+                          vclip=counted[mask].float().mean().item())
 
         assert_update_is(delta, module, grads_of)
         assert 0 < holder["vclip"] < 1  # both branches of the value clip are exercised
