@@ -42,3 +42,18 @@ def test_peak_used_pages_is_the_most_pages_held_at_once():
     s.remove(b)
     step(s)
     assert s.peak_used_pages == held  # a peak, not the current use
+
+
+def test_preemption_counts_accumulate_and_high_water_keeps_the_most_computed():
+    s = make_scheduler(num_blocks=16, budget=64)
+    req = make_request("a", 2 * PS, max_new_tokens=8)
+    s.add(req)
+    step(s)
+    computed = req.num_computed_tokens
+    assert computed == 2 * PS
+    s.preempt(req)
+    assert req.num_computed_tokens == 0 and req.high_water == computed and req in s.waiting  # recompute
+    step(s)  # readmitted: the prompt and the sampled token computed again
+    s.preempt(req)
+    assert s.num_preemptions == 2 and req.num_preemptions == 2
+    assert req.high_water == 2 * PS + 1
