@@ -57,3 +57,13 @@ def test_preemption_counts_accumulate_and_high_water_keeps_the_most_computed():
     s.preempt(req)
     assert s.num_preemptions == 2 and req.num_preemptions == 2
     assert req.high_water == 2 * PS + 1
+
+
+def test_a_fresh_scheduler_counts_nothing_and_keeps_its_offloader():
+    """The counters `cache_stats()` reports start at 0 (a 1 or None there would be logged as is)."""
+    offloader = object()
+    s = make_scheduler(offloader=offloader)
+    assert s.offloader is offloader
+    counters = ("num_preemptions", "num_cached_prompt_tokens", "num_offloaded_pages", "num_restored_pages",
+                "num_offload_fallbacks", "num_recycled_pages", "peak_used_pages")
+    assert {name: getattr(s, name) for name in counters} == dict.fromkeys(counters, 0)
