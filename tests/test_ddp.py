@@ -110,6 +110,25 @@ def test_ppo_whitening_uses_statistics_over_all_ranks(launched):
     assert not torch.allclose(got, local, atol=1e-2)  # rank-local statistics would differ
 
 
+def test_the_logged_reward_covers_every_rank(launched):
+    """metrics.jsonl (written by rank 0 only) logs the mean and std of both ranks' rewards, not rank 0's."""
+    out, _, _ = launched
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    differ = 0
+    for algorithm in ("grpo", "ppo"):
+        logged = [json.loads(line) for line in (out / algorithm / "metrics.jsonl").read_text().splitlines()]
+        per_rank = [[r["rewards"] for r in rank["records"] if r["algorithm"] == algorithm and r["step"]]
+                    for rank in ranks]
+        for line, zero, one in zip(logged, *per_rank, strict=True):
+            assert len(zero) == len(one) == 8  # 2 prompts x group of 4 on each rank
+            both = torch.tensor(zero + one, dtype=torch.float64)
+            assert line["reward_mean"] == pytest.approx(both.mean().item(), abs=1e-6), algorithm
+            assert line["reward_std"] == pytest.approx(both.std().item(), abs=1e-6), algorithm
+            differ += abs(sum(zero) / 8 - both.mean().item()) > 1e-3
+    # NOTE: rank 1 holds the constant-1 prompts: rank 0's own mean is a different number
+    assert differ == 4
+
+
 def test_eval_sweep_splits_prompts_across_ranks_into_one_csv(launched, tmp_path):
     import eval_sweep
 

@@ -78,6 +78,16 @@ def wait_until_running(server, thread, what: str, timeout: float = 30.0) -> None
         time.sleep(0.01)
 
 
+def wait_until_held(server, n: int, what: str, timeout: float = 30.0) -> None:
+    """Until the manager holds `n` requests submitted while paused: the event a fixed sleep used to
+    stand in for. Fails (never hangs) at the deadline."""
+    manager = server.engine.manager
+    deadline = time.monotonic() + timeout
+    while manager.debug_state()["held"] < n:
+        assert time.monotonic() < deadline, f"{what} never reached the server's held requests"
+        time.sleep(0.005)
+
+
 def test_pause_keep_holds_new_and_running_then_resume_releases(server):
     running, run_box = in_thread(lambda: greedy(server, [4] * 10, n=600))
     wait_until_running(server, running, "the 600-token request")
@@ -85,8 +95,9 @@ def test_pause_keep_holds_new_and_running_then_resume_releases(server):
     assert call(server, "GET", "/is_paused").json() == {"is_paused": True}
     frozen = {rid: len(r.generated) for rid, r in live_requests(server).items()}
     new, new_box = in_thread(lambda: greedy(server))
-    time.sleep(0.5)
-    assert {rid: len(r.generated) for rid, r in live_requests(server).items()} == frozen  # no step ran
+    wait_until_held(server, 1, "the request sent while paused")
+    with server.engine.manager.step_lock:  # NOTE: no step is under way while we look
+        assert {rid: len(r.generated) for rid, r in live_requests(server).items()} == frozen  # no step ran
     assert running.is_alive() and new.is_alive()
     assert 0 < next(iter(frozen.values())) < 600
     assert call(server, "POST", "/resume").status_code == 200
@@ -104,7 +115,7 @@ def test_pause_abort_and_wait(server):
     running.join(30)
     assert box["out"]["choices"][0]["finish_reason"] == "abort" and len(tokens(box["out"])) < 600
     held, held_box = in_thread(lambda: greedy(server))
-    time.sleep(0.3)
+    wait_until_held(server, 1, "the request sent while paused")
     assert held.is_alive()
     call(server, "POST", "/resume")
     held.join(30)
@@ -145,7 +156,7 @@ def test_update_while_paused_keep_applies_to_held_requests(server, tmp_path):
     model.save_pretrained(tmp_path / "m4")
     call(server, "POST", "/pause", mode="keep")
     held, box = in_thread(lambda: greedy(server))
-    time.sleep(0.2)
+    wait_until_held(server, 1, "the request sent while paused")
     r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "m4")})
     assert r.status_code == 200 and held.is_alive()
     call(server, "POST", "/resume")
@@ -201,7 +212,7 @@ def test_sleep_holds_requests_until_wake_up(server):
     assert cache.nbytes == 0
     assert all(ref() is None for ref in kv), "a KV tensor outlived /sleep (still referenced somewhere)"
     held, box = in_thread(lambda: greedy(server))
-    time.sleep(0.3)
+    wait_until_held(server, 1, "the request sent while asleep")
     assert held.is_alive()
     assert call(server, "POST", "/wake_up").json()["is_sleeping"] is False
     held.join(30)

@@ -44,8 +44,9 @@ def test_keep_freezes_running_holds_new_cancel_of_held_and_resume(manager, model
     frozen = len(core.requests[long].generated)
     held = manager.add_request([9, 8, 7], max_new_tokens=4)
     short = manager.add_request([1, 2, 3, 4], max_new_tokens=6)
-    time.sleep(0.3)
-    assert len(core.requests[long].generated) == frozen and held not in core.requests
+    wait_for(lambda: manager.debug_state()["held"] == 2)  # NOTE: the loop took both in, and held them
+    with manager.step_lock:  # no step under way while we look
+        assert len(core.requests[long].generated) == frozen and held not in core.requests
     assert manager.cancel_request(held)
     out = guarded(lambda: manager.get_result(held, timeout=10), 20)
     assert out.status == RequestStatus.CANCELLED and out.generated_tokens == []

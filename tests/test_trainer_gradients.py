@@ -25,6 +25,7 @@ pytestmark = pytest.mark.timeout(240)
 ENGINE = ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=256)
 TEMPERATURE = 0.8
 MAX_NEW = 6
+TOP_K = 5
 
 
 @pytest.fixture(scope="module")
@@ -51,12 +52,22 @@ def sgd_step(trainer, data) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     return {k: after[k] - before[k] for k in before}, metrics
 
 
-def token_logprobs_by_hand(module, data) -> torch.Tensor:
-    """log softmax(logits / T) at the completion tokens, [N, T] with grad."""
+def token_logprobs_by_hand(module, data, top_k: int | None = None) -> torch.Tensor:
+    """log softmax(logits / T) (over the top-k logits only, with `top_k`) at the completion tokens, [N, T] with grad."""
     out = completion_forward(module, data)
     logits = out[0] if isinstance(out, tuple) else out.logits
     scaled = logits[:, :-1].float() / data["temperatures"].float()[:, None, None]  # [N, T, V]
+    if top_k:
+        kth = scaled.topk(top_k, dim=-1).values[..., -1:]  # [N, T, 1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
     return scaled.log_softmax(-1).gather(-1, data["completion_ids"][..., None]).squeeze(-1)
+
+
+def check_tis_weights(data, cap) -> None:
+    """The stored TIS weights are min(exp(trainer old - rollout), cap) on the sampled tokens."""
+    mask = data["completion_mask"]
+    want = torch.exp(data["old_logprobs"] - data["rollout_logprobs"]).clamp(max=cap)
+    assert torch.allclose(data["tis_weights"][mask], want[mask], atol=1e-6)
 
 
 def perturbed(data, key, scale, seed):
@@ -104,23 +115,40 @@ def assert_update_is(delta, module, grads_of, tol=2e-5):
 @pytest.mark.parametrize(
     "algorithm, agg, clip_low, clip_high",
     [("grpo", "seq_mean_token_mean", 0.2, 0.2), ("dr_grpo", "seq_mean_token_sum_norm", 0.2, 0.2),
-     ("dapo", "token_mean", 0.2, 0.28)],
+     ("dapo", "token_mean", 0.2, 0.28), ("grpo-tis-topk", "seq_mean_token_mean", 0.1, 0.3)],
 )
 def test_grpo_variants_with_kl_update_equals_the_hand_gradient(tokenizer, tmp_path, algorithm, agg, clip_low, clip_high):
+    """The last case overrides both clips, samples with top-k 5 (the trainer scores the truncated
+    distribution), weights tokens by TIS and leaves garbage in the padded reference logprobs."""
     beta = 0.5
+    extra = {}
+    if algorithm == "grpo-tis-topk":
+        algorithm, extra = "grpo", dict(clip_low=clip_low, clip_high=clip_high, tis_cap=1.5, top_k=TOP_K)
     dataset = AdditionTask(num_digits=3, seed=0).to_dataset(32)
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
     trainer = GRPOTrainer(model, tokenizer, digit_share, dataset,
-                          GRPOConfig(**common_settings(tmp_path, algorithm=algorithm, beta=beta)))
+                          GRPOConfig(**common_settings(tmp_path, algorithm=algorithm, beta=beta, **extra)))
     try:
         data, metrics = trainer.collect()
         mask = data["loss_mask"]
         assert mask.any()
+        if extra:
+            check_tis_weights(data, 1.5)
         # the logged kl is the k3 estimate of the batch (policy = reference at step 0: exactly 0)
         assert metrics["kl"] == pytest.approx(0.0, abs=1e-6)
         assert (data["ref_logprobs"] - data["old_logprobs"])[mask].abs().max() < 1e-5
+        if algorithm == "dr_grpo":
+            # NOTE: one more padded column: T = MAX_NEW + 1, and the divisor must stay MAX_NEW
+            data = {k: torch.cat([v, torch.zeros_like(v[:, :1])], 1) if v.dim() == 2 else v for k, v in data.items()}
+            mask = data["loss_mask"]
+            assert mask.shape[1] == MAX_NEW + 1
         data["old_logprobs"] = perturbed(data, "old_logprobs", 0.4, seed=1)
         data["ref_logprobs"] = perturbed(data, "ref_logprobs", 0.4, seed=2)
+        top_k, tis = extra.get("top_k"), torch.ones_like(data["old_logprobs"])
+        if extra:
+            assert (~mask).any()
+            data["ref_logprobs"] = torch.where(mask, data["ref_logprobs"], 1000.0)  # exp would overflow
+            data["tis_weights"] = tis = 1 + perturbed(data, "tis_weights", 0.5, seed=3) - data["tis_weights"]
         delta, logged = sgd_step(trainer, data)
         policy = trainer.policy
         # undo the step: the hand gradient is at the weights the update started from
@@ -131,15 +159,15 @@ def test_grpo_variants_with_kl_update_equals_the_hand_gradient(tokenizer, tmp_pa
         holder = {}
 
         def grads_of():
-            lp = token_logprobs_by_hand(policy, data)
+            lp = token_logprobs_by_hand(policy, data, top_k)
             g_pol, per_token, clipped = policy_grad_by_hand(lp.detach(), data["old_logprobs"], data["advantages"], mask,
                                                             clip_low, clip_high)
-            log_ratio = data["ref_logprobs"] - lp.detach()
+            log_ratio = torch.where(mask, data["ref_logprobs"] - lp.detach(), 0.0)
             k3 = torch.exp(log_ratio) - log_ratio - 1
             g_kl = 1 - torch.exp(log_ratio)  # d k3 / d lp
-            grad = torch.where(mask, w * (g_pol + beta * g_kl), 0.0)
+            grad = torch.where(mask, w * (tis * g_pol + beta * g_kl), 0.0)
             lp.backward(grad)
-            holder.update(policy=(w * per_token)[mask].sum().item(), kl=(w * k3)[mask].sum().item(),
+            holder.update(policy=(w * tis * per_token)[mask].sum().item(), kl=(w * k3)[mask].sum().item(),
                           clip=clipped[mask].float().mean().item())
 
         assert_update_is(delta, policy, grads_of)
@@ -167,7 +195,7 @@ def gae_by_hand(token_rewards, values, mask, gamma, lam):
 
 
 def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(tokenizer, tmp_path):
-    gamma, lam, vf_coef, value_clip = 0.9, 0.8, 0.5, 0.2
+    gamma, lam, vf_coef, value_clip, clip_low, clip_high = 0.9, 0.8, 0.5, 0.3, 0.15, 0.25  # NOTE: no defaults
     seen = []
 
     def recorded_reward(prompts, completions, **kwargs):
@@ -180,7 +208,8 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
         torch.manual_seed(0)
         model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
         settings = common_settings(tmp_path, prompts_per_step=8, group_size=1, gamma=gamma, lam=lam,
-                                   vf_coef=vf_coef, value_clip=value_clip)
+                                   vf_coef=vf_coef, value_clip=value_clip, clip_low=clip_low, clip_high=clip_high,
+                                   tis_cap=1.5, top_k=TOP_K)
         trainer = PPOTrainer(model, tokenizer, recorded_reward, dataset, PPOConfig(**settings))
     try:
         data, metrics = trainer.collect()
@@ -199,6 +228,9 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
         assert metrics["returns_mean"] == pytest.approx(returns[mask].mean().item(), rel=1e-5)
         assert metrics["reward_mean"] == pytest.approx(sum(seen) / len(seen), rel=1e-6)
 
+        check_tis_weights(data, 1.5)
+        values0 = data["old_values"].clone()  # NOTE: the values the update's forward sees (same weights)
+        data["tis_weights"] = tis = 1 + perturbed(data, "tis_weights", 0.5, seed=3) - data["tis_weights"]
         data["old_logprobs"] = perturbed(data, "old_logprobs", 0.4, seed=1)
         data["old_values"] = perturbed(data, "old_values", 0.5, seed=2)
         delta, logged = sgd_step(trainer, data)
@@ -212,21 +244,28 @@ def test_ppo_gae_and_update_with_clipped_value_loss_equal_the_hand_gradient(toke
             out_logits, out_values = completion_forward(module, data)
             v = out_values[:, :-1]
             scaled = out_logits[:, :-1].float() / data["temperatures"].float()[:, None, None]
+            kth = scaled.topk(TOP_K, dim=-1).values[..., -1:]  # [N, T, 1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
             lp = scaled.log_softmax(-1).gather(-1, data["completion_ids"][..., None]).squeeze(-1)
             g_pol, per_token, _ = policy_grad_by_hand(lp.detach(), data["old_logprobs"], data["advantages"], mask,
-                                                      0.2, 0.2)
+                                                      clip_low, clip_high)
+            g_pol, per_token = tis * g_pol, tis * per_token
             old, ret, vd = data["old_values"], data["returns"], v.detach()
             inside = (vd - old).abs() < value_clip
             v_clipped = old + (vd - old).clamp(-value_clip, value_clip)
             unclipped, clipped = (vd - ret) ** 2, (v_clipped - ret) ** 2
             use_clipped = clipped > unclipped
+            # NOTE: the count from the values at the weights before the step (`vd` comes from weights
+            # restored by subtraction: a near tie of the two terms could flip on the last bit)
+            v_clipped0 = old + (values0 - old).clamp(-value_clip, value_clip)
+            counted = (v_clipped0 - ret) ** 2 > (values0 - ret) ** 2
             g_v = torch.where(use_clipped, (v_clipped - ret) * inside, vd - ret)  # d 0.5 max(.,.) / dv
             lp_grad = torch.where(mask, w * g_pol, 0.0)
             v_grad = torch.where(mask, vf_coef * w * g_v, 0.0)
             torch.autograd.backward([lp, v], [lp_grad, v_grad])
             holder.update(policy=(w * per_token)[mask].sum().item(),
                           value=(w * 0.5 * torch.maximum(unclipped, clipped))[mask].sum().item(),
-                          vclip=use_clipped[mask].float().mean().item())
+                          vclip=counted[mask].float().mean().item())
 
         assert_update_is(delta, module, grads_of)
         assert 0 < holder["vclip"] < 1  # both branches of the value clip are exercised

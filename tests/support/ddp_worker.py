@@ -7,8 +7,8 @@
    initial weights (written by the test in one process); each rank takes its half of the rows,
    runs `optimize` (SGD at lr 1) and rank 0 saves the weights after it to DIR/{algorithm}_ddp.pt.
 2. Real runs: 2 GRPO steps and 2 PPO steps, each rank rolling out its own prompt shard; per step
-   the prompts and a hash of every trained parameter (the value head included) go to
-   DIR/rank{r}.json.
+   the prompts, the rewards this rank's reward function returned and a hash of every trained
+   parameter (the value head included) go to DIR/rank{r}.json.
 3. `recipes/eval_sweep.py` on the two ranks (last: it ends the process group).
 """
 
@@ -38,12 +38,17 @@ ALGORITHMS = ("grpo", "dapo", "ppo")
 ENGINE = ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=256)
 
 
+SCORED: list[float] = []  # NOTE: every reward this process returned since the last clear
+
+
 def half_constant(completions, varies, log_metric=None, **kwargs):
     """Rows whose "varies" column is False score a constant 1: DAPO drops their groups. A batch with varying
     rows logs `varying_rows` (their count): on two ranks only rank 0 logs it (the metric gather must cope)."""
     if log_metric is not None and any(varies):
         log_metric("varying_rows", sum(varies))
-    return [s if v else 1.0 for s, v in zip(digit_share(None, completions), varies, strict=True)]
+    scores = [s if v else 1.0 for s, v in zip(digit_share(None, completions), varies, strict=True)]
+    SCORED.extend(scores)
+    return scores
 
 
 # NOTE: in order, without shuffling: prompts 0-1 vary, 2-3 are constant. On two ranks (2 prompts
@@ -115,10 +120,12 @@ def real_runs(accelerator: Accelerator, out: str) -> list[dict]:
         records.append({"algorithm": algorithm, "step": 0, "hash": parameter_hash(trainer)})
         for _ in range(2):
             prompts = [row["prompt"] for row in trainer.prompts.rows(trainer.step_count)]
+            SCORED.clear()
             metrics = trainer.step()
             records.append(
                 {"algorithm": algorithm, "step": metrics["step"], "prompts": prompts, "hash": parameter_hash(trainer),
-                 "mismatch": metrics["logprob_mismatch_max"], "varying_rows": metrics.get("varying_rows")}
+                 "mismatch": metrics["logprob_mismatch_max"], "varying_rows": metrics.get("varying_rows"),
+                 "rewards": list(SCORED)}
             )
         if algorithm == "ppo":  # NOTE: whitening statistics over both ranks' halves of WHITEN_X
             x, mask = whiten_inputs()
