@@ -10,7 +10,7 @@ import torch
 from support.chat_model import make_chat_tokenizer
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from rollout.serve.tools import ToolStream, parse_tool_calls, tool_mode
+from rollout.serve.tools import ToolStream, forced_prefix, parse_tool_calls, tool_mode, tools_start_newline
 
 CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
 ANSWER = "The sum is 5."
@@ -45,11 +45,26 @@ def test_tool_stream_holds_back_a_marker_and_sends_calls_last():
 def test_tool_choice():
     assert tool_mode(TOOLS, None, "hermes") == "hermes" and tool_mode(None, None, "hermes") is None
     assert tool_mode(TOOLS, None, None) is None and tool_mode(TOOLS, "none", "hermes") is None
-    for choice, parser, match in (("required", "hermes", "guided decoding"), ({"type": "function"}, "hermes", "guided"),
-                                  ("auto", None, "--tool-call-parser"), ("sometimes", "hermes", "tool_choice must")):
+    named = {"type": "function", "function": {"name": "add"}}
+    assert tool_mode(TOOLS, "required", "hermes") == "hermes" == tool_mode(TOOLS, named, "hermes")
+    for choice, parser, tools, match in (
+            ("auto", None, TOOLS, "--tool-call-parser"), ("sometimes", "hermes", TOOLS, "tool_choice must"),
+            ("required", None, TOOLS, "--tool-call-parser"), ("required", "hermes", None, "needs tools"),
+            ({"type": "function"}, "hermes", TOOLS, "function"),
+            ({"type": "function", "function": {"name": "mul"}}, "hermes", TOOLS, "'mul', which is not among")):
         with pytest.raises(Exception, match=match) as err:
-            tool_mode(TOOLS, choice, parser)
+            tool_mode(tools, choice, parser)
         assert err.value.param == "tool_choice"
+    # the forced openings: the start marker, or the call up to its arguments (newline as the template writes it)
+    assert forced_prefix(TOOLS, "required", "hermes") == "<tool_call>" and forced_prefix(TOOLS, "auto", "hermes") == ""
+    assert forced_prefix(TOOLS, named, "hermes") == '<tool_call>{"name": "add", "arguments": '
+    assert forced_prefix(TOOLS, named, "hermes", newline=True) == '<tool_call>\n{"name": "add", "arguments": '
+    assert tools_start_newline("{{ '<tool_call>\\n' + t }}", "hermes") and not tools_start_newline(None, "hermes")
+    # streamed with a forced prefix: no content before the call, the call (prefix + the model's rest) at the end
+    forced = ToolStream("hermes", "<tool_call>")
+    assert forced.delta('{"name": "add", ', done=False) == ("", None)
+    content, calls = forced.delta(CALL[len("<tool_call>"):], done=True)
+    assert content == "" and calls[0]["function"]["name"] == "add"
 
 
 def _conversations(tokenizer) -> list[tuple[list[int], list[int]]]:
@@ -126,13 +141,30 @@ def test_openai_client_drives_a_tool_using_conversation(tool_model):
         bare = [USER, {"role": "assistant", "tool_calls": [call.model_dump()]}, messages[2]]
         again = client.chat.completions.create(model="tiny", messages=bare, tools=TOOLS, temperature=0, max_tokens=40)
         assert again.choices[0].message.content == ANSWER
-        # NOTE: tool_choice "none" returns the call as text; "required" is refused by name
+        # NOTE: tool_choice "none" returns the call as text
         raw = client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="none",
                                              temperature=0, max_tokens=80)
         assert raw.choices[0].message.content == CALL and raw.choices[0].finish_reason == "stop"
-        with pytest.raises(openai.BadRequestError, match="tool_choice"):
-            client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice="required",
-                                           max_tokens=8)
+        # "required" / a named function force the call's opening into the prompt: the model writes the rest
+        tok = make_chat_tokenizer()
+        for choice, opening in (("required", "<tool_call>"), ({"type": "function", "function": {"name": "add"}},
+                                                               '<tool_call>{"name": "add", "arguments": ')):
+            forced = client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, tool_choice=choice,
+                                                    temperature=0, max_tokens=80, extra_body={"return_token_ids": True})
+            got = forced.choices[0]
+            assert got.finish_reason == "tool_calls" and got.message.content is None, got
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [("add", args)]
+            opening_ids = tok(opening, add_special_tokens=False)["input_ids"]
+            prompt_ids = forced.model_extra["prompt_token_ids"]
+            assert prompt_ids[-len(opening_ids):] == opening_ids  # the forced text is the prompt's, not sampled
+            assert tok.decode(opening_ids + got.model_extra["token_ids"][:-1]) == CALL  # minus the EOS
+        # on the answering turn (where "auto" answers in text) "required" still makes the turn a call attempt
+        pushed = client.chat.completions.create(model="tiny", messages=messages, tools=TOOLS, tool_choice="required",
+                                                temperature=0, max_tokens=40).choices[0]
+        assert pushed.message.tool_calls or pushed.message.content.startswith("<tool_call>"), pushed
+        with pytest.raises(openai.BadRequestError, match="not among the tools"):
+            client.chat.completions.create(model="tiny", messages=[USER], tools=TOOLS, max_tokens=8,
+                                           tool_choice={"type": "function", "function": {"name": "mul"}})
 
 
 def test_openai_agents_sdk_runs_a_tool_using_agent(tool_model):

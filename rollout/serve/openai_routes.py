@@ -21,7 +21,7 @@ from .bridge import EngineBridge
 from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from .text import SampleText
-from .tools import ToolStream, parse_tool_calls, tool_mode
+from .tools import ToolStream, forced_prefix, parse_tool_calls, tool_mode, tools_start_newline
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
@@ -55,7 +55,11 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
                                 tools=req.tools, **kwargs)
     except Exception as e:  # NOTE: a template error is the caller's input (bad messages or kwargs)
         raise APIError(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
-    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser)
+    newline = parser is not None and tools_start_newline(state.tokenizer.chat_template, parser)
+    prefix = forced_prefix(req.tools, req.tool_choice, parser, newline)
+    if prefix:  # NOTE: "required" / a named function: the call's opening is forced (rollout.serve.tools)
+        ids = list(ids) + list(state.tokenizer(prefix, add_special_tokens=False)["input_ids"])
+    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser, tool_prefix=prefix)
 
 
 def _check_model(req: SamplingRequest, name: str) -> None:
@@ -72,7 +76,7 @@ def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
 
 
 async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]], param: str, chat: bool,
-                 texts: list | None = None, tool_parser: str | None = None):
+                 texts: list | None = None, tool_parser: str | None = None, tool_prefix: str = ""):
     state = request.app.state
     bridge: EngineBridge = state.bridge
     samples, plan = [], []
@@ -90,7 +94,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     bridge.counters["requests"] += 1
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if req.stream:
-        events = _stream(bridge, req, by_rid, queue, rid, state.served_model_name, chat, tool_parser)
+        events = _stream(bridge, req, by_rid, queue, rid, state.served_model_name, chat, tool_parser, tool_prefix)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         while not all(s.done for s in samples):
@@ -110,7 +114,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     if failed:
         bridge.counters["failed"] += 1
         raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
-    body = _response(req, samples, prompts, rid, state.served_model_name, chat, tool_parser)
+    body = _response(req, samples, prompts, rid, state.served_model_name, chat, tool_parser, tool_prefix)
     return JSONResponse(body)
 
 
@@ -130,13 +134,13 @@ def _logprobs(req: SamplingRequest, sample: SampleText, tokens: list[int], lps: 
 
 
 def _response(req, samples: list[SampleText], prompts, rid: str, model: str, chat: bool,
-              tool_parser: str | None = None) -> dict:
+              tool_parser: str | None = None, tool_prefix: str = "") -> dict:
     choices = []
     for s in samples:
         choice: dict = {"index": s.index, "finish_reason": s.finish_reason,
                         "logprobs": _logprobs(req, s, s.tokens, s.logprobs, chat)}
         if chat and tool_parser is not None:
-            parsed = parse_tool_calls(tool_parser, s.text)
+            parsed = parse_tool_calls(tool_parser, tool_prefix + s.text)
             choice["message"] = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.tool_calls}
             if parsed.tool_calls and s.finish_reason == "stop":
                 choice["finish_reason"] = "tool_calls"
@@ -160,9 +164,10 @@ def _response(req, samples: list[SampleText], prompts, rid: str, model: str, cha
 
 
 async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, SampleText], queue: asyncio.Queue,
-                  rid: str, model: str, chat: bool, tool_parser: str | None = None) -> AsyncIterator[str]:
+                  rid: str, model: str, chat: bool, tool_parser: str | None = None,
+                  tool_prefix: str = "") -> AsyncIterator[str]:
     samples = sorted(by_rid.values(), key=lambda s: s.index)
-    tool_streams = {s.index: ToolStream(tool_parser) for s in samples} if chat and tool_parser else {}
+    tool_streams = {s.index: ToolStream(tool_parser, tool_prefix) for s in samples} if chat and tool_parser else {}
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 

@@ -5,7 +5,12 @@ blocks (the format of Hermes, Qwen 2.5 / Qwen 3 and the chat templates we test) 
 with `finish_reason: "tool_calls"`; streamed, the text before the first block is sent as content deltas
 and the calls arrive in one final delta. Text that does not parse is returned as content, never an
 error. `tool_choice`: "auto" (the default with a parser) parses, "none" does not; "required" and a named
-function need guided decoding, which rollout does not implement yet: they are refused by name.
+function (`{"type": "function", "function": {"name": ...}}`) force the call's opening after the generation
+prompt (`<tool_call>`, or `<tool_call>{"name": "NAME", "arguments": ` for a named one, with the newline
+after the marker when the chat template writes one): the forced text
+becomes part of the prompt's token ids and the model writes the rest of the call. This is not guided
+decoding: the call's JSON is the model's, and a call that does not parse is returned as content, as with
+"auto" (a function name not among `tools` is refused).
 """
 
 from __future__ import annotations
@@ -63,10 +68,39 @@ def tool_mode(tools: list[dict] | None, tool_choice: str | dict | None, parser: 
             raise APIError('tool_choice "auto" needs tools', "tool_choice")
         return parser
     if tool_choice == "required" or isinstance(tool_choice, dict):
-        raise APIError(f"tool_choice {tool_choice!r} needs guided decoding, which rollout does not implement yet; "
-                       'use "auto" or "none"', "tool_choice")
+        forced_prefix(tools, tool_choice, parser)  # NOTE: validates the choice
+        return parser
     raise APIError(f'tool_choice must be "auto", "none", "required" or a function, got {tool_choice!r}',
                    "tool_choice")
+
+
+def forced_prefix(tools: list[dict] | None, tool_choice: str | dict | None, parser: str | None,
+                  newline: bool = False) -> str:
+    """The text forced after the generation prompt for `tool_choice` "required" or a named function ("" for
+    the other choices); APIError when the choice cannot be honoured. `newline`: the chat template writes a
+    newline after the start marker (Qwen's `<tool_call>\n{...}`), so the forced opening does too."""
+    if tool_choice != "required" and not isinstance(tool_choice, dict):
+        return ""
+    if parser is None:
+        raise APIError(f"tool_choice {tool_choice!r} needs the server started with --tool-call-parser", "tool_choice")
+    if not tools:
+        raise APIError(f"tool_choice {tool_choice!r} needs tools", "tool_choice")
+    if tool_choice == "required":
+        return START[parser]
+    fn = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+    name = fn.get("name") if isinstance(fn, dict) else None
+    if not isinstance(name, str):
+        raise APIError('a named tool_choice is {"type": "function", "function": {"name": ...}}', "tool_choice")
+    names = [t.get("function", {}).get("name") for t in tools if isinstance(t, dict)]
+    if name not in names:
+        raise APIError(f"tool_choice names function {name!r}, which is not among the tools {names}", "tool_choice")
+    return START[parser] + ("\n" if newline else "") + "{\"name\": " + json.dumps(name) + ", \"arguments\": "
+
+
+def tools_start_newline(chat_template: str | dict | None, parser: str) -> bool:
+    """Whether the chat template writes the call's start marker followed by a newline."""
+    text = json.dumps(chat_template) if isinstance(chat_template, dict) else (chat_template or "")
+    return (START[parser] + "\n") in text or (START[parser] + "\\n") in text
 
 
 class ToolStream:
@@ -74,13 +108,15 @@ class ToolStream:
     start marker goes out as it comes (a tail that could begin the marker is held back); the calls go out
     when the sample is done."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, prefix: str = "") -> None:
         self.parser = parser
         self.start = START[parser]
+        self.prefix = prefix  # NOTE: the forced opening of a call (part of the prompt), see `forced_prefix`
         self.sent = 0  # characters of content sent
 
     def delta(self, text: str, done: bool) -> tuple[str, list[dict[str, Any]] | None]:
         """(content to send now, the tool calls when done and there are any) for the sample's text so far."""
+        text = self.prefix + text
         if not done:
             cut = text.find(self.start)
             if cut < 0:
