@@ -106,8 +106,8 @@ class RotaryTable:
         self.cos = self.sin = None
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        inv = self.module.inv_freq
-        key = (inv.data_ptr(), inv._version, inv.dtype, x.device)
+        inv = self.module.inv_freq  # NOTE: keyed by value: a cast copy (a bf16 trainer pass) hits the same table
+        key = (inv.dtype, x.device, tuple(inv.float().tolist()))
         if key != self.key:
             with torch.no_grad():
                 pos = torch.arange(self.length, device=x.device)[None]  # [1, Lmax]
