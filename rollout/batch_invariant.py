@@ -21,19 +21,25 @@ import torch
 from .backends.invariant import InvariantBackend
 from .invariant_ops import RotaryTable, conv1d_forward, kernel, linear_forward
 
+
 def check(device: torch.device, dtype: torch.dtype, has_sinks: bool, model: str = "the model") -> None:
     """Refuse what the mode cannot honour on this model and machine (ValueError naming `batch_invariant`)."""
     if device.type != "cpu":
-        raise ValueError(f"batch_invariant=True runs on a CPU only for now (the model is on {device}); the CUDA "
-                         "version is planned (fixed split-KV, no split-K GEMMs, invariant RMSNorm)")
+        raise ValueError(
+            f"batch_invariant=True runs on a CPU only for now (the model is on {device}); the CUDA "
+            "version is planned (fixed split-KV, no split-K GEMMs, invariant RMSNorm)"
+        )
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"batch_invariant=True supports float32 and bfloat16 models, got {dtype}")
     if has_sinks:
-        raise ValueError(f"batch_invariant=True: {model} has attention sinks, which the per-row kernel does not "
-                         "implement")
+        raise ValueError(
+            f"batch_invariant=True: {model} has attention sinks, which the per-row kernel does not implement"
+        )
     if kernel() is None:
-        raise ValueError("batch_invariant=True needs rollout's C++ CPU attention kernel, unavailable here "
-                         "(ROLLOUT_CPU_KERNELS=0, no compiler, or a failed build: see the warning)")
+        raise ValueError(
+            "batch_invariant=True needs rollout's C++ CPU attention kernel, unavailable here "
+            "(ROLLOUT_CPU_KERNELS=0, no compiler, or a failed build: see the warning)"
+        )
 
 
 def install(view: torch.nn.Module) -> int:
@@ -43,8 +49,10 @@ def install(view: torch.nn.Module) -> int:
     for module in view.modules():
         if isinstance(module, torch.nn.Linear):
             if type(module) is not torch.nn.Linear:
-                raise ValueError(f"batch_invariant: {type(module).__name__} is a Linear subclass (quantized or adapter "
-                                 "layer) whose product the mode cannot make invariant")
+                raise ValueError(
+                    f"batch_invariant: {type(module).__name__} is a Linear subclass (quantized or adapter "
+                    "layer) whose product the mode cannot make invariant"
+                )
             module.forward = types.MethodType(linear_forward, module)
             n += 1
         elif type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers"):
@@ -61,8 +69,9 @@ def _context(view: torch.nn.Module) -> int:
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     length = getattr(config, "max_position_embeddings", None)
     if not length:
-        raise ValueError("batch_invariant: the model's config has no max_position_embeddings (the rotary table's "
-                         "length)")
+        raise ValueError(
+            "batch_invariant: the model's config has no max_position_embeddings (the rotary table's length)"
+        )
     return int(length)
 
 

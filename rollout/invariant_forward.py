@@ -73,8 +73,18 @@ class _Attention(torch.autograd.Function):
         n, h, length, d = q.shape
         start, end = rows.bounds(window)
         q_rows = q.permute(0, 2, 1, 3).reshape(n * length, h, d)  # [N*L, H, D]
-        out = attend_rows(q_rows, rows.cache(k.detach()), rows.cache(v.detach()), rows.table, rows.row,
-                          start.reshape(-1), end.reshape(-1), rows.page_size, scale, softcap)
+        out = attend_rows(
+            q_rows,
+            rows.cache(k.detach()),
+            rows.cache(v.detach()),
+            rows.table,
+            rows.row,
+            start.reshape(-1),
+            end.reshape(-1),
+            rows.page_size,
+            scale,
+            softcap,
+        )
         ctx.save_for_backward(q, k, v)
         ctx.rows, ctx.window, ctx.scale, ctx.softcap = rows, window, scale, softcap
         return out.view(n, length, h, d).to(q.dtype)  # [N, L, H, D]
@@ -104,11 +114,15 @@ def padded_attention(
 ) -> tuple[torch.Tensor, None]:  # ([N, L, H, D], no weights)
     """The attention function registered as `ATTN_NAME`: the engine's per-row attention on a padded batch."""
     if rollout_rows is None:
-        raise RuntimeError(f"attention '{ATTN_NAME}' runs only inside rollout.invariant_forward.InvariantForward")
+        raise RuntimeError(
+            f"attention '{ATTN_NAME}' runs only inside rollout.invariant_forward.InvariantForward"
+        )
     if s_aux is not None:
         raise ValueError("batch_invariant: the per-row kernel does not implement attention sinks")
     if dropout:
-        raise ValueError(f"batch_invariant: attention dropout {dropout} (disable dropout for the trainer's passes)")
+        raise ValueError(
+            f"batch_invariant: attention dropout {dropout} (disable dropout for the trainer's passes)"
+        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = _Attention.apply(query, key, value, rollout_rows, sliding_window or None, scale, softcap)
     return out, None
@@ -153,6 +167,8 @@ class InvariantForward:
         with torch.autocast("cpu", enabled=False):
             if self.dtype is None:
                 return self.view(**kwargs)
-            tensors = {name: t.to(self.dtype) if t.is_floating_point() else t
-                       for name, t in itertools.chain(self.view.named_parameters(), self.view.named_buffers())}
+            tensors = {
+                name: t.to(self.dtype) if t.is_floating_point() else t
+                for name, t in itertools.chain(self.view.named_parameters(), self.view.named_buffers())
+            }
             return torch.func.functional_call(self.view, tensors, (), kwargs)

@@ -72,8 +72,10 @@ def _tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
 def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with each row's bits independent of the other rows (see the docstring)."""
     if x.dtype != weight.dtype:
-        raise ValueError(f"batch_invariant: a linear got {x.dtype} inputs for {weight.dtype} weights (autocast or a "
-                         "mixed-dtype model); the mode runs one dtype end to end")
+        raise ValueError(
+            f"batch_invariant: a linear got {x.dtype} inputs for {weight.dtype} weights (autocast or a "
+            "mixed-dtype model); the mode runs one dtype end to end"
+        )
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _TiledLinear.apply(x, weight, bias)
     return _tiled(x, weight, bias)
@@ -98,15 +100,19 @@ class RotaryTable:
     def __init__(self, module: torch.nn.Module, length: int) -> None:
         rope = str(getattr(module, "rope_type", "default"))
         if "dynamic" in rope or "longrope" in rope:
-            raise ValueError(f"batch_invariant: rope_type {rope!r} changes its frequencies with the sequence length; "
-                             "the mode supports fixed rotary frequencies only")
+            raise ValueError(
+                f"batch_invariant: rope_type {rope!r} changes its frequencies with the sequence length; "
+                "the mode supports fixed rotary frequencies only"
+            )
         self.forward = type(module).forward.__get__(module)
         self.module, self.length = module, length
         self.key = None
         self.cos = self.sin = None
 
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, *args, **kwargs):
-        inv = self.module.inv_freq  # NOTE: keyed by value: a cast copy (a bf16 trainer pass) hits the same table
+        inv = (
+            self.module.inv_freq
+        )  # NOTE: keyed by value: a cast copy (a bf16 trainer pass) hits the same table
         key = (inv.dtype, x.device, tuple(inv.float().tolist()))
         if key != self.key:
             with torch.no_grad():
@@ -114,8 +120,10 @@ class RotaryTable:
                 cos, sin = self.forward(x.new_zeros((), dtype=torch.float32).expand(1, 1, 1), pos)
             self.cos, self.sin, self.key = cos[0], sin[0], key  # [Lmax, D] fp32
         if int(position_ids.max()) >= self.length:
-            raise ValueError(f"batch_invariant: position {int(position_ids.max())} is past the model's context "
-                             f"({self.length})")
+            raise ValueError(
+                f"batch_invariant: position {int(position_ids.max())} is past the model's context "
+                f"({self.length})"
+            )
         return self.cos[position_ids].to(x.dtype), self.sin[position_ids].to(x.dtype)
 
 
@@ -139,11 +147,24 @@ def attend_rows(
     """Each query row attends its own keys `[start, end)` with one fixed reduction order (see the docstring)."""
     run = kernel()
     if run is None:
-        raise RuntimeError("batch_invariant needs rollout's C++ CPU attention kernel, which is unavailable here")
+        raise RuntimeError(
+            "batch_invariant needs rollout's C++ CPU attention kernel, which is unavailable here"
+        )
     qf = q.float().contiguous()
     out = torch.empty_like(qf)
-    run(qf, k_cache, v_cache, table.contiguous(), row.long().contiguous(), start.long().contiguous(),
-        end.long().contiguous(), page_size, float(scale), float(softcap or 0.0), out)
+    run(
+        qf,
+        k_cache,
+        v_cache,
+        table.contiguous(),
+        row.long().contiguous(),
+        start.long().contiguous(),
+        end.long().contiguous(),
+        page_size,
+        float(scale),
+        float(softcap or 0.0),
+        out,
+    )
     return out
 
 

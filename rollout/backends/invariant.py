@@ -40,24 +40,47 @@ class InvariantBackend:
         self.name = name
 
     @classmethod
-    def attn_memory(cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool,
-                    max_pages: int) -> AttnMemory:
+    def attn_memory(
+        cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool, max_pages: int
+    ) -> AttnMemory:
         return AttnMemory(fixed=0, per_cache_byte=0.0)  # NOTE: read in place, nothing gathered
 
-    def build_group(self, window: int | None, tables: list[list[int]], step: StepInputs,
-                    page_size: int) -> InvariantGroup:
+    def build_group(
+        self, window: int | None, tables: list[list[int]], step: StepInputs, page_size: int
+    ) -> InvariantGroup:
         table = step.tables[window]  # [R, P] int32
         row = step.rows[step.request_of_token].long()  # [T]
         pos = step.positions.long()  # [T]
         start = torch.zeros_like(pos) if window is None else (pos - (window - 1)).clamp_min(0)
         return InvariantGroup(window, cache_slots(table, row, pos, page_size), table, row, start, pos + 1)
 
-    def attend(self, meta: AttentionMetadata, group: InvariantGroup, layer: int, query: torch.Tensor,
-               key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float,
-               softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:  # [T, H, D]
+    def attend(
+        self,
+        meta: AttentionMetadata,
+        group: InvariantGroup,
+        layer: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        scale: float,
+        softcap: float | None,
+        sinks: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # [T, H, D]
         if sinks is not None:
             raise ValueError("batch_invariant: the per-row kernel does not implement attention sinks")
         q = query[0].transpose(0, 1)  # [T, H, D]
-        out = attend_rows(q, k_cache, v_cache, group.table, group.row, group.start, group.end,
-                          meta.cache.page_size, scale, softcap)
+        out = attend_rows(
+            q,
+            k_cache,
+            v_cache,
+            group.table,
+            group.row,
+            group.start,
+            group.end,
+            meta.cache.page_size,
+            scale,
+            softcap,
+        )
         return out.to(query.dtype)
