@@ -21,6 +21,7 @@ from transformers import GenerationConfig
 from rollout import ContinuousBatchingConfig, RolloutEngine
 from rollout.core import EngineCore
 from rollout.invariant_forward import InvariantForward
+from rollout.invariant_ops import tiled_linear
 from trainers.common import completion_forward, disable_dropout, scored_logprobs
 
 GC = GenerationConfig(do_sample=True, eos_token_id=None, max_new_tokens=8)
@@ -156,6 +157,28 @@ def test_gradients_match_autograd_of_the_ordinary_forward(arch):
         torch.testing.assert_close(
             g, p.grad, rtol=1e-4, atol=1e-5 * float(p.grad.abs().max()) + 1e-7, msg=name
         )
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_tiled_linear_rows_do_not_depend_on_the_other_rows(dtype):
+    """The assumption under the mode's linears, checked on this machine: a row's bits are the same at any row
+    count and position (the plain GEMM's are not, in fp32: the control)."""
+    g = torch.Generator().manual_seed(0)
+    plain_differs = False
+    for k, n in ((64, 128), (256, 768), (768, 256)):
+        w = torch.randn(n, k, generator=g).to(DTYPES[dtype])
+        row = torch.randn(1, k, generator=g).to(DTYPES[dtype])
+        ref = tiled_linear(row, w)[0]
+        for m in (2, 3, 17, 100, 600):
+            x = torch.randn(m, k, generator=g).to(DTYPES[dtype])
+            at = m // 2
+            x[at] = row[0]
+            assert torch.equal(tiled_linear(x, w)[at], ref), (k, n, m)
+            plain_differs |= not torch.equal(
+                torch.nn.functional.linear(x, w)[at], torch.nn.functional.linear(row, w)[0]
+            )
+    if dtype == "fp32":
+        assert plain_differs
 
 
 def test_refusals_name_the_field():
