@@ -65,14 +65,17 @@ def install(view: torch.nn.Module) -> int:
 
 
 def _context(view: torch.nn.Module) -> int:
-    config = getattr(view, "config", None)
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    length = getattr(config, "max_position_embeddings", None)
-    if not length:
-        raise ValueError(
-            "batch_invariant: the model's config has no max_position_embeddings (the rotary table's length)"
-        )
-    return int(length)
+    """The model's context (the rotary tables' length), from the first config that states it (the view may be
+    a wrapper, e.g. a policy with a value head)."""
+    for module in view.modules():
+        config = getattr(module, "config", None)
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        length = getattr(config, "max_position_embeddings", None)
+        if length:
+            return int(length)
+    raise ValueError(
+        "batch_invariant: the model's config has no max_position_embeddings (the rotary table's length)"
+    )
 
 
 def engine_backend(name: str) -> InvariantBackend:

@@ -206,37 +206,30 @@ def test_sdpa_and_cpu_backends_give_the_same_bits():
     assert runs[0].generated_tokens == runs[1].generated_tokens and runs[0].logprobs == runs[1].logprobs
 
 
-def _load_grpo():
+def _load_recipe(name: str):
     recipes = Path(__file__).resolve().parents[1] / "recipes"
     if str(recipes) not in sys.path:  # NOTE: recipes import their sibling `_common`, as when launched
         sys.path.insert(0, str(recipes))
-    path = recipes / "grpo.py"
-    spec = importlib.util.spec_from_file_location("recipe_grpo_bi", path)
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}_bi", recipes / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
-def test_grpo_recipe_batch_invariant_has_zero_logprob_mismatch(tmp_path, bf16):
+@pytest.mark.parametrize(
+    ("recipe", "bf16"),
+    [("grpo", False), ("grpo", True), ("ppo", False)],
+    ids=["grpo-fp32", "grpo-bf16", "ppo-fp32"],
+)
+def test_recipe_batch_invariant_has_zero_logprob_mismatch(tmp_path, recipe, bf16):
+    """`recipes/grpo.py --batch_invariant` (with `--bf16`: engine and passes in bf16) and `recipes/ppo.py`."""
     state = torch.get_rng_state(), random.getstate()
+    out = tmp_path / recipe
+    args = ["--batch_invariant", "--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4"]
+    args += ["--group_size", "4" if recipe == "grpo" else "1", "--output_dir", str(out)]
     try:
-        out = tmp_path / "grpo"
-        args = [
-            "--batch_invariant",
-            "--steps",
-            "2",
-            "--sft_steps",
-            "3",
-            "--prompts_per_step",
-            "4",
-            "--group_size",
-            "4",
-            "--output_dir",
-            str(out),
-        ]
-        _load_grpo().main(args + (["--bf16"] if bf16 else []))
+        _load_recipe(recipe).main(args + (["--bf16"] if bf16 else []))
     finally:
         torch.set_rng_state(state[0])
         random.setstate(state[1])
