@@ -25,7 +25,10 @@ import sys
 import time
 from pathlib import Path
 
-import torch
+os.environ.setdefault(
+    "OMP_WAIT_POLICY", "PASSIVE"
+)  # NOTE: as the recipes: spinning threads distort a shared box
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,56 +41,82 @@ from trainers.common import completion_forward, scored_logprobs  # noqa: E402
 
 
 def load() -> str:
-    return "load %.2f" % os.getloadavg()[0]
+    return f"load {os.getloadavg()[0]:.2f}"
 
 
 def prompts(n: int, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(1, 4000, (int(torch.randint(16, 129, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(1, 4000, (int(torch.randint(16, 129, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def engine_config(invariant: bool) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(page_size=16, num_blocks=2048, max_batch_tokens=512, return_logprobs=True,
-                                    batch_invariant=invariant)
+    return ContinuousBatchingConfig(
+        page_size=16, num_blocks=2048, max_batch_tokens=512, return_logprobs=True, batch_invariant=invariant
+    )
+
+
+def clock() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process: every thread's work, less sensitive to a loaded box)."""
+    return time.perf_counter(), time.process_time()
+
+
+def since(start: tuple[float, float]) -> tuple[float, float]:
+    now = clock()
+    return now[0] - start[0], now[1] - start[1]
 
 
 def rollout(engine: RolloutEngine, args):
-    start = time.perf_counter()
-    batch = engine.generate(prompts(args.prompts), temps=1.0, group_size=args.group, max_new_tokens=args.new, seed=1)
-    return batch, time.perf_counter() - start
+    start = clock()
+    batch = engine.generate(
+        prompts(args.prompts), temps=1.0, group_size=args.group, max_new_tokens=args.new, seed=1
+    )
+    return batch, since(start)
 
 
 def trainer_data(batch) -> dict:
-    return {"input_ids": batch.input_ids, "attention_mask": batch.attention_mask,
-            "completion_ids": batch.completion_ids, "temperatures": batch.temperatures}
+    return {
+        "input_ids": batch.input_ids,
+        "attention_mask": batch.attention_mask,
+        "completion_ids": batch.completion_ids,
+        "temperatures": batch.temperatures,
+    }
 
 
-def trainer_step(forward, data: dict, autocast: bool) -> float:
-    """Seconds of one step's teacher-forced work: the no-grad pass, then the pass with its backward."""
-    start = time.perf_counter()
+def trainer_step(forward, data: dict, autocast: bool) -> tuple[float, float]:
+    """(wall, CPU) seconds of one step's teacher-forced work: the no-grad pass, then the pass with its backward."""
+    start = clock()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with torch.no_grad():
             scored_logprobs(completion_forward(forward, data).logits, data)
         lp, _ = scored_logprobs(completion_forward(forward, data).logits, data)
     lp.masked_fill(data["completion_ids"] == 0, 0).sum().backward()
-    return time.perf_counter() - start
+    return since(start)
 
 
 def bench(dtype: str, args) -> dict:
     master = make_model(args.size, "fp32")  # NOTE: the trainer's fp32 weights
     engine_model = master if dtype == "fp32" else copy.deepcopy(master).to(torch.bfloat16)
-    engines = {mode: RolloutEngine(engine_model, config=engine_config(mode == "on")) for mode in ("off", "on")}
+    engines = {
+        mode: RolloutEngine(engine_model, config=engine_config(mode == "on")) for mode in ("off", "on")
+    }
     batches, times = {}, {"off": [], "on": []}
     for _ in range(args.reps + 1):  # NOTE: the first round warms up (kernel load, allocations) and is dropped
         for mode, engine in engines.items():
             batches[mode], seconds = rollout(engine, args)
             times[mode].append(seconds)
-        print(f"  {dtype} engine rep: off {times['off'][-1]:.2f}s on {times['on'][-1]:.2f}s ({load()})", flush=True)
+        print(
+            f"  {dtype} engine rep: wall off {times['off'][-1][0]:.2f}s on {times['on'][-1][0]:.2f}s, CPU off "
+            f"{times['off'][-1][1]:.2f}s on {times['on'][-1][1]:.2f}s ({load()})",
+            flush=True,
+        )
     for engine in engines.values():
         engine.close()
     tokens = {m: int(b.completion_mask.sum()) for m, b in batches.items()}
-    tok_s = {m: tokens[m] / statistics.median(times[m][1:]) for m in times}
+    tok_s = {m: tokens[m] / statistics.median(t[0] for t in times[m][1:]) for m in times}
+    tok_cpu_s = {m: tokens[m] / statistics.median(t[1] for t in times[m][1:]) for m in times}
 
     master.train()
     half = None if dtype == "fp32" else torch.bfloat16
@@ -95,7 +124,10 @@ def bench(dtype: str, args) -> dict:
     data = trainer_data(batches["on"])
     parity = {}
     for mode, fwd in forwards.items():
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "off" and half is not None):
+        with (
+            torch.no_grad(),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=mode == "off" and half is not None),
+        ):
             lp, _ = scored_logprobs(completion_forward(fwd, data).logits, data)
         mask = batches["on"].completion_mask.bool()
         parity[mode] = float((lp - batches["on"].logprobs).abs()[mask].max())
@@ -104,9 +136,21 @@ def bench(dtype: str, args) -> dict:
         for mode, fwd in forwards.items():
             master.zero_grad(set_to_none=True)
             steps[mode].append(trainer_step(fwd, data, autocast=mode == "off" and half is not None))
-        print(f"  {dtype} trainer rep: off {steps['off'][-1]:.3f}s on {steps['on'][-1]:.3f}s ({load()})", flush=True)
-    step_s = {m: statistics.median(v[1:]) for m, v in steps.items()}
-    return {"tok_s": tok_s, "step_s": step_s, "parity": parity, "tokens": tokens}
+        print(
+            f"  {dtype} trainer rep: wall off {steps['off'][-1][0]:.3f}s on {steps['on'][-1][0]:.3f}s, CPU off "
+            f"{steps['off'][-1][1]:.3f}s on {steps['on'][-1][1]:.3f}s ({load()})",
+            flush=True,
+        )
+    step_s = {m: statistics.median(t[0] for t in v[1:]) for m, v in steps.items()}
+    step_cpu_s = {m: statistics.median(t[1] for t in v[1:]) for m, v in steps.items()}
+    return {
+        "tok_s": tok_s,
+        "tok_cpu_s": tok_cpu_s,
+        "step_s": step_s,
+        "step_cpu_s": step_cpu_s,
+        "parity": parity,
+        "tokens": tokens,
+    }
 
 
 def main() -> None:
@@ -120,19 +164,26 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    print(f"{args.size}, {args.prompts} prompts x G={args.group}, {args.new} new tokens, {args.threads} threads, "
-          f"{load()}")
+    print(
+        f"{args.size}, {args.prompts} prompts x G={args.group}, {args.new} new tokens, {args.threads} threads, "
+        f"{load()}"
+    )
     rows = []
     for dtype in args.dtypes.split(","):
         r = bench(dtype, args)
         rows.append((dtype, r))
-    print("\n| dtype | engine tok/s off | on | on/off cost | trainer step s off | on | on/off cost "
-          "| parity max off | on |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| dtype | clock | engine tok/s off | on | cost on/off | trainer step s off | on | cost on/off "
+        "| parity max off | on |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for dtype, r in rows:
-        t, s, q = r["tok_s"], r["step_s"], r["parity"]
-        print(f"| {dtype} | {t['off']:.0f} | {t['on']:.0f} | {t['off'] / t['on']:.2f}x | {s['off']:.3f} | "
-              f"{s['on']:.3f} | {s['on'] / s['off']:.2f}x | {q['off']:.2e} | {q['on']:.1e} |")
+        q = r["parity"]
+        for clock_name, t, s in (("wall", r["tok_s"], r["step_s"]), ("CPU", r["tok_cpu_s"], r["step_cpu_s"])):
+            print(
+                f"| {dtype} | {clock_name} | {t['off']:.0f} | {t['on']:.0f} | {t['off'] / t['on']:.2f}x | "
+                f"{s['off']:.3f} | {s['on']:.3f} | {s['on'] / s['off']:.2f}x | {q['off']:.2e} | {q['on']:.1e} |"
+            )
     print(load())
 
 
