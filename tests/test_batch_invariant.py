@@ -237,3 +237,46 @@ def test_recipe_batch_invariant_has_zero_logprob_mismatch(tmp_path, recipe, bf16
     assert [r["step"] for r in records] == [1, 2]
     assert [r["logprob_mismatch_max"] for r in records] == [0.0, 0.0]
     assert all(r["grad_norm"] > 0 for r in records)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_ddp_ranks_stay_identical_with_zero_mismatch(tmp_path):
+    """2 CPU ranks (gloo), GRPO and PPO: the mode's passes bypass DDP's forward, so the trainer all-reduces
+    the gradients itself: both ranks hold the same parameters after every step, and every step's parity probe
+    (the max over ranks) is 0.0."""
+    import os
+    import subprocess
+
+    from support.serving import free_port
+
+    root = Path(__file__).resolve().parents[1]
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(free_port()),
+        str(root / "tests" / "support" / "ddp_invariant_worker.py"),
+        "--out",
+        str(tmp_path),
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(root), CUDA_VISIBLE_DEVICES="")
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=560)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world"] for r in ranks] == [2, 2]
+    assert [x["hash"] for x in ranks[0]["records"]] == [x["hash"] for x in ranks[1]["records"]]
+    assert len({x["hash"] for x in ranks[0]["records"]}) == len(
+        ranks[0]["records"]
+    )  # NOTE: every step trained
+    assert all(x["mismatch"] == 0.0 for x in ranks[0]["records"] if x["step"])

@@ -328,7 +328,7 @@ class RLTrainer(BatchInvariantMixin):
 
     def clip_and_step(self) -> float:
         """Clip the all-reduced gradients, step, zero; returns the pre-clip grad norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.all_reduced([p for p in self.model.parameters() if p.requires_grad])
         max_norm = self.config.max_grad_norm
         norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
         self.optimizer.step()

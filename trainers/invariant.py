@@ -9,8 +9,9 @@ reference is scored by its own engine built with the same config (`trainers.refe
 step 0 is exactly 0 too (with top-k / top-p on, that reference pass falls back to a plain forward).
 
 Gradients come from the ordinary backward of each op (the attention's by recomputing it with torch ops):
-correct to float rounding, not bitwise. One process only for now: the pass bypasses DDP's forward, whose
-gradient all-reduce would then not run, so a multi-process run is refused.
+correct to float rounding, not bitwise. The passes bypass DDP's forward, so DDP's own gradient all-reduce
+does not run: with several processes `all_reduced` averages the gradients itself before each optimizer step
+(every rank steps the same number of times, so the collectives match).
 """
 
 from __future__ import annotations
@@ -29,14 +30,20 @@ class BatchInvariantMixin:
         """`model` itself, or under `batch_invariant` the invariant forward over the same parameters."""
         return self.invariant_model if self.config.batch_invariant else model
 
+    def all_reduced(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """`params`, their gradients averaged over the processes when the mode's passes bypassed DDP."""
+        if not self.config.batch_invariant or self.accelerator.num_processes == 1:
+            return params
+        world = self.accelerator.num_processes
+        for p in params:  # NOTE: a missing gradient counts as zeros, so every rank joins every collective
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad)
+            p.grad.div_(world)
+        return params
+
     @functools.cached_property
     def invariant_model(self) -> InvariantForward:
         cfg, acc = self.config, self.accelerator
-        if acc.num_processes > 1:
-            raise ValueError(
-                "batch_invariant=True runs in one process for now: its passes bypass DDP's forward, "
-                "so gradients would not be all-reduced across the "
-                f"{acc.num_processes} processes"
-            )
         dtype = getattr(torch, cfg.engine_dtype) if cfg.engine_dtype else None
         return InvariantForward(acc.unwrap_model(self.model), cfg.engine_config.page_size, dtype)
