@@ -8,8 +8,9 @@ padded batch (`input_ids [N, L]`, `attention_mask [N, L]`, positions from the ma
 exactly the engine's computation: linears over fixed row tiles, rotary tables, and attention through the
 same per-row kernel over a page layout of the same `page_size` (padding is never read, so it cannot change
 a real row's bits). `dtype` runs the forward on cast parameters (a bf16 engine copy of fp32 weights: the
-casts are differentiable, so fp32 master weights still get gradients); autocast is off inside, since it
-would change which dtype each op runs in. The user's model is never modified.
+casts are differentiable, so fp32 master weights still get gradients; that pass runs without activation
+checkpointing, whose recomputation would see the fp32 parameters); autocast is off inside, since it would
+change which dtype each op runs in. The user's model is never modified.
 
 The attention's backward recomputes it with plain differentiable torch ops (`invariant_ops.reference_attention`).
 """
@@ -160,6 +161,14 @@ class InvariantForward:
         install(self.view)
         own = next(model.parameters()).dtype
         self.dtype = dtype if dtype is not None and dtype != own else None
+        if self.dtype is not None:
+            # NOTE: a checkpointed layer recomputes in the backward, after `functional_call` has put the fp32
+            # parameters back: the cast pass runs without activation checkpointing.
+            for module in self.view.modules():
+                if isinstance(module, PreTrainedModel) and getattr(
+                    module, "is_gradient_checkpointing", False
+                ):
+                    module.gradient_checkpointing_disable()
 
     def __call__(self, **kwargs):
         kwargs["rollout_rows"] = PaddedRows(kwargs["attention_mask"], self.page_size)

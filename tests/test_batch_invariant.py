@@ -229,7 +229,9 @@ def test_recipe_batch_invariant_has_zero_logprob_mismatch(tmp_path, recipe, bf16
     args = ["--batch_invariant", "--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4"]
     args += ["--group_size", "4" if recipe == "grpo" else "1", "--output_dir", str(out)]
     try:
-        _load_recipe(recipe).main(args + (["--bf16"] if bf16 else []))
+        # NOTE: bf16 also with activation checkpointing (its recomputation must see the same cast weights)
+        bf16_args = ["--bf16", "--gradient_checkpointing", "--gradient_accumulation_steps", "2"]
+        _load_recipe(recipe).main(args + (bf16_args if bf16 else []))
     finally:
         torch.set_rng_state(state[0])
         random.setstate(state[1])
