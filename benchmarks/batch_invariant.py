@@ -71,7 +71,11 @@ def since(start: tuple[float, float]) -> tuple[float, float]:
 def rollout(engine: RolloutEngine, args):
     start = clock()
     batch = engine.generate(
-        prompts(args.prompts), temps=1.0, group_size=args.group, max_new_tokens=args.new, seed=1
+        prompts(args.prompts, args.min_prompt, args.max_prompt),
+        temps=1.0,
+        group_size=args.group,
+        max_new_tokens=args.new,
+        seed=1,
     )
     return batch, since(start)
 
@@ -158,6 +162,8 @@ def main() -> None:
     p.add_argument("--size", default="5m", choices=["5m", "100m"])
     p.add_argument("--dtypes", default="fp32,bf16")
     p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--min_prompt", type=int, default=16)
+    p.add_argument("--max_prompt", type=int, default=128)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--reps", type=int, default=3)
