@@ -1,7 +1,7 @@
 """What does the batch-invariant mode cost? Engine tokens/s and a trainer step, mode off vs on, fp32 and bf16.
 
 Engine: `RolloutEngine.generate` on the 5M (or 100M) Qwen3-arch model of `benchmarks/common.py`, an RL-like
-batch (prompts of 16-128 tokens, `--group` samples each, `--new` tokens, temperature 1, seeded), with
+batch (prompts of 16-128 tokens by default, `--group` samples each, `--new` tokens, temperature 1, seeded), with
 `ContinuousBatchingConfig()` vs `ContinuousBatchingConfig(batch_invariant=True)` (same memory settings),
 interleaved A/B, median of `--reps`. Useful tokens per second.
 
@@ -44,10 +44,10 @@ def load() -> str:
     return f"load {os.getloadavg()[0]:.2f}"
 
 
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, lo: int = 16, hi: int = 128, seed: int = 0) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [
-        torch.randint(1, 4000, (int(torch.randint(16, 129, (1,), generator=g)),), generator=g).tolist()
+        torch.randint(1, 4000, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
         for _ in range(n)
     ]
 
@@ -68,10 +68,12 @@ def since(start: tuple[float, float]) -> tuple[float, float]:
     return now[0] - start[0], now[1] - start[1]
 
 
-def rollout(engine: RolloutEngine, args):
+def rollout(engine: RolloutEngine, args, rep: int):
+    """One rollout batch; each repetition draws new prompts (the same for both modes), so no repetition is
+    served from the prefix cache of the one before."""
     start = clock()
     batch = engine.generate(
-        prompts(args.prompts, args.min_prompt, args.max_prompt),
+        prompts(args.prompts, args.min_prompt, args.max_prompt, seed=rep),
         temps=1.0,
         group_size=args.group,
         max_new_tokens=args.new,
@@ -107,9 +109,11 @@ def bench(dtype: str, args) -> dict:
         mode: RolloutEngine(engine_model, config=engine_config(mode == "on")) for mode in ("off", "on")
     }
     batches, times = {}, {"off": [], "on": []}
-    for _ in range(args.reps + 1):  # NOTE: the first round warms up (kernel load, allocations) and is dropped
+    for rep in range(
+        args.reps + 1
+    ):  # NOTE: the first round warms up (kernel load, allocations) and is dropped
         for mode, engine in engines.items():
-            batches[mode], seconds = rollout(engine, args)
+            batches[mode], seconds = rollout(engine, args, rep)
             times[mode].append(seconds)
         print(
             f"  {dtype} engine rep: wall off {times['off'][-1][0]:.2f}s on {times['on'][-1][0]:.2f}s, CPU off "
@@ -171,8 +175,8 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     print(
-        f"{args.size}, {args.prompts} prompts x G={args.group}, {args.new} new tokens, {args.threads} threads, "
-        f"{load()}"
+        f"{args.size}, {args.prompts} prompts of {args.min_prompt}-{args.max_prompt} tokens x G={args.group}, "
+        f"{args.new} new tokens, {args.threads} threads, {load()}"
     )
     rows = []
     for dtype in args.dtypes.split(","):
