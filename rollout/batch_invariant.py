@@ -54,6 +54,7 @@ def install(view: torch.nn.Module) -> int:
                     "layer) whose product the mode cannot make invariant"
                 )
             module.forward = types.MethodType(linear_forward, module)
+            module._rollout_invariant_packed = {}  # NOTE: this module tree's own packed copy (fp32)
             n += 1
         elif type(module).__name__ == "Conv1D" and type(module).__module__.startswith("transformers"):
             module.forward = types.MethodType(conv1d_forward, module)  # NOTE: GPT-2's linears

@@ -6,8 +6,10 @@ and a trainer (padded `[N, L]` batches) get the same bits for the same token.
   the row count M (MKL's fp32 sgemm gives a row other bits at M = 1, 2, 3, 5 ... than at M = 16, measured),
   so the rows are padded to a multiple of `TILE` and run as one `bmm` of identical `[TILE, K] x [K, N]`
   GEMMs: a row's bits then depend only on its own input (measured: the same at every position of a tile,
-  for any tile count, fp32 and bf16). bf16 rows take oneDNN's GEMM on the padded rows instead (measured
-  row-invariant at every M from 1 to 2048, 1 and 2 threads, and 10x faster than the bf16 `bmm` of tiles);
+  for any tile count, fp32 and bf16). Faster paths measured row-invariant once the rows are padded to a
+  multiple of `TILE` (every M from 16 to 2048, 1 and 2 threads, the tiny, 5M and 100M shapes) are taken
+  where they exist: fp32 nn.Linear weights through oneDNN on its packed layout (the default engine's
+  linears; only M = 1 differs there), bf16 through oneDNN's GEMM (10x faster than a bf16 `bmm` of tiles);
   `tests/test_batch_invariant.py` rechecks both on the machine that runs it. Its backward is the ordinary one (correct, not invariant: nothing
   compares gradients bitwise).
 - `RotaryTable`: the cos / sin of a rotary embedding for every position up to the model's context, computed
@@ -32,16 +34,17 @@ import torch
 import torch.nn.functional as F
 
 from . import cpu_kernels
+from .linear import onednn_available
 
 TILE = 16  # NOTE: rows per GEMM tile; every linear of the mode runs [TILE, K] x [K, N] products only
 
 
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: dict | None):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _tiled(x, weight, bias)
+        return _tiled(x, weight, bias, cache)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -54,10 +57,12 @@ class _TiledLinear(torch.autograd.Function):
             gw = (g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
-        return gx, gw, gb
+        return gx, gw, gb, None
 
 
-def _tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _tiled(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: dict | None = None
+) -> torch.Tensor:
     k, n = x.shape[-1], weight.shape[0]
     rows = x.reshape(-1, k)  # [M, K]
     m = rows.shape[0]
@@ -66,6 +71,10 @@ def _tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
         rows = torch.cat([rows, rows.new_zeros(pad, k)])
     if rows.dtype == torch.bfloat16:  # NOTE: oneDNN's bf16 GEMM: row-invariant at any M (measured), and a
         out = F.linear(rows, weight)[:m]  # bmm of tiles falls off its fast path (~10x slower at 2048 rows)
+    elif cache is not None and onednn_available():  # NOTE: oneDNN on its packed layout, as the default engine
+        out = torch.ops.mkldnn._linear_pointwise(
+            rows.contiguous(), _packed(weight, cache), None, "none", [], ""
+        )[:m]
     else:
         tiles = rows.shape[0] // TILE
         out = torch.bmm(rows.view(tiles, TILE, k), weight.t().expand(tiles, k, n))  # [tiles, TILE, N]
@@ -75,21 +84,35 @@ def _tiled(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     return out.view(*x.shape[:-1], n)
 
 
-def tiled_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` with each row's bits independent of the other rows (see the docstring)."""
+def _packed(weight: torch.Tensor, cache: dict) -> torch.Tensor:
+    """`weight` in oneDNN's packed layout, packed again after an in-place change (version) or a new storage."""
+    key = (weight.data_ptr(), weight._version, weight.shape)
+    if cache.get("key") != key:
+        cache["packed"] = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), TILE)
+        cache["key"] = key
+    return cache["packed"]
+
+
+def tiled_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache: dict | None = None
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` with each row's bits independent of the other rows (see the docstring).
+
+    `cache`: a dict the caller keeps per weight (a module's), holding fp32 weights' oneDNN packed copy; without
+    it fp32 rows run as a bmm of tiles (other bits than the packed path: a model runs one or the other)."""
     if x.dtype != weight.dtype:
         raise ValueError(
             f"batch_invariant: a linear got {x.dtype} inputs for {weight.dtype} weights (autocast or a "
             "mixed-dtype model); the mode runs one dtype end to end"
         )
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _TiledLinear.apply(x, weight, bias)
-    return _tiled(x, weight, bias)
+        return _TiledLinear.apply(x, weight, bias, cache)
+    return _tiled(x, weight, bias, cache)
 
 
 def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """An `nn.Linear.forward` through `tiled_linear` (bound to a module with `types.MethodType`)."""
-    return tiled_linear(x, self.weight, self.bias)
+    return tiled_linear(x, self.weight, self.bias, self._rollout_invariant_packed)
 
 
 def conv1d_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
