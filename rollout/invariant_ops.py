@@ -206,6 +206,16 @@ def reference_attention(
     softcap: float | None,
 ) -> torch.Tensor:  # [N, L, H, D] fp32
     """The same attention in plain differentiable torch ops (fp32): the backward of the mode's attention."""
+    if not softcap:  # NOTE: torch's fused CPU attention: no [N, H, L, L] probabilities kept for the backward
+        out = F.scaled_dot_product_attention(
+            q.float(),
+            k.float(),
+            v.float(),
+            attn_mask=allowed,
+            scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1],
+        )
+        return out.transpose(1, 2)
     g = q.shape[1] // k.shape[1]
     kf = k.float().repeat_interleave(g, dim=1)
     vf = v.float().repeat_interleave(g, dim=1)
