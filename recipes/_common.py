@@ -61,6 +61,9 @@ def add_run_args(p) -> None:
     p.add_argument("--answer_column", default="answer", help="the column the reward reads as `answer`")
     p.add_argument("--chat_template", action="store_true", help="apply the tokenizer's chat template to text prompts")
     p.add_argument("--bf16", action="store_true", help="train under bf16 autocast")
+    p.add_argument("--batch_invariant", action="store_true",
+                   help="batch-invariant engine and trainer passes: rollout logprobs == trainer's, bit for bit "
+                        "(with --bf16 the engine and those passes run in bf16)")
     p.add_argument("--gradient_checkpointing", action="store_true")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, help="micro-batches per optimizer step")
     p.add_argument("--engine_memory_fraction", type=float, default=0.3,
@@ -79,6 +82,7 @@ def trainer_run_kwargs(args) -> dict:
         engine_memory_fraction=args.engine_memory_fraction,
         save_steps=args.save_steps,
         save_total_limit=args.save_total_limit,
+        batch_invariant=args.batch_invariant,
     )
 
 
@@ -96,6 +100,14 @@ def async_run_kwargs(args) -> dict:
     """The `GRPOConfig` fields set by `add_async_args` flags."""
     return dict(async_rollout=args.async_rollout, max_staleness=args.max_staleness, stale_tis_cap=args.stale_tis_cap,
                 rollout_threads=args.rollout_threads, learner_threads=args.learner_threads)
+
+
+def run_engine_dtype(args) -> str | None:
+    """`--engine_dtype`; with `--bf16 --batch_invariant` and none given, "bfloat16" (the mode runs one dtype:
+    the engine's bf16 copy, and the trainer's passes on bf16 casts of its fp32 weights)."""
+    if args.engine_dtype is None and args.bf16 and args.batch_invariant:
+        return "bfloat16"
+    return args.engine_dtype
 
 
 def resolve_checkpoint(output_dir: str, spec: str | None) -> str | None:

@@ -68,6 +68,7 @@ from _common import (
     plot_rewards,
     read_metrics,
     resolve_checkpoint,
+    run_engine_dtype,
     summarize,
     trainer_run_kwargs,
     write_json,
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_resample_rounds=args.max_resample_rounds,
         overlong_buffer=args.overlong_buffer,
         overlong_filter=args.overlong_filter,
-        engine_dtype=args.engine_dtype,
+        engine_dtype=run_engine_dtype(args),
         engine_config=None if args.model else EMBEDDED_ENGINE,
         seed=args.seed,
         log_stdout=False,  # the tqdm bar shows the reward; metrics.jsonl has everything

@@ -20,6 +20,7 @@ from . import compat_config
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
 ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.backends implements each
+BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.backends.invariant in the mode
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 
@@ -131,6 +132,7 @@ class _ConfigFields:
     cpu_group_timeout: float | None = _compat(600.0, Number(0.0, math.inf, low_open=True, optional=True))
     auto_switch_to_flash: bool = _compat(True, Bool())
     attn_backend: str = _setting("auto", OneOf(ATTN_BACKENDS))
+    batch_invariant: bool = _setting(False, Bool())
     # NOTE: whether `max_memory_percent` was given (the CPU default differs from the GPU one's 0.8); set by
     # ContinuousBatchingConfig.__init__.
     memory_percent_set: bool = field(default=False, init=False, repr=False, compare=False)
@@ -142,6 +144,10 @@ class _ConfigFields:
                 rule.check(f.name, getattr(self, f.name))
         if self.safety_margin is None:
             self.safety_margin = DEFAULT_SAFETY_MARGIN[self.scheduler_type]
+        if self.batch_invariant and (self.attn_backend not in BATCH_INVARIANT_BACKENDS or self.default_compile_level):
+            raise ValueError(f"batch_invariant=True runs with attn_backend in {BATCH_INVARIANT_BACKENDS} and "
+                             f"default_compile_level=0, got attn_backend={self.attn_backend!r}, "
+                             f"default_compile_level={self.default_compile_level}")
         if self.use_async_batching and not self.use_cuda_graph:
             raise ValueError("use_async_batching requires use_cuda_graph=True (as in transformers)")
 
@@ -180,6 +186,8 @@ class ContinuousBatchingConfig(_ConfigFields):
             kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled FlexAttention over the
             paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError).
             See `rollout.backends`.
+        batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
+            (`rollout.batch_invariant`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
         default_compile_level: 0 (default) runs the forward eagerly; 1-3 (all the same here) compile it on
             a CPU as one graph (`rollout.compiled`: seconds to a minute once per process and thread count,
             faster steps after); no effect on other devices.

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
+from . import batch_invariant
 from .backends import attention_memory
 from .backends import create as create_backend
 from .backends import select as select_backend
@@ -92,6 +93,9 @@ class EngineCore:
         tc = text_config(model)
         attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
                                    type(model).__name__)
+        if config.batch_invariant:  # NOTE: one reduction order per token (rollout.batch_invariant)
+            batch_invariant.check(self.device, self.dtype, has_attention_sinks(model), type(model).__name__)
+            batch_invariant.install(self.view)
         max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
         attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,
                                        bool(getattr(tc, "attn_logit_softcapping", None)), max_pages)
@@ -104,8 +108,9 @@ class EngineCore:
         if self.tp is not None:
             num_pages, self.max_batch_tokens = self.tp.agree_min(num_pages, self.max_batch_tokens)
         self.page_size = config.page_size
-        self.backend = create_backend(attn_name, self.device, self.dtype, page_size=config.page_size,
-                                      num_pages=num_pages, max_batch_tokens=self.max_batch_tokens)
+        self.backend = batch_invariant.engine_backend(attn_name) if config.batch_invariant else create_backend(
+            attn_name, self.device, self.dtype, page_size=config.page_size, num_pages=num_pages,
+            max_batch_tokens=self.max_batch_tokens)
         self.cache = PagedKVCache(num_pages, config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
         offload_pages = plan_offload(

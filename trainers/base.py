@@ -37,6 +37,7 @@ from trainers.common import (
     rollout_seed,
     scored_logprobs,
 )
+from trainers.invariant import BatchInvariantMixin
 from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
@@ -45,7 +46,7 @@ from trainers.rollouts import completion_id_lists, encode_prompt
 STATE_FILE = "trainer_state.json"
 
 
-class RLTrainer:
+class RLTrainer(BatchInvariantMixin):
     """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
 
     config: RLConfig
@@ -133,7 +134,7 @@ class RLTrainer:
 
     def forward(self, model: torch.nn.Module, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced `(logits [n, T+1, V], values [n, T] or None)` of a micro-batch."""
-        return completion_forward(model, micro).logits, None
+        return completion_forward(self.compute_model(model), micro).logits, None
 
     @property
     def truncation(self) -> dict[str, float | int | None]:
@@ -327,7 +328,7 @@ class RLTrainer:
 
     def clip_and_step(self) -> float:
         """Clip the all-reduced gradients, step, zero; returns the pre-clip grad norm."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
+        params = self.all_reduced([p for p in self.model.parameters() if p.requires_grad])
         max_norm = self.config.max_grad_norm
         norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
         self.optimizer.step()

@@ -65,6 +65,8 @@ class RLConfig:
         save_steps: checkpoint every this many steps into `output_dir/checkpoint-{step}` (0 = never).
         save_total_limit: keep only the newest this many checkpoints (None = all).
         log_stdout, progress: a compact line per step / a tqdm bar (main process only).
+        batch_invariant: the engine's batch-invariant mode, and the trainer's logprob passes through the same
+            ops on the engine's dtype (`trainers.invariant`): `logprob_mismatch_max` is exactly 0.0.
     """
 
     output_dir: str = "outputs"
@@ -101,8 +103,11 @@ class RLConfig:
     save_total_limit: int | None = None
     log_stdout: bool = True
     progress: bool = True
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if self.batch_invariant:  # NOTE: the engine must run the same invariant ops
+            self.engine_config = (self.engine_config or ContinuousBatchingConfig()).replace(batch_invariant=True)
         for name in (
             "max_steps",
             "prompts_per_step",

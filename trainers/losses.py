@@ -197,8 +197,8 @@ def entropy_from_logits(logits: Tensor, chunk_size: int | None = 4096) -> Tensor
 def token_logprobs(logits: Tensor, tokens: Tensor, chunk_size: int | None = 4096) -> Tensor:
     """fp32 ``log_softmax(logits)`` gathered at ``tokens``; ``[N, T, V], [N, T] -> [N, T]``.
 
-    Uses ``logit[token] - logsumexp(logits)`` so the full ``[N, T, V]`` log-softmax is never
-    materialised; ``chunk_size`` token rows are upcast to fp32 at a time.
+    ``log_softmax`` then a gather, ``chunk_size`` token rows at a time (upcast to fp32 a chunk at a
+    time, so the full ``[N, T, V]`` fp32 log-softmax is never materialised).
     """
     return _chunked_rows(_logprob_rows, logits, tokens, chunk_size)
 
@@ -212,9 +212,10 @@ def _entropy_rows(logits: Tensor, _: Tensor | None) -> Tensor:
 def _logprob_rows(logits: Tensor, tokens: Tensor | None) -> Tensor:
     # logits: [R, V], tokens: [R] -> [R]
     assert tokens is not None
-    logits = logits.float()  # [R, V]
-    picked = logits.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)  # [R]
-    return picked - torch.logsumexp(logits, dim=-1)
+    # NOTE: log_softmax then gather, as the engine's sampler does (rollout.sampler): under
+    # batch_invariant the trainer and the engine then get the same bits for the same logits.
+    logp = logits.float().log_softmax(dim=-1)  # [R, V]
+    return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)
 
 
 def _chunked_rows(
