@@ -22,8 +22,12 @@ from .backends.invariant import InvariantBackend
 from .invariant_ops import RotaryTable, conv1d_forward, kernel, linear_forward
 
 
-def check(device: torch.device, dtype: torch.dtype, has_sinks: bool, model: str = "the model") -> None:
+def check(device: torch.device, dtype: torch.dtype, has_sinks: bool, model: str = "the model",
+          tp_size: int = 1) -> None:
     """Refuse what the mode cannot honour on this model and machine (ValueError naming `batch_invariant`)."""
+    if tp_size > 1:
+        raise ValueError(f"batch_invariant=True does not support tensor parallelism yet ({model} is sharded with "
+                         f"tp_size={tp_size}: its all-reduces sum the shards' partial products in another order)")
     if device.type != "cpu":
         raise ValueError(
             f"batch_invariant=True runs on a CPU only for now (the model is on {device}); the CUDA "

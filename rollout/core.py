@@ -84,6 +84,9 @@ class EngineCore:
         self.sliding = any(w is not None for w in self.windows)
         sharing = config.allow_block_sharing
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
+        if config.batch_invariant:  # NOTE: one reduction order per token (rollout.batch_invariant); before any group
+            batch_invariant.check(self.device, self.dtype, has_attention_sinks(model), type(model).__name__,
+                                  tp_size_of(model))
         # NOTE: under tensor parallelism each rank holds its own KV heads only (rollout.tp)
         self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
         # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.tp)
@@ -93,8 +96,7 @@ class EngineCore:
         tc = text_config(model)
         attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
                                    type(model).__name__)
-        if config.batch_invariant:  # NOTE: one reduction order per token (rollout.batch_invariant)
-            batch_invariant.check(self.device, self.dtype, has_attention_sinks(model), type(model).__name__)
+        if config.batch_invariant:
             batch_invariant.install(self.view)
         max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
         attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,

@@ -196,6 +196,10 @@ def test_refusals_name_the_field():
             GC,
             ContinuousBatchingConfig(page_size=8, num_blocks=8, batch_invariant=True),
         )
+    sharded = make_model("llama")
+    sharded._tp_size = 2  # NOTE: as transformers marks a DistributedConfig(tp_size=2) model; refused before any group
+    with pytest.raises(ValueError, match="batch_invariant.*tensor parallelism.*tp_size=2"):
+        EngineCore(sharded, GC, ContinuousBatchingConfig(page_size=8, num_blocks=8, batch_invariant=True))
 
 
 def test_sdpa_and_cpu_backends_give_the_same_bits():
