@@ -117,7 +117,10 @@ def run_disagg(mode: str, args, out_dir: Path) -> None:
 
     cpus = sorted(os.sched_getaffinity(0))
     server_cpus, learner_cpus = (cpus[:1], cpus[1:2]) if len(cpus) >= 2 else (cpus, cpus)
-    os.sched_setaffinity(0, learner_cpus)
+    if args.no_pin:  # NOTE: 1 thread each, but the OS places them (a shared box: no core is reserved for us)
+        server_cpus = learner_cpus = None
+    else:
+        os.sched_setaffinity(0, learner_cpus)
     torch.set_num_threads(1)
     tokenizer, model, dataset = task(args)
     model_dir = out_dir / "model"
@@ -176,6 +179,7 @@ def main() -> None:
     p.add_argument("--system", choices=["thread", "disagg"], default="thread",
                    help="async rollout on a thread of the learner (thread) or in a rollout server process (disagg)")
     p.add_argument("--with_sync_disagg", action="store_true", help="--system disagg: the synchronous layout too")
+    p.add_argument("--no_pin", action="store_true", help="--system disagg: no core pinning (1 thread each still)")
     p.add_argument("--out", default=None)
     p.add_argument("--replot", action="store_true", help="redraw the figure from the last results.json")
     p.add_argument("--logs", default=str(LOGS), help="where the runs, results.json and the figure go")
@@ -208,6 +212,8 @@ def main() -> None:
                    "--lr", str(args.lr), "--hidden", str(args.hidden), "--layers", str(args.layers)]
             if args.switch_interval is not None:
                 cmd += ["--switch_interval", str(args.switch_interval)]
+            if args.no_pin:
+                cmd += ["--no_pin"]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if proc.returncode:
                 raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
