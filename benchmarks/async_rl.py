@@ -33,6 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: as recipes/grpo.py 
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -123,7 +124,7 @@ def run_disagg(mode: str, args, out_dir: Path) -> None:
         os.sched_setaffinity(0, learner_cpus)
     torch.set_num_threads(1)
     tokenizer, model, dataset = task(args)
-    model_dir = out_dir / "model"
+    model_dir = out_dir / "model"  # NOTE: removed at the end (the servers' start point, not a result)
     model.save_pretrained(model_dir)
     tokenizer.save_pretrained(model_dir)
     async_fields = dict(async_rollout=True, max_staleness=args.max_staleness, learner_threads=1)
@@ -143,6 +144,7 @@ def run_disagg(mode: str, args, out_dir: Path) -> None:
             train_start = time.perf_counter()
             trainer.train()
         end = time.perf_counter()
+    shutil.rmtree(model_dir, ignore_errors=True)
     print(json.dumps({"mode": mode, "wall_s": end - start, "train_s": end - train_start, "spawn_s": spawn_s,
                       "server_cpus": server_cpus, "learner_cpus": learner_cpus}))
 
@@ -249,7 +251,7 @@ def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
                     label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("reward_mean")
-    fast = "async_disagg (server core 0 + learner core 1)" if "async_disagg" in results else "async (1+1 threads)"
+    fast = "async, rollout server + learner" if "async_disagg" in results else "async (1+1 threads)"
     ax.set_title(f"GRPO, copy task (128-token completions), 2 cores\n{fast}, staleness 1, vs sync "
                  f"(2 threads): {speedup:.2f}x wall-clock per step", fontsize=10)
     ax.legend()
