@@ -13,6 +13,15 @@ GRPO, 8 prompts x 8 samples per step, T = 1.0, lr 2e-3, 1 pass in 2 minibatches.
 Each configuration runs in its own process (fresh OpenMP state), runs alternate (sync, async, sync, ...):
 
     python benchmarks/async_rl.py --steps 40 --repeats 2     # -> benchmarks/logs/async_rl/ (results.json, async_rl.png)
+
+`--system disagg`: the same task with the rollout in a separate PROCESS (`rollout serve`, started by the run
+through `rollout.server_procs.ServerProcesses`, pinned to core 0, 1 OpenMP thread) and the learner
+(`trainers.disagg.DisaggGRPOTrainer`) pinned to core 1 at 1 thread; modes "async_disagg" (`async_rollout=True`,
+`max_staleness` K: the weights reach the server in flight) against "sync" (in-process, 2 threads), and
+`--with_sync_disagg` adds the synchronous disaggregated layout for reference. Times are of `train()` only
+(the server start and the trainer's construction are left out, in every mode):
+
+    python benchmarks/async_rl.py --system disagg --steps 30 --repeats 2 --logs benchmarks/logs/async_rl/disagg
 """
 
 # ruff: noqa: E402
@@ -24,6 +33,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: as recipes/grpo.py 
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -55,6 +65,8 @@ def run_one(mode: str, args, out_dir: Path) -> None:
 
     if args.switch_interval is not None:  # NOTE: the GIL hand-off interval (Python's default 5 ms)
         sys.setswitchinterval(args.switch_interval)
+    if mode.endswith("_disagg"):
+        return run_disagg(mode, args, out_dir)
     torch.set_num_threads(2 if mode == "sync" else 1)  # NOTE: "sync1": the synchronous trainer at 1 thread
     tokenizer = make_addition_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=256,
@@ -74,8 +86,67 @@ def run_one(mode: str, args, out_dir: Path) -> None:
     )
     start = time.perf_counter()
     with GRPOTrainer(model, tokenizer, copy_reward, dataset, config) as trainer:
+        train_start = time.perf_counter()
         trainer.train()
-    print(json.dumps({"mode": mode, "wall_s": time.perf_counter() - start}))
+    end = time.perf_counter()
+    print(json.dumps({"mode": mode, "wall_s": end - start, "train_s": end - train_start}))
+
+
+def task(args):
+    """(tokenizer, model, dataset) of the copy task, EOS disabled; `copy_reward` set to the budget."""
+    from trainers.tasks import AdditionTask, build_tiny_model, make_addition_tokenizer
+
+    tokenizer = make_addition_tokenizer()
+    model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=256,
+                             seed=0)
+    tokenizer.eos_token = None
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    copy_reward.length = args.max_new_tokens
+    dataset = AdditionTask(num_digits=3, seed=0).to_dataset(args.steps * args.prompts_per_step)
+    return tokenizer, model, dataset
+
+
+def run_disagg(mode: str, args, out_dir: Path) -> None:
+    """One run with 1 rollout server process on core 0 and this learner on core 1 (1 thread each)."""
+    import torch
+
+    from rollout.rollout_pool import RolloutPool
+    from rollout.server_procs import ServerProcesses
+    from trainers import GRPOConfig
+    from trainers.disagg import DisaggGRPOTrainer
+
+    cpus = sorted(os.sched_getaffinity(0))
+    server_cpus, learner_cpus = (cpus[:1], cpus[1:2]) if len(cpus) >= 2 else (cpus, cpus)
+    if args.no_pin:  # NOTE: 1 thread each, but the OS places them (a shared box: no core is reserved for us)
+        server_cpus = learner_cpus = None
+    else:
+        os.sched_setaffinity(0, learner_cpus)
+    torch.set_num_threads(1)
+    tokenizer, model, dataset = task(args)
+    model_dir = out_dir / "model"  # NOTE: removed at the end (the servers' start point, not a result)
+    model.save_pretrained(model_dir)
+    tokenizer.save_pretrained(model_dir)
+    async_fields = dict(async_rollout=True, max_staleness=args.max_staleness, learner_threads=1)
+    config = GRPOConfig(
+        output_dir=str(out_dir), max_steps=args.steps, prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0,
+        learning_rate=args.lr, num_iterations=1, num_minibatches=2, seed=0, log_stdout=False, progress=False,
+        **(async_fields if mode == "async_disagg" else {}),
+    )
+    serve_args = ["--dtype", "float32", "--log-level", "warning", "--page-size", "32", "--num-blocks", "512"]
+    start = time.perf_counter()
+    with ServerProcesses(str(model_dir), n=1, cpus=server_cpus, threads=1, serve_args=serve_args,
+                         log_dir=str(out_dir / "servers")) as servers:
+        spawn_s = time.perf_counter() - start
+        pool = RolloutPool(servers.urls, tokenizer=tokenizer)
+        with DisaggGRPOTrainer(model, tokenizer, copy_reward, dataset, config, pool=pool) as trainer:
+            train_start = time.perf_counter()
+            trainer.train()
+        end = time.perf_counter()
+    shutil.rmtree(model_dir, ignore_errors=True)
+    print(json.dumps({"mode": mode, "wall_s": end - start, "train_s": end - train_start, "spawn_s": spawn_s,
+                      "server_cpus": server_cpus, "learner_cpus": learner_cpus}))
 
 
 def summary(records: list[dict], skip: int) -> dict:
@@ -105,7 +176,12 @@ def main() -> None:
     p.add_argument("--switch_interval", type=float, default=None, help="sys.setswitchinterval in every run")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--run", choices=["sync", "sync1", "async"], default=None, help="(internal) one run in this process")
+    p.add_argument("--run", choices=["sync", "sync1", "async", "async_disagg", "sync_disagg"], default=None,
+                   help="(internal) one run in this process")
+    p.add_argument("--system", choices=["thread", "disagg"], default="thread",
+                   help="async rollout on a thread of the learner (thread) or in a rollout server process (disagg)")
+    p.add_argument("--with_sync_disagg", action="store_true", help="--system disagg: the synchronous layout too")
+    p.add_argument("--no_pin", action="store_true", help="--system disagg: no core pinning (1 thread each still)")
     p.add_argument("--out", default=None)
     p.add_argument("--replot", action="store_true", help="redraw the figure from the last results.json")
     p.add_argument("--logs", default=str(LOGS), help="where the runs, results.json and the figure go")
@@ -125,9 +201,11 @@ def main() -> None:
         return
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    results: dict[str, list[dict]] = {"sync": [], "async": []}
+    modes = ("sync", "async") if args.system == "thread" else (
+        ("sync", "async_disagg", "sync_disagg") if args.with_sync_disagg else ("sync", "async_disagg"))
+    results: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(args.repeats):
-        for mode in ("sync", "async"):
+        for mode in modes:
             out = logs / f"{mode}_{rep}"
             load = os.getloadavg()[0]
             cmd = [sys.executable, __file__, "--run", mode, "--out", str(out), "--steps", str(args.steps),
@@ -136,16 +214,20 @@ def main() -> None:
                    "--lr", str(args.lr), "--hidden", str(args.hidden), "--layers", str(args.layers)]
             if args.switch_interval is not None:
                 cmd += ["--switch_interval", str(args.switch_interval)]
+            if args.no_pin:
+                cmd += ["--no_pin"]
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if proc.returncode:
                 raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
-            wall = json.loads(proc.stdout.strip().splitlines()[-1])["wall_s"]
+            done = json.loads(proc.stdout.strip().splitlines()[-1])
+            wall = done["train_s"] if args.system == "disagg" else done["wall_s"]
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             row = {"mode": mode, "rep": rep, "wall_s": wall, "s_per_step": wall / args.steps,
                    "load_before": load, "load_after": os.getloadavg()[0], **summary(records, 2)}
             results[mode].append({**row, "rewards": [r["reward_mean"] for r in records]})
             print(json.dumps(row))
-    pairs = [s["wall_s"] / a["wall_s"] for s, a in zip(results["sync"], results["async"], strict=True)]
+    fast = "async" if args.system == "thread" else "async_disagg"
+    pairs = [s["wall_s"] / a["wall_s"] for s, a in zip(results["sync"], results[fast], strict=True)]
     report = {"args": vars(args), "speedup_per_pair": pairs, "speedup_mean": statistics.mean(pairs), **results}
     (logs / "results.json").write_text(json.dumps(report, indent=1))
     print(f"async / sync wall-clock speedup per pair: {[round(x, 3) for x in pairs]}")
@@ -160,15 +242,17 @@ def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for mode, color in (("sync", "tab:blue"), ("async", "tab:orange")):
-        for i, run in enumerate(results[mode]):
+    colors = {"sync": "tab:blue", "async": "tab:orange", "async_disagg": "tab:red", "sync_disagg": "tab:green"}
+    for mode, color in colors.items():
+        for i, run in enumerate(results.get(mode, [])):
             label = f"{mode} run {i + 1} ({run['s_per_step']:.2f} s/step, load {run['load_before']:.0f})"
             style = "-" if i == 0 else "--"  # NOTE: sync runs are deterministic: their curves coincide
             ax.plot(range(1, len(run["rewards"]) + 1), run["rewards"], style, color=color, alpha=0.9 - 0.3 * i,
                     label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("reward_mean")
-    ax.set_title(f"GRPO, copy task (128-token completions), 2 cores\nasync (staleness 1, 1+1 threads) vs sync "
+    fast = "async, rollout server + learner" if "async_disagg" in results else "async (1+1 threads)"
+    ax.set_title(f"GRPO, copy task (128-token completions), 2 cores\n{fast}, staleness 1, vs sync "
                  f"(2 threads): {speedup:.2f}x wall-clock per step", fontsize=10)
     ax.legend()
     fig.tight_layout()

@@ -15,6 +15,10 @@ reward, 2 passes x 2 minibatches of AdamW at 5e-4); only where generation runs d
 Launch (2 CPU cores: both servers on core 0, the learner on core 1):
     python recipes/grpo_disagg.py --rollout_servers 2 --output_dir runs/grpo_disagg
     python recipes/grpo_disagg.py --rollout_servers 1 --server_cpus 0 --learner_cpus 1 --steps 50
+    python recipes/grpo_disagg.py --rollout_servers 1 --async_rollout --max_staleness 1   # overlap (see below)
+With `--async_rollout --max_staleness K` the servers generate step k+1 (up to k+K) while the learner trains on
+step k; each broadcast lands in flight (`in_flight="keep"`: running requests go on under the new weights, their
+tokens' `weight_versions` show the switch) and the loss corrects stale tokens (`trainers.async_rollout`).
 A hub or local model: `--model PATH --dataset FILE --reward exact_match` (the servers load PATH too).
 NOTE: `rollout serve` loads its model on the CPU today, so this recipe runs on CPUs; the broadcast's NCCL
 path (`WeightBroadcaster(backend="nccl")`) is written for servers on GPUs but untested here (no GPU).
@@ -36,6 +40,8 @@ from _common import (
     GRPO_EMBEDDED_ENGINE,
     GRPO_WARM_START,
     REWARDS,
+    add_async_args,
+    async_run_kwargs,
     fresh_output_dir,
     get_reward,
     load_policy_and_prompts,
@@ -83,6 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight_transfer", default="broadcast", choices=["broadcast", "disk"])
     p.add_argument("--bucket_mb", type=float, default=64.0, help="largest flat buffer of one broadcast (MB)")
     p.add_argument("--request_timeout", type=float, default=300.0, help="deadline of one group's request (s)")
+    add_async_args(p)  # NOTE: --async_rollout: the servers generate step k+1 while this process trains on step k
     p.add_argument("--serve_args", default="", help="extra `rollout serve` flags, e.g. '--max-batch-tokens 4096'")
     return p.parse_args(argv)
 
@@ -124,6 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
         prompts_per_step=args.prompts_per_step, group_size=args.group_size, temperature=args.temperature,
         max_new_tokens=args.max_new_tokens, learning_rate=args.lr, num_iterations=args.iterations,
         num_minibatches=args.minibatches, seed=args.seed, log_stdout=True, progress=False,
+        **async_run_kwargs(args),
     )
     spawn = time.perf_counter()
     with ServerProcesses(model_path, n=args.rollout_servers, cpus=server_cpus, threads=args.server_threads,

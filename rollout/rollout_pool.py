@@ -236,11 +236,15 @@ class RolloutPool:
         return outs
 
     # ------------------------------------------------------------------------- weights
-    def update_weights(self, model) -> int:
+    def update_weights(self, model, in_flight: str | None = None) -> int:
         """New weights on every live server (one broadcast, or one checkpoint on disk); returns the version.
-        A server found dead meanwhile is dropped from the group and the update retried once."""
+        A server found dead meanwhile is dropped from the group and the update retried once. `in_flight="keep"`
+        (async GRPO): requests running on a server go on under the new weights from its next step, KV kept
+        (their tokens' `weight_versions` show the switch); default: they finish under the old ones first."""
+        if in_flight not in (None, "keep", "finish"):
+            raise ValueError(f"in_flight must be 'keep' or 'finish', got {in_flight!r}")
         if self.sync is None:
-            return self._update_from_disk(model)
+            return self._update_from_disk(model, in_flight)
         start = time.perf_counter()
         for attempt in (0, 1):
             live = self.check_servers()
@@ -249,7 +253,7 @@ class RolloutPool:
             try:
                 if self.sync.members != live:
                     self.sync.init(live)
-                versions = self.sync.broadcast(model)
+                versions = self.sync.broadcast(model, in_flight)
                 break
             except Exception as e:
                 if attempt:
@@ -264,12 +268,13 @@ class RolloutPool:
         logger.info("weights v%d on %d server(s) in %.2fs", self.policy_version, len(live), time.perf_counter() - start)
         return self.policy_version
 
-    def _update_from_disk(self, model) -> int:
+    def _update_from_disk(self, model, in_flight: str | None = None) -> int:
         path = self.disk_dir or tempfile.mkdtemp(prefix="rollout-weights-")
         model.save_pretrained(path)
         versions = set()
         for url in self.check_servers():
-            r = self.http.post(url + "/update_weights_from_disk", json={"model_path": path})
+            r = self.http.post(url + "/update_weights_from_disk", json={"model_path": path},
+                               params={"in_flight": in_flight} if in_flight else None)
             if r.status_code != 200:
                 raise RuntimeError(f"{url}/update_weights_from_disk: HTTP {r.status_code}: {r.text[:500]}")
             versions.add(int(r.json()["weight_version"]))

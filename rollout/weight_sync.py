@@ -140,9 +140,11 @@ class WeightBroadcaster:
         self.members = []
 
     # ------------------------------------------------------------------------ broadcast
-    def broadcast(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable) -> list[int]:
+    def broadcast(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable,
+                  in_flight: str | None = None) -> list[int]:
         """Send every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to every member in
-        buckets; returns each member's new weight version (rank order)."""
+        buckets; returns each member's new weight version (rank order). `in_flight="keep"`: each member
+        applies the weights between two engine steps, its running requests kept (else they finish first)."""
         if self.group is None:
             self.init()
         if isinstance(model, torch.nn.Module):
@@ -163,7 +165,8 @@ class WeightBroadcaster:
             flat = self._flat([t for _, t in bucket])
             self.group.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
-        answers = self._all(lambda u: self._post(u, "/finish_weight_update"))
+        finish = "/finish_weight_update" + (f"?in_flight={in_flight}" if in_flight else "")
+        answers = self._all(lambda u: self._post(u, finish))
         versions = [int(a["weight_version"]) for a in answers]
         logger.info("weights broadcast to %d server(s): %.1f MB, versions %s", len(self.members), sent / 2**20,
                     versions)

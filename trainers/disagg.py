@@ -3,8 +3,12 @@ learner's process (the disaggregated layout: rollout servers on their own cores 
 
 The trainer is `GRPOTrainer` unchanged but for its engine: a `rollout.rollout_pool.RolloutPool` with the
 engine's RL API (`generate` -> `RolloutBatch` of token ids and logprobs straight from the servers,
-`update_weights(policy)` -> one bucketed broadcast to every live server, `policy_version`). The step stays
-synchronous: generate on the servers, train here, broadcast, next step; the parity probe
+`update_weights(policy)` -> one bucketed broadcast to every live server, `policy_version`). By default the step
+stays synchronous: generate on the servers, train here, broadcast, next step. With `async_rollout=True`
+(`trainers.async_rollout`) a producer thread of this process asks the servers for step k+1 (up to k+K) while
+the learner trains on step k; it only waits on HTTP (the GIL is free for the learner), and each broadcast is
+applied by the servers in flight (`in_flight="keep"`), so the servers' per-token `weight_versions` give the
+staleness of every token. The parity probe
 (`logprob_mismatch_max`) compares the servers' logprobs with the learner's own on the same tokens, so a
 broadcast that did not land shows there. One learner process (the broadcast has one rank 0).
 """

@@ -209,11 +209,12 @@ class EngineBridge:
     def is_paused(self) -> bool:
         return self.manager.is_paused()
 
-    def update_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module) -> int:
+    def update_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module, in_flight: str | None = None) -> int:
         """Copy new weights in (all or nothing for a mapping); returns the new version. Requests in flight
-        finish first under the old weights (paused with mode=keep: they stay, and go on under the new)."""
+        finish first under the old weights (paused with mode=keep, or `in_flight="keep"`: they stay, and go on
+        under the new weights between two engine steps, their KV kept)."""
         with self._control, team_released_after():
-            if self.manager.pause_mode == "keep":
+            if self.manager.pause_mode == "keep" or in_flight == "keep":
                 return self.engine.update_weights(source, in_flight="keep")
             return self._while_paused(lambda: self.engine.update_weights(source))
 

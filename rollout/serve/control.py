@@ -82,16 +82,20 @@ async def get_weight_version(request: Request) -> dict:
 
 
 @router.post("/update_weights_from_disk")
-async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request) -> dict:
+async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request, in_flight: str | None = None) -> dict:
     bridge = _bridge(request)
     tensors = await asyncio.to_thread(_releasing(load_checkpoint), req.model_path)
-    version = await _apply(bridge, tensors, "model_path")
+    version = await _apply(bridge, tensors, "model_path", in_flight)
     return {"success": True, "weight_version": version, "message": f"loaded {len(tensors)} tensors"}
 
 
-async def _apply(bridge: EngineBridge, tensors, param: str) -> int:
+async def _apply(bridge: EngineBridge, tensors, param: str, in_flight: str | None = None) -> int:
+    """`in_flight="keep"` (query parameter of the update routes): running requests stay and go on under the
+    new weights from the next engine step (KV kept); default: they finish under the old weights first."""
+    if in_flight not in (None, "keep", "finish"):
+        raise APIError(f"in_flight must be 'keep' or 'finish', got {in_flight!r}", "in_flight")
     try:
-        return await asyncio.to_thread(bridge.update_weights, tensors)
+        return await asyncio.to_thread(bridge.update_weights, tensors, in_flight)
     except ValueError as e:  # NOTE: names or shapes that do not match; nothing was copied
         raise APIError(f"{param}: {e}", param) from None
 
@@ -184,7 +188,7 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
 
 
 @router.post("/finish_weight_update")
-async def finish_weight_update(request: Request) -> dict:
+async def finish_weight_update(request: Request, in_flight: str | None = None) -> dict:
     t = _transfer(request)
     if t["receiver"] is None:
         raise APIError("call /init_weight_transfer_engine first", None, 409)
@@ -196,5 +200,5 @@ async def finish_weight_update(request: Request) -> dict:
         raise APIError(str(e), None, 409) from None
     if errors:
         raise APIError(f"weight transfer failed, old weights kept: {errors[0]}", None, 500, "server_error")
-    version = await _apply(_bridge(request), staged, "update_info")
+    version = await _apply(_bridge(request), staged, "update_info", in_flight)
     return {"success": True, "weight_version": version}
