@@ -134,8 +134,10 @@ def run_episodes(
     `completion_ids` hold every turn after the first prompt (model and environment tokens in order),
     `loss_mask [N, T]` 1 on model tokens, `logprobs` on model tokens (0 elsewhere), `rewards [N]` (the
     sum of the environment's rewards) and `num_turns [N]`. `engine` is a `RolloutEngine` with a tokenizer.
-    With `seed`, turn k of episode r samples from the stream `row_seed(row_seed(seed, k), r)`; `top_k` /
-    `top_p` filter every model turn as in `RolloutEngine.generate`."""
+    With `seed`, turn k samples each live episode from the stream `row_seed(row_seed(seed, k), p)`, p its
+    position among the episodes still running at turn k: a call is reproducible, but an episode's stream
+    depends on which others are still running; `top_k` / `top_p` filter every model turn as in
+    `RolloutEngine.generate`."""
     if engine.tokenizer is None and bridge is None:
         raise ValueError("run_episodes needs a tokenizer: build the RolloutEngine with tokenizer=")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
