@@ -13,13 +13,13 @@ copies everything in at once, bumps the weight version and drops stale prefix KV
 
 from __future__ import annotations
 
-import datetime
-import socket
 import threading
 from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+
+from .weight_transfer import free_port, new_group
 
 
 class RolloutClient:
@@ -87,7 +87,7 @@ class RolloutClient:
     def init_weight_transfer(self, master_address: str = "127.0.0.1", master_port: int | None = None,
                              timeout_s: float = 120.0) -> None:
         """Form the 2-rank gloo group (this process rank 0, the server rank 1)."""
-        port = master_port or _free_port(master_address)
+        port = master_port or free_port(master_address)
         answer: dict = {}
 
         def ask() -> None:
@@ -99,9 +99,7 @@ class RolloutClient:
 
         asker = threading.Thread(target=ask, daemon=True)
         asker.start()
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(master_address, port, 2, is_master=True, timeout=timeout)
-        self.group = dist.ProcessGroupGloo(self._store, 0, 2, timeout)
+        self._store, self.group = new_group(master_address, port, 0, 2, timeout_s, "gloo", is_master=True)
         asker.join(timeout_s)
         if "e" in answer:
             raise answer["e"]
@@ -156,9 +154,3 @@ class RolloutClient:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

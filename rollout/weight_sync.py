@@ -16,14 +16,13 @@ rollout pool does that, `rollout.rollout_pool`). Needs `httpx`.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .weight_transfer import buckets, new_group
+from .weight_transfer import buckets, free_port, new_group
 
 logger = logging.getLogger("rollout.weight_sync")
 
@@ -97,7 +96,7 @@ class WeightBroadcaster:
         if not self.urls:
             raise RuntimeError("no rollout server left to send weights to")
         self.close_group()
-        port = _free_port(self.master_address)
+        port = free_port(self.master_address)
         world = len(self.urls) + 1
         answers: dict[str, BaseException | None] = {}
 
@@ -197,9 +196,3 @@ class WeightBroadcaster:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]

@@ -6,6 +6,7 @@ unpacks, from the same metadata (names, dtypes, shapes) in the same order."""
 from __future__ import annotations
 
 import datetime
+import socket
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
@@ -51,6 +52,13 @@ def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch
 
 
 BACKENDS = ("gloo", "nccl")
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (for the group's `TCPStore`)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 def new_group(master_address: str, master_port: int, rank: int, world_size: int, timeout_s: float,
