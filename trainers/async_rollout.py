@@ -34,9 +34,7 @@ from torch import Tensor
 from rollout import RolloutBatch, RolloutEngine
 from rollout.openmp import release_thread_team
 from trainers.base import colocated_engine_config
-from trainers.common import rollout_seed
 from trainers.losses import masked_mean
-from trainers.rollouts import encode_prompt
 
 logger = logging.getLogger("trainers")
 
@@ -79,7 +77,7 @@ class AsyncRollouts:
                         return
                     started_at = self.version
                 rows = self.prompts.rows(step)
-                batch, metrics = generate_step(self.trainer, rows, step)
+                batch, metrics = self.trainer.sample_rollouts(rows, step)
                 metrics["rollout_start_version"] = float(started_at)
                 with self.cv:
                     self.ready[step] = (batch, metrics)
@@ -122,27 +120,6 @@ class AsyncRollouts:
         self.thread.join(timeout)
         if self.thread.is_alive():
             logger.warning("the rollout producer did not stop within %.0f s (a generate still running)", timeout)
-
-
-def generate_step(trainer, rows: list[dict], step: int) -> tuple[RolloutBatch, dict[str, float]]:
-    """`RLTrainer.generate` for RL step `step` (its seeds), on the producer's thread."""
-    cfg, acc = trainer.config, trainer.accelerator
-    start = time.perf_counter()
-    batch = trainer.engine.generate(
-        [encode_prompt(trainer.tokenizer, row["prompt"], cfg.chat_template) for row in rows],
-        temps=cfg.temperatures(rows),
-        group_size=cfg.group_size,
-        max_new_tokens=cfg.max_new_tokens,
-        top_k=cfg.top_k,
-        top_p=cfg.top_p,
-        seed=rollout_seed(cfg.seed, step, acc.process_index, acc.num_processes, len(rows) * cfg.group_size),
-    ).to(acc.device)
-    elapsed = time.perf_counter() - start
-    return batch, {
-        "time_generate": elapsed,
-        "rollout_tokens_per_s": batch.completion_mask.sum().item() / max(elapsed, 1e-9),
-        "response_length": batch.completion_lengths.float().mean().item(),
-    }
 
 
 def stale_correction(data: dict[str, Tensor], version: int, max_staleness: int, tis_cap: float | None,

@@ -197,8 +197,13 @@ class RLTrainer(BatchInvariantMixin):
 
     def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
         """This rank's rollouts for its prompt shard: `group_size` seeded samples per prompt."""
-        cfg, acc = self.config, self.accelerator
-        start = time.perf_counter()
+        batch, metrics = self.sample_rollouts(rows, self.step_count, sleep=self.sleeps)
+        metrics["policy_version"] = float(batch.policy_version + self._version_base)  # NOTE: in RL steps, resumes too
+        return batch, metrics
+
+    def sample_rollouts(self, rows: list[dict], step: int, sleep: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
+        """`rows`' rollouts seeded for RL step `step`, timed; `sleep`: then free the KV cache for the trainer's passes."""
+        cfg, acc, start = self.config, self.accelerator, time.perf_counter()
         batch = self.engine.generate(
             [encode_prompt(self.tokenizer, row["prompt"], cfg.chat_template) for row in rows],
             temps=cfg.temperatures(rows),
@@ -206,20 +211,15 @@ class RLTrainer(BatchInvariantMixin):
             max_new_tokens=cfg.max_new_tokens,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
-            seed=rollout_seed(
-                cfg.seed, self.step_count, acc.process_index, acc.num_processes, len(rows) * cfg.group_size
-            ),
+            seed=rollout_seed(cfg.seed, step, acc.process_index, acc.num_processes, len(rows) * cfg.group_size),
         ).to(acc.device)
-        if self.sleeps:  # NOTE: free the KV cache for the trainer's passes; woken before the sync
+        if sleep:  # NOTE: woken before the sync; counted in time_generate as before
             self.engine.sleep()
         elapsed = time.perf_counter() - start
-        tokens = batch.completion_mask.sum().item()
         return batch, {
             "time_generate": elapsed,
-            "rollout_tokens_per_s": tokens / max(elapsed, 1e-9),
+            "rollout_tokens_per_s": batch.completion_mask.sum().item() / max(elapsed, 1e-9),
             "response_length": batch.completion_lengths.float().mean().item(),
-            # NOTE: the weights that sampled this step, counted in RL steps across resumes
-            "policy_version": float(batch.policy_version + self._version_base),
         }
 
     def score(self, rows: list[dict], batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
