@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .weight_transfer import free_port, new_group
+from .weight_transfer import free_port, named_tensors, new_group
 
 
 class RolloutClient:
@@ -110,12 +110,7 @@ class RolloutClient:
         returns the server's new weight version. A tensor shared by two names (tied weights) goes once."""
         if self.group is None:
             self.init_weight_transfer()
-        if isinstance(model, torch.nn.Module):
-            items = model.state_dict().items()
-        elif isinstance(model, Mapping):
-            items = model.items()
-        else:
-            items = model
+        items = named_tensors(model)
         self._post("/start_weight_update", {"is_checkpoint_format": True})
         seen: set[int] = set()
         chunk: list[tuple[str, torch.Tensor]] = []

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from .weight_transfer import buckets, free_port, new_group
+from .weight_transfer import buckets, free_port, named_tensors, new_group
 
 logger = logging.getLogger("rollout.weight_sync")
 
@@ -146,12 +146,7 @@ class WeightBroadcaster:
         applies the weights between two engine steps, its running requests kept (else they finish first)."""
         if self.group is None:
             self.init()
-        if isinstance(model, torch.nn.Module):
-            items = model.state_dict().items()
-        elif isinstance(model, Mapping):
-            items = model.items()
-        else:
-            items = model
+        items = named_tensors(model)
         self._all(lambda u: self._post(u, "/start_weight_update", {"is_checkpoint_format": True}))
         sent = 0
         for bucket in buckets(items, self.bucket_bytes):

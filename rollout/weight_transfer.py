@@ -7,10 +7,19 @@ from __future__ import annotations
 
 import datetime
 import socket
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
+
+
+def named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, tensor) pairs of what a weight push sends: a module's state dict, a state dict, or the pairs."""
+    if isinstance(model, torch.nn.Module):
+        return model.state_dict().items()
+    if isinstance(model, Mapping):
+        return model.items()
+    return model
 
 
 def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
