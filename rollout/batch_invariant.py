@@ -19,6 +19,7 @@ import types
 import torch
 
 from .backends.invariant import InvariantBackend
+from .fused_layers import drop_fused_layers
 from .invariant_ops import RotaryTable, conv1d_forward, kernel, linear_forward
 
 
@@ -48,8 +49,9 @@ def check(device: torch.device, dtype: torch.dtype, has_sinks: bool, model: str 
 
 def install(view: torch.nn.Module) -> int:
     """Put the invariant ops on `view` (a module tree the caller owns: an engine view or a trainer's view):
-    each plain `nn.Linear` (and transformers' `Conv1D`) gets the tiled forward, each rotary embedding its table. Returns how many modules."""
-    n = 0
+    each plain `nn.Linear` (and transformers' `Conv1D`) gets the tiled forward, each rotary embedding its table,
+    and the engine view's one-call norms and MLPs their class forward (the trainer runs that). Returns how many modules."""
+    n = drop_fused_layers(view)
     for module in view.modules():
         if isinstance(module, torch.nn.Linear):
             if type(module) is not torch.nn.Linear:

@@ -34,6 +34,7 @@ import weakref
 import torch
 
 from .attention import _check_kwargs, paged_attention_forward
+from .fused_layers import drop_fused_layers
 from .linear import packed_weight
 
 logger = logging.getLogger("rollout")
@@ -128,6 +129,7 @@ class CompiledForward:
 
     def __init__(self, view: torch.nn.Module) -> None:
         view.set_attn_implementation(register())
+        drop_fused_layers(view)  # NOTE: dynamo cannot trace their C++ calls; the compiled graph fuses those ops itself
         self.handle = next(_HANDLES)
         _FORWARDS[self.handle] = self
         self.step = torch.tensor(self.handle)

@@ -42,7 +42,9 @@ import torch
 
 logger = logging.getLogger("rollout")
 
-SOURCE = Path(__file__).parent / "csrc" / "decode_attention.cpp"
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp", CSRC / "silu_mul.cpp")
+HEADERS = (CSRC / "kernels.h",)
 # NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
 # build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
@@ -70,7 +72,7 @@ def _cpu_tag() -> str:
                     break
     except OSError:
         pass
-    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS + LDFLAGS)}".encode() + SOURCE.read_bytes()
+    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS + LDFLAGS)}".encode() + b"".join(f.read_bytes() for f in SOURCES + HEADERS)
     return hashlib.sha1(key).hexdigest()[:12]
 
 
@@ -138,10 +140,10 @@ def _compile(name: str, directory: Path):
 
     _ensure_ninja()
     logger.warning(
-        "rollout: compiling the CPU decode-attention kernel (once per machine, about 30 s; "
+        "rollout: compiling the CPU kernels (decode attention, small-batch linears, RMSNorm, SiLU-and-mul; once per machine, about 1-2 minutes; "
         "ROLLOUT_CPU_KERNELS=0 skips it)"
     )
-    return cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=list(CFLAGS),
+    return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
                               extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
 
 
@@ -207,3 +209,28 @@ def cascade_decode_attention():
     the same full pages (forks of one prompt, prefix-cache hits) reading those pages once per group: or None."""
     module = _module()
     return None if module is None else module.cascade_decode_attention
+
+
+def small_linear():
+    """`small_linear(x [M, K], panels, bias or None, N)`: fp32 `x @ W.T + bias` for decode-sized M, W given as
+    `pack_panels(W)` (rollout/csrc/small_gemm.cpp), or None (no kernels, or a build without AVX-512)."""
+    module = _module()
+    return None if module is None or not module.small_gemm_available() else module.small_linear
+
+
+def pack_panels():
+    """`pack_panels(W [N, K] fp32)` -> the panels `small_linear` reads, or None (see `small_linear`)."""
+    module = _module()
+    return None if module is None or not module.small_gemm_available() else module.pack_panels
+
+
+def rms_norm():
+    """`rms_norm(x fp32, weight [H] fp32, eps)`: Llama's RMSNorm in one call (rollout/csrc/rms_norm.cpp), or None."""
+    module = _module()
+    return None if module is None else module.rms_norm
+
+
+def silu_mul():
+    """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/csrc/silu_mul.cpp), or None."""
+    module = _module()
+    return None if module is None else module.silu_mul

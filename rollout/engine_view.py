@@ -2,7 +2,7 @@
 
 A shallow structural copy that shares every parameter and buffer (so optimizer steps and weight updates
 are seen at once) but has its own config set to our paged attention (`rollout.attention`), its own eval
-mode, no autograd, packed oneDNN linears on a CPU (`rollout.linear`), and the model class's own forward
+mode, no autograd, packed oneDNN linears and one-call RMSNorms and gated MLPs on a CPU (`rollout.linear`, `rollout.fused_layers`), and the model class's own forward
 even where the user's instance had it replaced. The user's own module keeps its attention
 implementation, its train/eval mode and `requires_grad` untouched.
 """
@@ -14,6 +14,7 @@ import copy
 import torch
 
 from .attention import ATTN_NAME, register
+from .fused_layers import use_fused_layers
 from .linear import use_onednn_linears
 
 
@@ -30,6 +31,7 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
             raise RuntimeError("engine view does not share parameters with the model")
     _drop_forward_overrides(view)
     use_onednn_linears(view)
+    use_fused_layers(view)
     try:
         view.set_attn_implementation(ATTN_NAME)
     except Exception as e:  # pragma: no cover - depends on the architecture

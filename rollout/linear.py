@@ -21,6 +21,11 @@ view whose fp32 or bf16 CPU weight has at least `MIN_WEIGHT_ELEMENTS` elements g
 differs from the weight's or either is not on a CPU. Vendors' vLLM
 CPU builds route their linears to oneDNN for the same reason. The results match `F.linear` to float
 rounding (not bitwise: another summation order).
+
+Decode steps (up to `SMALL_ROWS` fp32 rows) go further: oneDNN reads a weight and then computes on it,
+so 16 rows cost the memory time plus the FMA time. rollout's small-M kernel (`rollout/csrc/small_gemm.cpp`)
+streams the weights ahead of the FMAs on its own panel layout (a second copy, built at the first decode
+step, dropped with the packed one), 1.3-1.4x oneDNN's packed linears over 1-32 rows.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ import types
 
 import torch
 import torch.nn.functional as F
+
+from . import cpu_kernels
 
 logger = logging.getLogger("rollout")
 
@@ -59,6 +66,11 @@ def onednn_available() -> bool:
         return False
 
 
+# NOTE: up to this many rows an fp32 linear runs on rollout's small-M kernel (rollout/csrc/small_gemm.cpp),
+# which streams the weights while it computes; above, oneDNN's packed GEMM is faster (measured on the 100M
+# model's 84 layer linears + head at 2 threads, oneDNN -> ours: 1 row 11.8 -> 8.7 ms, 16 rows 14.9 -> 10.5,
+# 32 rows 22.2 -> 17.4, 64 rows 35.5 -> 33.0, 512 rows 258 -> 377; `benchmarks/decode_linears.py`).
+SMALL_ROWS = 32
 # NOTE: the batch size oneDNN lays a packed weight out for; decode steps run 1-256 rows and prompt chunks
 # more, and one layout serves every size (measured: packed for 16 or 64 rows, the same speed at 1-64).
 PACK_ROWS = 16
@@ -75,12 +87,25 @@ def packed_weight(module: torch.nn.Linear) -> torch.Tensor:
     return packed[0]
 
 
+def panel_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """The module's fp32 weight as `small_linear`'s panels, rebuilt after a change like `packed_weight`'s."""
+    w, panels = module.weight, module._rollout_panels
+    if panels is None or panels[1] != w._version or panels[2] != w.data_ptr():
+        panels = (cpu_kernels.pack_panels()(w.detach()), w._version, w.data_ptr())
+        module._rollout_panels = panels
+    return panels[0]
+
+
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     w, b = self.weight, self.bias
     if x.dtype is w.dtype and w.dtype in DTYPES and x.device.type == "cpu" and w.device.type == "cpu" \
             and (b is None or b.dtype is w.dtype) \
             and (self._rollout_always or x.numel() >= MIN_ROWS * w.shape[1]) \
             and not torch.is_autocast_enabled("cpu"):  # NOTE: under autocast, torch's linear keeps its semantics
+        k = w.shape[1]
+        if self._rollout_small is not None and x.numel() <= SMALL_ROWS * k and w.dtype is torch.float32:
+            y = self._rollout_small(x.reshape(-1, k), panel_weight(self), b, w.shape[0])
+            return y.view(*x.shape[:-1], w.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, packed_weight(self), b, "none", [], "")
     return F.linear(x, w, b)
 
@@ -92,6 +117,9 @@ def drop_packed(view: torch.nn.Module) -> int:
         if getattr(module, "_rollout_packed", None) is not None:
             module._rollout_packed = None
             n += 1
+        if getattr(module, "_rollout_panels", None) is not None:
+            module._rollout_panels = None
+            n += 1
         if getattr(module, "_rollout_w", None) is not None:  # NOTE: the compiled forward's copy (rollout.compiled)
             module._rollout_w = None
     return n
@@ -102,6 +130,11 @@ def enabled() -> bool:
     return os.environ.get("ROLLOUT_ONEDNN_LINEARS", "1") != "0"
 
 
+def small_enabled() -> bool:
+    """False when `ROLLOUT_SMALL_LINEARS=0` (decode-sized fp32 rows then stay on oneDNN too)."""
+    return os.environ.get("ROLLOUT_SMALL_LINEARS", "1") != "0"
+
+
 def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -> int:
     """Route the view's large fp32 / bf16 CPU `nn.Linear`s through oneDNN; returns how many were routed.
 
@@ -110,6 +143,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
     if not (enabled() and onednn_available()):
         return 0
     min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
+    small = cpu_kernels.small_linear() if small_enabled() else None
     n = nbytes = 0
     for module in view.modules():
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
@@ -118,11 +152,14 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         if w.device.type != "cpu" or w.dtype not in DTYPES or w.numel() < min_elements:
             continue
         module.forward = types.MethodType(_onednn_forward, module)
-        module._rollout_packed = None
+        module._rollout_packed = module._rollout_panels = None
+        module._rollout_small = small if w.dtype is torch.float32 else None
         module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
         n += 1
         nbytes += w.numel() * w.element_size()
     if n:
         logger.info("rollout: %d linear layers run through oneDNN on packed weight copies (%.1f MiB more, held "
-                    "while the engine lives; ROLLOUT_ONEDNN_LINEARS=0 turns this off)", n, nbytes / 2**20)
+                    "while the engine lives; ROLLOUT_ONEDNN_LINEARS=0 turns this off)%s", n, nbytes / 2**20,
+                    "; fp32 decode rows through rollout's small-M kernel on a second copy, built at the first "
+                    "decode step (ROLLOUT_SMALL_LINEARS=0 turns it off)" if small is not None else "")
     return n

@@ -682,15 +682,3 @@ int64_t parallel_threads(int64_t items) {
   });
   return static_cast<int64_t>(std::set<int64_t>(tid.begin(), tid.end()).size());
 }
-
-// Every entry point releases the GIL: the arguments are converted first, and no Python object is
-// touched inside (the caller's other Python threads run during the call).
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (CPU)",
-        release());
-  m.def("cascade_decode_attention", &cascade_decode_attention,
-        "decode attention over the paged cache, shared pages read once per group of rows (CPU)", release());
-  m.def("cascade_plan", &cascade_plan, "the cascade groups of a step (tests)", release());
-  m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for runs on (tests)", release());
-}
