@@ -82,7 +82,8 @@ def reference(q, k, v, table, row, start, end, ps, scale, softcap):
     return out
 
 
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (12, 4, 64), (2, 2, 128), (5, 1, 64), (3, 1, 80)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 64), (12, 4, 64), (2, 2, 128), (5, 1, 64), (3, 1, 80),
+                                                     (16, 2, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("window,softcap", [(None, 0.0), (None, 5.0), (21, 0.0), (40, 5.0)])
 @pytest.mark.parametrize("ps", [4, 16])
@@ -99,6 +100,37 @@ def test_cascade_equals_the_per_row_kernel(kernels, heads, kv_heads, head_dim, d
     a, b = torch.empty_like(q), torch.empty_like(q)
     paged(q, k, v, table, row, start, end, ps, scale, softcap, a)
     cascade(q, k, v, table.to(torch.int32), row, start, end, ps, scale, softcap, b)
+    torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(b.double(), reference(q, k, v, table, row, start, end, ps, scale, softcap),
+                               atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("members,heads,kv_heads,head_dim", [(16, 12, 4, 64), (6, 24, 2, 128), (9, 7, 1, 64)])
+def test_large_groups_equal_the_per_row_kernel(kernels, dtype, softcap, members, heads, kv_heads, head_dim):
+    """GRPO-sized groups: 16-160 query heads on one set of shared pages (the heads-as-lanes path from 16 heads),
+    a partial last head vector, and each member's own pages of different lengths."""
+    paged, cascade, plan = kernels
+    ps, shared = 16, 5
+    g = torch.Generator().manual_seed(members * heads)
+    blocks = shared + 3 * members + 1
+    table = torch.zeros(members, shared + 3, dtype=torch.long)
+    for i in range(members):
+        table[i] = torch.tensor(list(range(shared)) + [shared + 3 * i + j for j in range(3)])
+    table = torch.randperm(blocks, generator=g)[table]
+    end = torch.tensor([shared * ps + 1 + (7 * i) % 40 for i in range(members)])
+    row, start = torch.arange(members), torch.zeros(members, dtype=torch.long)
+    groups = plan(table, row, start, end, ps)
+    assert len(groups) == 1 and groups[0][1] == shared and len(groups[0][2]) == members
+    assert members * heads // kv_heads >= 16
+    k = torch.randn(kv_heads, blocks * ps, head_dim, generator=g).to(dtype)
+    v = torch.randn(kv_heads, blocks * ps, head_dim, generator=g).to(dtype)
+    q = torch.randn(members, heads, head_dim, generator=g)
+    scale = head_dim**-0.5
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    paged(q, k, v, table, row, start, end, ps, scale, softcap, a)
+    cascade(q, k, v, table, row, start, end, ps, scale, softcap, b)
     torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(b.double(), reference(q, k, v, table, row, start, end, ps, scale, softcap),
                                atol=2e-5, rtol=1e-5)
