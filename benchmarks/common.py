@@ -162,13 +162,26 @@ def run_core(core, wl: Workload) -> tuple[float, float, list[list[int]]]:
     return time.process_time() - c0, time.perf_counter() - w0, [r.generated for r in reqs]
 
 
-def run_ours(model, wl: Workload, cbc=None) -> RunResult:
-    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`."""
+def run_ours(model, wl: Workload, cbc=None, warm: bool = False) -> RunResult:
+    """rollout with its default config: `generate_batch`'s loop, per-request `max_new_tokens`. The engine is built
+    inside the timing, unless `warm`: then it is built and warmed up first, outside it, on the warm-up `run_vllm`
+    gives vLLM (the first 16 tokens of 4 prompts, 8 new tokens each), as a persistent engine in a training loop is."""
     from rollout import ContinuousBatchingConfig
     from rollout.core import EngineCore
 
+    def engine():
+        return EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
+
+    core, before = None, {}
+    if warm:
+        core = engine()
+        for i, p in enumerate(wl.prompts[:4]):
+            core.add(core.make_request(p[:16], request_id=f"warmup_{i}", max_new_tokens=8))
+        while core.has_work():
+            core.step()
+        before = core.cache_stats()
     t0 = time.perf_counter()
-    core = EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
+    core = core if core is not None else engine()
     reqs = [core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n)
             for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
     for r in reqs:
@@ -183,6 +196,8 @@ def run_ours(model, wl: Workload, cbc=None) -> RunResult:
     if bad:
         raise RuntimeError(f"ours: {len(bad)} requests did not finish by length: {bad[0].finish_reason} {bad[0].error}")
     st = core.cache_stats()
+    st.update({key: st[key] - before.get(key, 0) for key in ("computed_prompt_tokens", "generated_tokens",
+                                                             "cached_prompt_tokens", "preemptions")})
     # NOTE: the last token of each request is sampled but never fed back; recomputation after preemption
     # is not included (see extra["preemptions"]).
     body = st["computed_prompt_tokens"] + st["generated_tokens"] - len(reqs)

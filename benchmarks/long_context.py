@@ -5,7 +5,8 @@ For each G of `--groups`: `--requests` requests as P = requests / G prompts x G 
 drawn at random, greedy, no EOS. Systems (`--systems`, interleaved per G so ratios survive a noisy box):
 
   ours          rollout's default engine (`EngineCore`, cpu backend: cascade decode attention, each group's
-                shared prompt pages read once per step)
+                shared prompt pages read once per step), built and warmed up before the timing as vLLM's is
+                (`run_ours(warm=True)`: the same warm-up requests), as a persistent engine in a training loop
   ours_rowwise  the same engine with the per-row kernel (every row reads its own copy of the prompt's
                 pages: the kernel before cascade), patched in for this benchmark only
   vllm          vLLM's CPU build in its own process (`benchmarks/vllm_cpu.py`; its prefix cache on)
@@ -48,12 +49,12 @@ from rollout import ContinuousBatchingConfig, cpu_kernels  # noqa: E402
 from rollout.backends import cpu as cpu_backend  # noqa: E402
 
 
-def run_ours_rowwise(model, wl, cbc=None):
+def run_ours_rowwise(model, wl, cbc=None, warm=True):
     """`ours` with the per-row kernel: the cascade turned off for this call only."""
     original = cpu_backend.cpu_kernel
     cpu_backend.cpu_kernel = lambda dtype: cpu_kernels.paged_decode_attention() if dtype in cpu_backend.DTYPES else None
     try:
-        r = run_ours(model, wl, cbc)
+        r = run_ours(model, wl, cbc, warm=warm)
     finally:
         cpu_backend.cpu_kernel = original
     r.system = "ours_rowwise"
@@ -114,7 +115,7 @@ def main() -> None:
         systems.remove("vllm")
     cbc = ContinuousBatchingConfig() if a.page_size is None else ContinuousBatchingConfig(page_size=a.page_size)
     page_size = cbc.page_size
-    runners = {"ours": lambda m, w: run_ours(m, w, cbc), "ours_rowwise": lambda m, w: run_ours_rowwise(m, w, cbc),
+    runners = {"ours": lambda m, w: run_ours(m, w, cbc, warm=True), "ours_rowwise": lambda m, w: run_ours_rowwise(m, w, cbc),
                "vllm": SYSTEMS["vllm"], "generate": SYSTEMS["generate"]}
     print(f"rollout: {rollout_version()}\nmachine: {machine_info()}\nmodel {a.model} {a.dtype}, page size {page_size}, "
           f"threads {a.threads}, load {os.getloadavg()[0]:.2f}", flush=True)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from . import cpu_kernels
 from .backends.base import AttentionMetadata
 
 ATTN_NAME = "rollout_paged"
@@ -58,8 +59,14 @@ def paged_attention_forward(
             "rollout reads the windows from config.layer_types / config.sliding_window"
         )
     k_cache, v_cache = meta.cache.layer(layer, num_kv_heads, head_dim)  # [Hkv, S, D] head-major
-    k_cache.index_copy_(1, group.slot_mapping, key[0].to(k_cache.dtype))
-    v_cache.index_copy_(1, group.slot_mapping, value[0].to(v_cache.dtype))
+    k, v, slots = key[0], value[0], group.slot_mapping
+    writer = cpu_kernels.write_kv() if k_cache.device.type == "cpu" else None
+    if writer is not None and k.dtype is k_cache.dtype and v.dtype is v_cache.dtype and slots.dtype is torch.long \
+            and k.stride(-1) == 1 and v.stride(-1) == 1:
+        writer(k_cache, v_cache, slots, k, v)  # NOTE: one call for both (two index_copy_ cost ~15-20 us each)
+    else:
+        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.to(v_cache.dtype))
     scale = scaling if scaling is not None else head_dim**-0.5
     out = meta.backend.attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, sinks=s_aux)
     return out[None], None  # out: [T, H, D]

@@ -43,7 +43,7 @@ import torch
 logger = logging.getLogger("rollout")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp", CSRC / "silu_mul.cpp")
+SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp", CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp")
 HEADERS = (CSRC / "kernels.h",)
 # NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
 # build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
@@ -140,7 +140,7 @@ def _compile(name: str, directory: Path):
 
     _ensure_ninja()
     logger.warning(
-        "rollout: compiling the CPU kernels (decode attention, small-batch linears, RMSNorm, SiLU-and-mul; once per machine, about 1-2 minutes; "
+        "rollout: compiling the CPU kernels (decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes; once per machine, about 1-2 minutes; "
         "ROLLOUT_CPU_KERNELS=0 skips it)"
     )
     return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
@@ -234,3 +234,10 @@ def silu_mul():
     """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/csrc/silu_mul.cpp), or None."""
     module = _module()
     return None if module is None else module.silu_mul
+
+
+def write_kv():
+    """`write_kv(k_cache, v_cache, slots, key, value)`: key/value [Hkv, T, D] into the caches [Hkv, S, D] at `slots`
+    (the caches' dtype; rollout/csrc/kv_write.cpp), or None."""
+    module = _module()
+    return None if module is None else module.write_kv

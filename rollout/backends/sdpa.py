@@ -83,6 +83,7 @@ class PagedDecode:
     row: torch.Tensor  # [n] row of `table` of each query's request
     start: torch.Tensor  # [n] first position read (> 0 once a sliding window has moved on)
     end: torch.Tensor  # [n] one past the last position read (the row's own, just written)
+    all_rows: bool = False  # every packed row, in order (a decode-only step): read and written in place
 
 
 @dataclass(slots=True)
@@ -128,7 +129,7 @@ def build_gather_group(window: int | None, step: StepInputs, ps: int, paged: boo
     # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
     if step.decode_only and paged:  # NOTE: the common step, no Python loop over the requests
         lo = torch.zeros_like(step.starts) if window is None else (step.starts - (window - 1)).clamp_min(0)
-        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1)
+        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1, all_rows=True)
         return g
     decode: list[tuple[int, int, int]] = []  # (kv_len, request, lo)
     for b, (start, n) in enumerate(zip(step.starts_list, step.lens_list, strict=True)):
@@ -193,7 +194,7 @@ def gather_attend(
     """The `cpu` and `sdpa` backends' attention: kernel rows, decode buckets, then prompt segments."""
     num_kv_heads, head_dim = key.shape[1], key.shape[3]
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
-    out = torch.empty_like(q_rows)  # [T, H, D]
+    out = q_rows.new_empty(q_rows.shape)  # [T, H, D], contiguous: HF's reshape after attention is then a view
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
     upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
 
@@ -201,11 +202,15 @@ def gather_attend(
         if sinks is not None:
             raise ValueError("rollout's C++ decode kernel does not implement attention sinks")
         pd = group.paged
-        q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
-        o = torch.empty_like(q)
-        kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
-               scale, float(softcap or 0.0), o)
-        out.index_copy_(0, pd.rows, o.to(out.dtype))
+        if pd.all_rows and out.dtype is torch.float32:  # NOTE: a decode-only step: no gather, no scatter
+            kernel(q_rows.contiguous(), k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
+                   scale, float(softcap or 0.0), out)
+        else:
+            q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
+            o = torch.empty_like(q)
+            kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
+                   scale, float(softcap or 0.0), o)
+            out.index_copy_(0, pd.rows, o.to(out.dtype))
 
     for bucket in group.buckets:
         q = q_rows.index_select(0, bucket.rows)[:, :, None, :]  # [B, H, 1, D]

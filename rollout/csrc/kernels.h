@@ -27,5 +27,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& panels, const c10
 // rms_norm.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// kv_write.cpp
+void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& key,
+              const at::Tensor& value);
+
 // silu_mul.cpp
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);

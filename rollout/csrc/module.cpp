@@ -20,5 +20,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("rms_norm", &rms_norm, "weight * (x * rsqrt(mean(x^2, -1) + eps)) for fp32 CPU tensors (Llama's RMSNorm)",
         release());
+  m.def("write_kv", &write_kv, "a step's keys and values into the paged caches [Hkv, S, D] at slots (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up for fp32 CPU tensors (the gated MLP's activation)", release());
 }
