@@ -89,19 +89,21 @@ def use_fused_layers(view: torch.nn.Module) -> int:
     (0 without the kernels). Skips modules whose `forward` is already set on the instance."""
     if not enabled():
         return 0
-    norm, silu_mul = cpu_kernels.rms_norm(), cpu_kernels.silu_mul()
-    if norm is None or silu_mul is None:
-        return 0
+    kernels = None  # NOTE: built only when the view holds a module to fuse on a CPU (never on a GPU)
     n = 0
     for module in view.modules():
-        if "forward" in vars(module):
+        if "forward" in vars(module) or not (is_llama_rms_norm(module) or is_silu_gated_mlp(module)) \
+                or not any(p.device.type == "cpu" for p in module.parameters()):
             continue
-        if is_llama_rms_norm(module) and module.weight.device.type == "cpu":
+        if kernels is None:
+            kernels = (cpu_kernels.rms_norm(), cpu_kernels.silu_mul())
+        norm, silu_mul = kernels
+        if norm is None or silu_mul is None:
+            return 0
+        if is_llama_rms_norm(module):
             module.forward, kernel = types.MethodType(_norm_forward, module), norm
-        elif is_silu_gated_mlp(module):
-            module.forward, kernel = types.MethodType(_mlp_forward, module), silu_mul
         else:
-            continue
+            module.forward, kernel = types.MethodType(_mlp_forward, module), silu_mul
         setattr(module, KERNEL_ATTR, kernel)
         n += 1
     return n

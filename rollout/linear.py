@@ -143,7 +143,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
     if not (enabled() and onednn_available()):
         return 0
     min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
-    small = cpu_kernels.small_linear() if small_enabled() else None
+    small, looked = None, False  # NOTE: the kernels are built only when a CPU weight is routed (never on a GPU)
     n = nbytes = 0
     for module in view.modules():
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
@@ -151,6 +151,8 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         w = module.weight
         if w.device.type != "cpu" or w.dtype not in DTYPES or w.numel() < min_elements:
             continue
+        if not looked:
+            small, looked = (cpu_kernels.small_linear() if small_enabled() else None), True
         module.forward = types.MethodType(_onednn_forward, module)
         module._rollout_packed = module._rollout_panels = None
         module._rollout_small = small if w.dtype is torch.float32 else None

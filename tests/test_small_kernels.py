@@ -162,3 +162,16 @@ def test_gemma_and_phi3_mlps_keep_their_forward():
     assert not any(fused_layers.is_silu_gated_mlp(m) for m in make_model("gemma2").modules())  # NOTE: GELU
     assert not any(fused_layers.is_silu_gated_mlp(m) for m in make_model("phi3").modules())  # NOTE: gate_up_proj
     assert any(fused_layers.is_silu_gated_mlp(m) for m in make_model("llama").modules())
+
+
+def test_models_off_the_cpu_never_build_the_kernels(monkeypatch):
+    """A view with no CPU weights (here on the meta device, as on a GPU) routes nothing and builds nothing."""
+    def refuse():
+        raise AssertionError("the CPU kernels were requested for a model with no CPU weights")
+
+    for name in ("small_linear", "rms_norm", "silu_mul"):
+        monkeypatch.setattr(cpu_kernels, name, refuse)
+    with torch.device("meta"):
+        model = make_model("qwen3")
+    assert fused_layers.use_fused_layers(model) == 0
+    assert linear.use_onednn_linears(model, min_elements=0) == 0
