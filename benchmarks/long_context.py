@@ -106,6 +106,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--page-size", type=int, default=None, help="ours: tokens per KV page (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="rounds of every system per G, the order rotated each round; tok/s is the median round "
+                        "(this shared box's speed drifts 10-30%% within minutes)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     model = make_model(a.model, a.dtype)
@@ -132,13 +135,21 @@ def main() -> None:
         bound_shared = wl.useful_tokens / ((kv_shared + steps * weights) / bw)
         print(f"\nG={G}: {wl.describe()}; K/V read row-wise {kv_row / 1e9:.2f} GB, shared pages once "
               f"{kv_shared / 1e9:.2f} GB; bound {bound_row:,.0f} / {bound_shared:,.0f} tok/s", flush=True)
-        res = {}
-        k = len(rows) // max(1, len(systems)) % len(systems)  # NOTE: a rotated order per G: no system always first
-        for name in systems[k:] + systems[:k]:
-            r = timed(runners[name], model, wl)
-            res[name] = r
-            print(f"  {name:13s} {r.seconds:7.2f} s  {wl.useful_tokens / r.seconds:8,.0f} tok/s  "
-                  f"load {os.getloadavg()[0]:.2f}", flush=True)
+        res, times = {}, {name: [] for name in systems}
+        for rnd in range(max(1, a.repeats)):
+            # NOTE: a rotated order per G and per round: no system always first
+            k = (len(rows) // max(1, len(systems)) + rnd) % len(systems)
+            for name in systems[k:] + systems[:k]:
+                r = timed(runners[name], model, wl)
+                res.setdefault(name, r)
+                times[name].append(r.seconds)
+                print(f"  {name:13s} {r.seconds:7.2f} s  {wl.useful_tokens / r.seconds:8,.0f} tok/s  "
+                      f"load {os.getloadavg()[0]:.2f}", flush=True)
+        for name, ts in times.items():  # NOTE: the median round's time (the upper median of an even count)
+            res[name].seconds = sorted(ts)[len(ts) // 2]
+        if a.repeats > 1:
+            print("  median of " + str(a.repeats) + " rounds: " + ", ".join(
+                f"{name} {wl.useful_tokens / res[name].seconds:,.0f} tok/s" for name in systems), flush=True)
         ref = "ours" if "ours" in res else systems[0]
         for name in res:
             if name != ref:
