@@ -172,6 +172,8 @@ def _module():
     call; thread-safe; the outcome is remembered."""
     if not enabled():
         return None
+    if "module" in _state:  # NOTE: settled: no lock (attention asks for `write_kv` every layer of every step)
+        return _state["module"]
     with _lock:
         if "module" not in _state:
             module = None

@@ -76,24 +76,25 @@ SMALL_ROWS = 32
 PACK_ROWS = 16
 
 
+def _weight_copy(module: torch.nn.Linear, attr: str, make) -> torch.Tensor:
+    """`make(weight)`, kept in `module.<attr>` and made again after any change the engine can see: an in-place
+    write bumps `_version`, a new storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every
+    copy (`drop_packed`)."""
+    w, held = module.weight, getattr(module, attr)
+    if held is None or held[1] != w._version or held[2] != w.data_ptr():
+        held = (make(w.detach()), w._version, w.data_ptr())
+        setattr(module, attr, held)
+    return held[0]
+
+
 def packed_weight(module: torch.nn.Linear) -> torch.Tensor:
-    """The module's weight in oneDNN's packed layout, packed again after any change the engine can see:
-    an in-place write bumps `_version`, a new storage moves `data_ptr`, and `update_weights` /
-    `reset_prefix_cache` drop every packed copy (`drop_packed`)."""
-    w, packed = module.weight, module._rollout_packed
-    if packed is None or packed[1] != w._version or packed[2] != w.data_ptr():
-        packed = (torch.ops.mkldnn._reorder_linear_weight(w.detach(), PACK_ROWS), w._version, w.data_ptr())
-        module._rollout_packed = packed
-    return packed[0]
+    """The module's weight in oneDNN's packed layout (see `_weight_copy`)."""
+    return _weight_copy(module, "_rollout_packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
 
 
 def panel_weight(module: torch.nn.Linear) -> torch.Tensor:
-    """The module's fp32 weight as `small_linear`'s panels, rebuilt after a change like `packed_weight`'s."""
-    w, panels = module.weight, module._rollout_panels
-    if panels is None or panels[1] != w._version or panels[2] != w.data_ptr():
-        panels = (cpu_kernels.pack_panels()(w.detach()), w._version, w.data_ptr())
-        module._rollout_panels = panels
-    return panels[0]
+    """The module's fp32 weight as `small_linear`'s panels (see `_weight_copy`)."""
+    return _weight_copy(module, "_rollout_panels", lambda w: cpu_kernels.pack_panels()(w))
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:

@@ -192,6 +192,43 @@ inline __m512 reduce16(const __m512* v) {
                        _mm512_shuffle_f32x4(z0, z1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// O[g] = rcp[g] * sum over keys of P(g, key) * V[key] for NG query heads, with P(g, key) = P[g * head_stride +
+// key * key_stride] (the head-major scores of `attend_fixed_avx512`, the key-major ones of `attend_many_avx512`):
+// the value rows stream past the outputs of 16 / (DIM / 16) heads held in registers.
+template <int DIM, typename T>
+inline void weighted_values(const Runs<T>& runs, const float* P, int64_t head_stride, int64_t key_stride, int64_t NG,
+                            const float* rcp, float* O) {
+  constexpr int V = DIM / 16;                      // vectors per row
+  constexpr int HB = (16 / V) > 0 ? (16 / V) : 1;  // heads whose outputs stay in registers together
+  for (int64_t g0 = 0; g0 < NG; g0 += HB) {
+    const int gn = static_cast<int>(std::min<int64_t>(HB, NG - g0));
+    __m512 acc[HB][V];
+    for (int g = 0; g < HB; ++g)
+      for (int c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
+    int64_t off = 0;
+    for (int64_t run = 0; run < runs.n; ++run) {
+      const T* Vr = runs.v[run];
+      const int64_t cnt = runs.len[run];
+      for (int64_t jj = 0; jj < cnt; ++jj) {
+        const T* vj = Vr + jj * DIM;
+        const float* pj = P + (off + jj) * key_stride + g0 * head_stride;
+        __m512 vv[V];
+        for (int c = 0; c < V; ++c) vv[c] = load16(vj + 16 * c);
+        for (int g = 0; g < HB; ++g) {
+          if (g >= gn) break;
+          const __m512 p = _mm512_set1_ps(pj[g * head_stride]);
+          for (int c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+        }
+      }
+      off += cnt;
+    }
+    for (int g = 0; g < gn; ++g) {
+      const __m512 rr = _mm512_set1_ps(rcp[g0 + g]);
+      for (int c = 0; c < V; ++c) _mm512_storeu_ps(O + (g0 + g) * DIM + 16 * c, _mm512_mul_ps(acc[g][c], rr));
+    }
+  }
+}
+
 // GG == 0: the number of query heads is the runtime `gg` (the shared pages of a cascade group: every query
 // head of the group's rows against the same keys, a small GEMM whose key tile stays in L1 across heads).
 template <int DIM, int GG, typename T>
@@ -246,33 +283,7 @@ void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t 
     off += cnt;
   }
   softmax_rows(s, NG, L, cap, rcp, lse);
-  constexpr int HB = (16 / V) > 0 ? (16 / V) : 1;  // heads whose outputs stay in registers together
-  for (int g0 = 0; g0 < NG; g0 += HB) {
-    const int gn = std::min(HB, NG - g0);
-    __m512 acc[HB][V];
-    for (int g = 0; g < HB; ++g)
-      for (int c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
-    off = 0;
-    for (int64_t run = 0; run < runs.n; ++run) {
-      const T* Vr = runs.v[run];
-      const int64_t cnt = runs.len[run];
-      for (int64_t jj = 0; jj < cnt; ++jj) {
-        const T* vj = Vr + jj * DIM;
-        __m512 vv[V];
-        for (int c = 0; c < V; ++c) vv[c] = load16(vj + 16 * c);
-        for (int g = 0; g < HB; ++g) {
-          if (g >= gn) break;
-          const __m512 p = _mm512_set1_ps(s[(g0 + g) * L + off + jj]);
-          for (int c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-        }
-      }
-      off += cnt;
-    }
-    for (int g = 0; g < gn; ++g) {
-      const __m512 rr = _mm512_set1_ps(rcp[g0 + g]);
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(O + (g0 + g) * DIM + 16 * c, _mm512_mul_ps(acc[g][c], rr));
-    }
-  }
+  weighted_values<DIM, T>(runs, s, L, 1, NG, rcp, O);
 }
 
 // exp(x) of 16 lanes for x <= 0: `exp_nonpos` lane by lane (the same constants and steps).
@@ -331,7 +342,6 @@ inline void scores_keys(const float* qt, int64_t MV, int64_t MP, const T* K, flo
 template <int DIM, typename T>
 void attend_many_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t M, int64_t L, float sc, float cap,
                         float* rcp, float* lse) {
-  constexpr int V = DIM / 16;
   const int64_t MV = (M + 15) / 16, MP = MV * 16;
   thread_local std::vector<float> qt_buf, st_buf;
   qt_buf.assign(static_cast<size_t>(DIM * MP), 0.f);
@@ -383,34 +393,7 @@ void attend_many_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t M
       if (lse != nullptr) lse[16 * v0 + l] = mx[l] + std::log(sm[l]);
     }
   }
-  constexpr int HB = (16 / V) > 0 ? (16 / V) : 1;  // heads whose outputs stay in registers together
-  for (int64_t g0 = 0; g0 < M; g0 += HB) {
-    const int gn = static_cast<int>(std::min<int64_t>(HB, M - g0));
-    __m512 acc[HB][V];
-    for (int g = 0; g < HB; ++g)
-      for (int c = 0; c < V; ++c) acc[g][c] = _mm512_setzero_ps();
-    off = 0;
-    for (int64_t run = 0; run < runs.n; ++run) {
-      const T* Vr = runs.v[run];
-      const int64_t cnt = runs.len[run];
-      for (int64_t jj = 0; jj < cnt; ++jj) {
-        const T* vj = Vr + jj * DIM;
-        const float* pj = st + (off + jj) * MP + g0;
-        __m512 vv[V];
-        for (int c = 0; c < V; ++c) vv[c] = load16(vj + 16 * c);
-        for (int g = 0; g < HB; ++g) {
-          if (g >= gn) break;
-          const __m512 p = _mm512_set1_ps(pj[g]);
-          for (int c = 0; c < V; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
-        }
-      }
-      off += cnt;
-    }
-    for (int g = 0; g < gn; ++g) {
-      const __m512 rr = _mm512_set1_ps(rcp[g0 + g]);
-      for (int c = 0; c < V; ++c) _mm512_storeu_ps(O + (g0 + g) * DIM + 16 * c, _mm512_mul_ps(acc[g][c], rr));
-    }
-  }
+  weighted_values<DIM, T>(runs, st, 1, MP, M, rcp, O);
 }
 #endif
 
