@@ -200,15 +200,18 @@ def paged_decode_attention():
 
 
 def cascade_plan():
-    """`cascade_plan(table, row, start, end, page_size)` (int64): the groups `cascade_decode_attention` forms,
-    as (first shared page, shared pages, member queries) tuples (tests), or None."""
+    """`cascade_plan(table, row, start, end, page_size, alias=None)` (int64): the groups `cascade_decode_attention`
+    forms, as (first shared page, shared full pages, member queries, block whose first slots extend the shared keys
+    or -1, how many) tuples (tests), or None."""
     module = _module()
     return None if module is None else module.cascade_plan
 
 
 def cascade_decode_attention():
     """`paged_decode_attention`'s signature and result (up to float rounding), with rows whose page tables name
-    the same full pages (forks of one prompt, prefix-cache hits) reading those pages once per group: or None."""
+    the same full pages (forks of one prompt, prefix-cache hits) reading those pages once per group, and with
+    `alias` ([n, 3] int64: logical page, block, slots; page -1 for none) the slots forks copied from one partial
+    page too (`Request.fork_alias`): or None."""
     module = _module()
     return None if module is None else module.cascade_decode_attention
 

@@ -166,6 +166,9 @@ class PageTables:
                 self.pool.free(live)
         req.page_ids = []
         self._more.pop(req, None)
+        if req.fork_alias is not None:  # NOTE: the blocks its partial page was copied from (Request.fork_alias)
+            self.pool.free(req.fork_alias[1])
+            req.fork_alias = None
 
     def live_pages(self, req) -> list[int]:
         """The pages holding computed KV some future query of `req` reads, group after group."""

@@ -80,6 +80,7 @@ class ModelRunner:
         rows = self.device_page_tables.sync(requests, tables)
         persistent = {window: self.device_page_tables.group(g) for g, window in enumerate(self.windows)}
         step = StepInputs(starts, lens, rows, persistent, dev)
+        step.aliases = self._fork_aliases(requests)
         groups = [self.backend.build_group(window, tables[g], step, self.page_size)
                   for g, window in enumerate(self.windows)]
         kwargs = {
@@ -90,6 +91,24 @@ class ModelRunner:
             "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
         }
         return kwargs, sampled
+
+    def _fork_aliases(self, requests: list) -> dict[int | None, torch.Tensor] | None:
+        """Per layer group's window, [B, 3] int64 (logical page, block, slots) of each fork whose partial prompt
+        page copies slots of a block it holds a reference to (`Request.fork_alias`; page -1 for the others), or
+        None when no request is such a fork."""
+        rows = None
+        for b, r in enumerate(requests):
+            if r.fork_alias is None:
+                continue
+            page, blocks, slots = r.fork_alias
+            if rows is None:
+                rows = [[(-1, 0, 0)] * len(requests) for _ in self.windows]
+            for g, block in enumerate(blocks):
+                rows[g][b] = (page, block, slots)
+        if rows is None:
+            return None
+        return {window: torch.tensor(rows[g], dtype=torch.long, device=self.device)
+                for g, window in enumerate(self.windows)}
 
     @staticmethod
     def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[int], list[int]]:

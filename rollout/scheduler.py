@@ -274,6 +274,9 @@ class Scheduler:
             table += self.bm.allocate(fresh)
             if rest:
                 out.copies.append((src[full], table[full], rest))
+        if rest:  # NOTE: the copied-from blocks are held (PageTables.free lets go) for the decode kernel to read
+            req.fork_alias = (full, [src[full] for src in pages], rest)
+            self.bm.fork(req.fork_alias[1])
         req.num_computed_tokens = req.num_cached_tokens = shared
         self.num_cached_prompt_tokens += shared
         req.status = RequestStatus.PREFILLING

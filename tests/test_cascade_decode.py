@@ -7,6 +7,10 @@ paged caches with shared and private pages: groups of several sizes sharing diff
 share only part of a group's prefix, rows with no sharing, partial last pages, sliding windows (rows that
 start inside or past the shared pages), softcap, fp32 / bf16 / fp16 caches, GQA and MHA, one and two threads,
 and rows whose every key is shared. The grouping itself (`cascade_plan`) is checked on hand-made tables.
+
+Forks copy their leader's partial prompt page: with `alias` (per row: logical page, block copied from, slots
+copied) a group also reads those slots once, from the block they were copied from, when every member reads
+that page through a copy of one block or as the block itself; the engine passes the aliases of its forks.
 """
 
 from __future__ import annotations
@@ -166,12 +170,12 @@ def test_plan_groups_rows_by_shared_block_ids(kernels):
     start = torch.zeros(5, dtype=torch.long)
     groups = plan(table, row, start, end, ps)
     # NOTE: row 3 shares one page of three: keeping it reads 1 + 3 * 2 + ... more than its own 2 pages alone
-    assert [(f, p, sorted(r)) for f, p, r in groups] == [(0, 3, [0, 2])]
+    assert [(f, p, sorted(r)) for f, p, r, *_ in groups] == [(0, 3, [0, 2])]
     # a sliding window that has moved past page 0: the group starts at page 1, row 3 no longer shares
     start = torch.tensor([4, 4, 4, 4, 0])
-    assert [(f, p, sorted(r)) for f, p, r in plan(table, row, start, end, ps)] == [(1, 2, [0, 2])]
+    assert [(f, p, sorted(r)) for f, p, r, *_ in plan(table, row, start, end, ps)] == [(1, 2, [0, 2])]
     # two rows sharing one page only, nothing else: still a group (one page read once)
-    assert [(f, p, sorted(r)) for f, p, r in plan(table[[3, 4]], torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
+    assert [(f, p, sorted(r)) for f, p, r, *_ in plan(table[[3, 4]], torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
                                                   torch.tensor([10, 4]), ps)] == [(0, 1, [0, 1])]
 
 
@@ -184,8 +188,10 @@ def test_plan_ignores_rows_that_share_no_full_page(kernels):
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2"])
 def test_engine_groups_read_their_prompt_once_and_match_generate(kernels, arch):
     """GRPO-shaped requests (3 prompts x G=4, each sample its own completion length) forked from one prompt's
-    pages: the decode steps form cascade groups (checked on the kernel's own arguments) and every greedy
-    completion equals plain `generate`; Mistral's sliding window and Gemma 2's softcap included."""
+    pages: the decode steps form cascade groups (checked on the kernel's own arguments), which also read the
+    slots the forks copied from the leader's partial page once (while the leader runs and after it finished),
+    every greedy completion equals plain `generate`, and every page (the copied-from ones too) is free at the
+    end; Mistral's sliding window and Gemma 2's softcap included."""
     from support.tiny_models import hf_greedy, make_model, random_prompts
     from transformers import GenerationConfig
 
@@ -197,10 +203,12 @@ def test_engine_groups_read_their_prompt_once_and_match_generate(kernels, arch):
     core = EngineCore(model, GenerationConfig(do_sample=False, eos_token_id=None),
                       ContinuousBatchingConfig(page_size=16))
     assert core.backend.name == "cpu"
-    kernel, grouped = core.backend.kernel, []
+    kernel, grouped, extended = core.backend.kernel, [], []
 
     def counting(q, k, v, table, row, start, end, ps, *rest):
-        grouped.append(len(plan(table.long().contiguous(), row, start, end, ps)))
+        groups = plan(table.long().contiguous(), row, start, end, ps, *rest[3:])
+        grouped.append(len(groups))
+        extended.append((sum(g[4] > 0 for g in groups), all(reqs[i].status.is_final for i in range(0, 12, 4))))
         return kernel(q, k, v, table, row, start, end, ps, *rest)
 
     core.backend.kernel = counting
@@ -213,6 +221,105 @@ def test_engine_groups_read_their_prompt_once_and_match_generate(kernels, arch):
         core.step()
     # NOTE: Mistral's 24-token window holds at most one full 16-token page, which leaves it as decoding moves on
     assert max(grouped) == (2 if arch == "mistral" else 3), "each prompt's samples should form one cascade group"
+    assert max(n for n, _ in extended) == max(grouped), "the groups should read their forks' copied slots once too"
+    # NOTE: the leaders (`i-0`, 6 new tokens) finish first; their forks keep the copied-from blocks
+    assert max(n for n, gone in extended if gone) >= 1, "after the leaders finished, the copied slots should still be shared"
+    bm = core.scheduler.bm
+    bm.check_invariants()
+    assert bm.num_free_pages == bm.num_pages, "a page outlived its requests"
     for r in reqs:
         prompt = prompts[int(r.request_id.split("-")[0])]
         assert r.generated == hf_greedy(model, prompt, len(r.generated))
+
+
+def forked_case(ps: int, members: int, shared: int, rest: int, leader: bool, seed: int, kv_heads=2, head_dim=64,
+                dtype=torch.float32):
+    """A group forked from one prompt of `shared` full pages and `rest` more tokens: every member's page
+    `shared` is its own, its first `rest` slots copied from the leader's; the leader (row 0, when `leader`) reads
+    that block itself, past `rest`. Members end at different positions past the copy."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = shared + 2 * members + 1
+    source = shared  # NOTE: the leader's partial page
+    table = torch.zeros(members, shared + 2, dtype=torch.long)
+    for i in range(members):
+        own = [source if (leader and i == 0) else shared + 1 + 2 * i, shared + 2 + 2 * i]
+        table[i] = torch.tensor(list(range(shared)) + own)
+    end = torch.tensor([shared * ps + rest + 1 + (5 * i) % (ps + 3) for i in range(members)])
+    k = torch.randn(kv_heads, blocks * ps, head_dim, generator=g).to(dtype)
+    v = torch.randn(kv_heads, blocks * ps, head_dim, generator=g).to(dtype)
+    alias = torch.tensor([[-1, 0, 0]] * members)
+    for i in range(members):
+        if leader and i == 0:
+            continue
+        dst = int(table[i, shared]) * ps
+        k[:, dst : dst + rest] = k[:, source * ps : source * ps + rest]  # NOTE: the fork's copy-on-write
+        v[:, dst : dst + rest] = v[:, source * ps : source * ps + rest]
+        alias[i] = torch.tensor([shared, source, rest])
+    perm = torch.randperm(blocks, generator=g)  # NOTE: scattered pages; the aliases name the same blocks
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(blocks)
+    k = k.view(kv_heads, blocks, ps, head_dim)[:, inv].reshape(kv_heads, blocks * ps, head_dim)
+    v = v.view(kv_heads, blocks, ps, head_dim)[:, inv].reshape(kv_heads, blocks * ps, head_dim)
+    table = perm[table]
+    alias[:, 1] = torch.where(alias[:, 0] >= 0, perm[alias[:, 1]], alias[:, 1])
+    return table, alias, end, k, v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("softcap", [0.0, 5.0])
+@pytest.mark.parametrize("leader", [True, False])
+@pytest.mark.parametrize("members,heads,kv_heads,ps,rest", [(16, 12, 4, 16, 11), (3, 4, 2, 8, 1), (8, 8, 1, 16, 15)])
+def test_forks_read_their_copied_partial_page_once(kernels, dtype, softcap, leader, members, heads, kv_heads, ps,
+                                                   rest):
+    """With the forks' aliases the group's shared keys run on into the copied slots (read from the leader's
+    block, whether the leader is still in the step or gone), and every row equals the per-row kernel."""
+    paged, cascade, plan = kernels
+    shared = 3
+    table, alias, end, k, v = forked_case(ps, members, shared, rest, leader, members * ps + rest, kv_heads, 64, dtype)
+    row, start = torch.arange(members), torch.zeros(members, dtype=torch.long)
+    (first, pages, rows, block, slots), = plan(table, row, start, end, ps, alias)
+    source = int(alias[1, 1])
+    assert (first, pages, sorted(rows), block, slots) == (0, shared, list(range(members)), source, rest)
+    assert plan(table, row, start, end, ps)[0][3:] == (-1, 0), "without aliases only full pages are shared"
+    q = torch.randn(members, heads, 64, generator=torch.Generator().manual_seed(rest))
+    a, b, c = torch.empty_like(q), torch.empty_like(q), torch.empty_like(q)
+    paged(q, k, v, table, row, start, end, ps, 0.125, softcap, a)
+    cascade(q, k, v, table, row, start, end, ps, 0.125, softcap, b, alias)
+    cascade(q, k, v, table.to(torch.int32), row, start, end, ps, 0.125, softcap, c, alias)
+    torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    assert torch.equal(b, c)
+    torch.testing.assert_close(b.double(), reference(q, k, v, table, row, start, end, ps, 0.125, softcap),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_aliases_extend_a_group_only_when_every_member_agrees(kernels):
+    """No extension when one member reads its own page there without a copy (a prefix-cache hit on the same full
+    pages), or when copies name different blocks; a member whose keys end inside the copy caps its length."""
+    _, _, plan = kernels
+    ps, shared, rest = 8, 2, 5
+    table, alias, end, _, _ = forked_case(ps, 4, shared, rest, True, 1)
+    row, start = torch.arange(4), torch.zeros(4, dtype=torch.long)
+    assert plan(table, row, start, end, ps, alias)[0][3:] == (int(alias[1, 1]), rest)
+    own = alias.clone()
+    own[2] = torch.tensor([-1, 0, 0])
+    assert plan(table, row, start, end, ps, own)[0][3:] == (-1, 0)
+    other = alias.clone()
+    other[3, 1] = int(table[3, shared])
+    assert plan(table, row, start, end, ps, other)[0][3:] == (-1, 0)
+    short = end.clone()
+    short[1] = shared * ps + 3  # NOTE: reads only 3 of the 5 copied slots (a test's case: forks read past them)
+    assert plan(table, row, start, short, ps, alias)[0][3:] == (int(alias[1, 1]), 3)
+
+
+def test_bad_aliases_are_refused(kernels):
+    _, cascade, _ = kernels
+    ps = 8
+    table, alias, end, k, v = forked_case(ps, 3, 2, 5, True, 2)
+    q = torch.randn(3, 4, 64)
+    row, start, o = torch.arange(3), torch.zeros(3, dtype=torch.long), torch.empty(3, 4, 64)
+    bad = alias.clone()
+    bad[1, 1] = k.shape[1] // ps  # NOTE: one past the last block
+    with pytest.raises(RuntimeError, match="alias block or slots out of range"):
+        cascade(q, k, v, table, row, start, end, ps, 0.125, 0.0, o, bad)
+    with pytest.raises(RuntimeError, match=r"alias must be int64 \[n, 3\]"):
+        cascade(q, k, v, table, row, start, end, ps, 0.125, 0.0, o, alias[:2])

@@ -110,8 +110,11 @@ def test_a_fork_shares_full_pages_in_every_group_and_recycling_spares_held_pages
     assert [(x.request, x.num_new_tokens) for x in out.scheduled] == [(a, 1), (b, 1)]
     assert out.scheduled[1].tables == [[0, 1, 6], [3, 4, 7]]
     assert out.copies == [(2, 6, 1), (5, 7, 1)]
-    # after the step the leader's window has left page 3 behind: it dropped its reference, the fork holds it
-    assert [s.bm.ref_counts[x] for x in (0, 1, 3, 4, 2, 5, 6, 7)] == [2, 2, 1, 2, 1, 1, 1, 1]
+    # after the step the leader's window has left page 3 behind: it dropped its reference, the fork holds it;
+    # the fork also holds the pages its partial ones were copied from (the decode kernel reads the copied slots
+    # there once for the whole group: Request.fork_alias)
+    assert b.fork_alias == (2, [2, 5], 1)
+    assert [s.bm.ref_counts[x] for x in (0, 1, 3, 4, 2, 5, 6, 7)] == [2, 2, 1, 2, 2, 2, 1, 1]
     assert s.tables.of(a) == [[0, 1, 2], [FREED, 4, 5]]
     assert s.bm.ref_counts[3] == 1 and 3 not in s.bm.free_queue
     step(s)  # b's window leaves page 3 too: now nobody holds it and it is recycled
@@ -119,6 +122,29 @@ def test_a_fork_shares_full_pages_in_every_group_and_recycling_spares_held_pages
     while s.has_work():
         step(s)
     assert s.bm.num_free_pages == 32
+
+
+def test_a_fork_holds_the_page_it_copied_from_until_its_own_pages_go():
+    """The leader finishes first: the page its forks copied their partial page from stays held (its first slots
+    are what the forks' aliases name) until the last fork lets go; a preempted fork lets go at once."""
+    s = Scheduler(PagePool(16, PS, enable_prefix_caching=False), 64, fork_prompts=True)
+    a = make_request("a", 10, max_new_tokens=3)
+    forks = [Request(f"b{i}", list(a.prompt_ids), 8, SamplingParams(temperature=0.0), arrival=next(_arrival))
+             for i in range(2)]
+    for r in (a, *forks):
+        s.add(r)
+    step(s)
+    step(s)  # the forks copy page 2's first slot (position 8; position 9 is each fork's own)
+    assert [f.fork_alias for f in forks] == [(2, [2], 1)] * 2 and s.bm.ref_counts[2] == 3
+    while a.status is not RequestStatus.FINISHED:
+        step(s)
+    assert s.bm.ref_counts[2] == 2 and 2 not in s.bm.free_queue
+    s.preempt(forks[1])
+    assert forks[1].fork_alias is None and s.bm.ref_counts[2] == 1
+    while s.has_work():
+        step(s)
+    assert s.bm.ref_counts[2] == 0 and s.bm.num_free_pages == 16
+    assert forks[1].fork_alias is None  # NOTE: recomputed from its tokens, not forked again (the leader is gone)
 
 
 def test_long_sliding_prompt_is_chunked_to_fit_the_pool():

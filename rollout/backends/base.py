@@ -41,6 +41,9 @@ class StepInputs:
         self.starts = int_tensor(starts, device)  # [B]
         self.rows = int_tensor(rows, device)  # [B] page-table row of each request
         self.tables = tables  # group window -> [R, P] int32
+        # NOTE: group window -> [B, 3] int64 (page, block, slots) of forks whose partial prompt page copies
+        # slots of a block their leader still holds (`rollout.runner`); None when no request has one
+        self.aliases: dict[int | None, torch.Tensor] | None = None
         total = int(sum(lens))
         self.decode_only = total == len(lens)
         if self.decode_only:  # NOTE: a pure decode step (one token per request): no ragged indexing

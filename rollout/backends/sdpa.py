@@ -84,6 +84,7 @@ class PagedDecode:
     start: torch.Tensor  # [n] first position read (> 0 once a sliding window has moved on)
     end: torch.Tensor  # [n] one past the last position read (the row's own, just written)
     all_rows: bool = False  # every packed row, in order (a decode-only step): read and written in place
+    alias: torch.Tensor | None = None  # [n, 3] forks' copied partial pages (`StepInputs.aliases`), or None
 
 
 @dataclass(slots=True)
@@ -129,7 +130,8 @@ def build_gather_group(window: int | None, step: StepInputs, ps: int, paged: boo
     # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
     if step.decode_only and paged:  # NOTE: the common step, no Python loop over the requests
         lo = torch.zeros_like(step.starts) if window is None else (step.starts - (window - 1)).clamp_min(0)
-        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1, all_rows=True)
+        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1, all_rows=True,
+                              alias=None if step.aliases is None else step.aliases[window])
         return g
     decode: list[tuple[int, int, int]] = []  # (kv_len, request, lo)
     for b, (start, n) in enumerate(zip(step.starts_list, step.lens_list, strict=True)):
@@ -146,7 +148,8 @@ def build_gather_group(window: int | None, step: StepInputs, ps: int, paged: boo
         reqs = torch.tensor([c[1] for c in decode], device=dev)
         lo = torch.tensor([c[2] for c in decode], device=dev)
         g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
-                              table, step.rows[reqs], lo, lo + torch.tensor([c[0] for c in decode], device=dev))
+                              table, step.rows[reqs], lo, lo + torch.tensor([c[0] for c in decode], device=dev),
+                              alias=None if step.aliases is None else step.aliases[window][reqs])
         decode = []
     if decode:
         decode.sort(reverse=True)
@@ -203,13 +206,11 @@ def gather_attend(
             raise ValueError("rollout's C++ decode kernel does not implement attention sinks")
         pd = group.paged
         if pd.all_rows and out.dtype is torch.float32:  # NOTE: a decode-only step: no gather, no scatter
-            kernel(q_rows.contiguous(), k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
-                   scale, float(softcap or 0.0), out)
+            _paged(kernel, q_rows.contiguous(), k_cache, v_cache, pd, meta.cache.page_size, scale, softcap, out)
         else:
             q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
             o = torch.empty_like(q)
-            kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, meta.cache.page_size,
-                   scale, float(softcap or 0.0), o)
+            _paged(kernel, q, k_cache, v_cache, pd, meta.cache.page_size, scale, softcap, o)
             out.index_copy_(0, pd.rows, o.to(out.dtype))
 
     for bucket in group.buckets:
@@ -236,6 +237,15 @@ def gather_attend(
         o = _attend(q, k, v, mask, scale, softcap, is_causal=True, sinks=sinks)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     return out
+
+
+def _paged(kernel, q, k_cache, v_cache, pd: PagedDecode, page_size, scale, softcap, out) -> None:
+    """The C++ kernel over `pd`'s rows, with the forks' aliases when the step has any."""
+    args = (q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, page_size, scale, float(softcap or 0.0), out)
+    if pd.alias is None:
+        kernel(*args)
+    else:
+        kernel(*args, pd.alias)
 
 
 def _attend(

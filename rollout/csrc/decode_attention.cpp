@@ -530,7 +530,32 @@ struct Cascade {
   int64_t first_page;         // logical index of the first shared page (the same in every member)
   int64_t pages;              // shared full pages
   std::vector<int64_t> rows;  // member queries
+  int64_t ext_block = -1;     // with `ext_len`: the first `ext_len` slots of this block extend the shared keys
+  int64_t ext_len = 0;        // (the prompt's partial last page, which every fork copied from its leader)
 };
+
+// Forks copy their leader's partial prompt page (`alias`, [n, 3] int64 per query: logical page, block copied
+// from, slots copied; page -1 for none): a group whose members all read the page after their shared full pages
+// either through such a copy of one block or as that block itself (the leader) reads the copied slots once
+// too, from that block. The caller vouches that the block still holds what was copied (`rollout.runner`).
+template <typename I>
+void extend_cascades(std::vector<Cascade>& groups, const I* tp, int64_t P, const int64_t* rp, const int64_t* hi,
+                     const int64_t* alias, int64_t ps) {
+  for (Cascade& c : groups) {
+    const int64_t e = c.first_page + c.pages;
+    int64_t block = -1, len = ps;
+    bool same = e < P, copied = false;
+    for (size_t x = 0; same && x < c.rows.size(); ++x) {
+      const int64_t i = c.rows[x];
+      int64_t b = static_cast<int64_t>(tp[rp[i] * P + e]), n = hi[i] - e * ps;
+      if (alias[3 * i] == e) b = alias[3 * i + 1], n = std::min(n, alias[3 * i + 2]), copied = true;
+      same = n > 0 && (block < 0 || b == block);
+      block = b;
+      len = std::min(len, n);
+    }
+    if (same && copied) c.ext_block = block, c.ext_len = len;
+  }
+}
 
 // Only full pages inside every member's range are shared. Rows are sorted by their full pages' block ids;
 // runs of rows that start on the same block are split greedily where keeping a row in the group would read
@@ -595,7 +620,7 @@ std::vector<Cascade> plan_cascades(const I* tp, int64_t P, const int64_t* rp, co
 template <typename T, typename I>
 void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                 const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc,
-                float cap, bool cascade, at::Tensor& out) {
+                float cap, bool cascade, const int64_t* alias, at::Tensor& out) {
   const int64_t n = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k.size(0), S = k.size(1), R = table.size(0), P = table.size(1);
   const int64_t G = H / Hkv, blocks = S / page_size;
@@ -611,6 +636,11 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     for (int64_t p = sp[i] / page_size; p <= (ep[i] - 1) / page_size; ++p) {
       TORCH_CHECK(t[p] >= 0 && t[p] < blocks, "paged_decode_attention: block id out of range");
     }
+    if (alias != nullptr && alias[3 * i] >= 0) {
+      TORCH_CHECK(alias[3 * i + 1] >= 0 && alias[3 * i + 1] < blocks && alias[3 * i + 2] >= 0 &&
+                      alias[3 * i + 2] <= page_size,
+                  "paged_decode_attention: alias block or slots out of range");
+    }
   }
   const float* qp = q.data_ptr<float>();
   const T* kp = reinterpret_cast<const T*>(k.data_ptr());
@@ -620,6 +650,7 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 
   std::vector<Cascade> groups;
   if (cascade) groups = plan_cascades(tp, P, rp, sp, ep, n, ps);
+  if (alias != nullptr) extend_cascades(groups, tp, P, rp, ep, alias, ps);
   // Per query: its cascade group (-1: none) and member index; shared outputs [sum m * H, D] by group.
   std::vector<int64_t> group_of(n, -1), member(n, 0), head0(groups.size() + 1, 0);
   for (size_t c = 0; c < groups.size(); ++c) {
@@ -640,12 +671,12 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   items.reserve(n * Hkv + groups.size() * Hkv);
   for (int64_t i = 0; i < n; ++i) {
     const int64_t c = group_of[i];
-    const int64_t keys = ep[i] - sp[i] - (c < 0 ? 0 : groups[c].pages * ps);
+    const int64_t keys = ep[i] - sp[i] - (c < 0 ? 0 : groups[c].pages * ps + groups[c].ext_len);
     for (int64_t h = 0; h < Hkv; ++h) items.push_back({i, h, static_cast<double>(keys) + 16.0});
   }
   for (size_t c = 0; c < groups.size(); ++c) {
     const double heads = static_cast<double>(groups[c].rows.size() * G);
-    const double keys = static_cast<double>(groups[c].pages * ps);
+    const double keys = static_cast<double>(groups[c].pages * ps + groups[c].ext_len);
     for (int64_t h = 0; h < Hkv; ++h) items.push_back({n + static_cast<int64_t>(c), h, keys * (1.0 + heads / 16.0)});
   }
   const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
@@ -691,7 +722,7 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
             add(t, h, sp[i], ep[i]);
           } else {  // NOTE: the keys before and after the shared pages
             add(t, h, sp[i], groups[c].first_page * ps);
-            add(t, h, (groups[c].first_page + groups[c].pages) * ps, ep[i]);
+            add(t, h, (groups[c].first_page + groups[c].pages) * ps + groups[c].ext_len, ep[i]);
             lse = private_lse.data() + i * H + h * G;
           }
           int64_t L = 0;
@@ -704,7 +735,13 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
           const Cascade& cg = groups[it.index - n];
           const int64_t m = static_cast<int64_t>(cg.rows.size()), M = m * G;
           add(tp + rp[cg.rows[0]] * P, h, cg.first_page * ps, (cg.first_page + cg.pages) * ps);
-          const int64_t L = cg.pages * ps;
+          if (cg.ext_len > 0) {  // NOTE: the copied slots of the partial page, from the block they were copied from
+            const int64_t slot_row = (h * S + cg.ext_block * ps) * D;
+            kr.push_back(kp + slot_row);
+            vr.push_back(vp + slot_row);
+            lens.push_back(cg.ext_len);
+          }
+          const int64_t L = cg.pages * ps + cg.ext_len;
           if (static_cast<int64_t>(s.size()) < M * L) s.resize(M * L);
           if (static_cast<int64_t>(qbuf.size()) < M * D) qbuf.resize(M * D);
           if (static_cast<int64_t>(r.size()) < M) r.resize(M);
@@ -744,17 +781,18 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
 template <typename T>
 void paged_dispatch(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                     const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size, float sc,
-                    float cap, bool cascade, at::Tensor& out) {
+                    float cap, bool cascade, const int64_t* alias, at::Tensor& out) {
   if (table.scalar_type() == at::kInt) {
-    paged_impl<T, int32_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
+    paged_impl<T, int32_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, alias, out);
   } else {
-    paged_impl<T, int64_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
+    paged_impl<T, int64_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, alias, out);
   }
 }
 
 void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                       const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
-                      double scale, double softcap, bool cascade, at::Tensor& out) {
+                      double scale, double softcap, bool cascade, const c10::optional<at::Tensor>& alias,
+                      at::Tensor& out) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
               "paged_decode_attention: fp32 queries and output only");
   const auto kt = k.scalar_type();
@@ -773,13 +811,20 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(row.numel() == n && start.numel() == n && end.numel() == n,
               "paged_decode_attention: one table row and one start and end per query");
   TORCH_CHECK(page_size >= 1 && k.size(1) % page_size == 0, "paged_decode_attention: bad page size");
+  const int64_t* ap = nullptr;
+  if (alias.has_value() && alias->defined()) {
+    TORCH_CHECK(alias->scalar_type() == at::kLong && alias->is_contiguous() && alias->dim() == 2 &&
+                    alias->size(0) == n && alias->size(1) == 3,
+                "paged_decode_attention: alias must be int64 [n, 3] (page, block, slots) per query");
+    ap = alias->data_ptr<int64_t>();
+  }
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (kt == at::kFloat) {
-    paged_dispatch<float>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
+    paged_dispatch<float>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, ap, out);
   } else if (kt == at::kBFloat16) {
-    paged_dispatch<uint16_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
+    paged_dispatch<uint16_t>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, ap, out);
   } else {
-    paged_dispatch<_Float16>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, out);
+    paged_dispatch<_Float16>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, ap, out);
   }
 }
 
@@ -787,28 +832,39 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                             const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
                             double scale, double softcap, at::Tensor& out) {
-  decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, false, out);
+  decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, false, c10::nullopt, out);
 }
 
-// Rows that share full pages (same block ids) read them once as a group (see `Cascade`).
+// Rows that share full pages (same block ids) read them once as a group (see `Cascade`); with `alias`, the
+// slots their forks copied from one partial page too (see `extend_cascades`).
 void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                               const at::Tensor& row, const at::Tensor& start, const at::Tensor& end,
-                              int64_t page_size, double scale, double softcap, at::Tensor& out) {
-  decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, true, out);
+                              int64_t page_size, double scale, double softcap, at::Tensor& out,
+                              const c10::optional<at::Tensor>& alias) {
+  decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, true, alias, out);
 }
 
-// The cascade groups the kernel would form (tests): (first shared page, shared pages, member queries) each.
-std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>> cascade_plan(const at::Tensor& table, const at::Tensor& row,
-                                                                              const at::Tensor& start,
-                                                                              const at::Tensor& end, int64_t page_size) {
+// The cascade groups the kernel would form (tests): (first shared page, shared full pages, member queries, block
+// whose first slots extend the shared keys or -1, how many slots) each.
+std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>> cascade_plan(
+    const at::Tensor& table, const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
+    const c10::optional<at::Tensor>& alias) {
   TORCH_CHECK(table.scalar_type() == at::kLong && table.dim() == 2 && table.is_contiguous() &&
                   row.scalar_type() == at::kLong && start.scalar_type() == at::kLong &&
                   end.scalar_type() == at::kLong && row.is_contiguous() && start.is_contiguous() && end.is_contiguous(),
               "cascade_plan: int64 tensors");
-  const auto groups = plan_cascades(table.data_ptr<int64_t>(), table.size(1), row.data_ptr<int64_t>(),
-                                    start.data_ptr<int64_t>(), end.data_ptr<int64_t>(), row.numel(), page_size);
-  std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>> out;
-  for (const auto& g : groups) out.emplace_back(g.first_page, g.pages, g.rows);
+  const int64_t* tp = table.data_ptr<int64_t>();
+  const int64_t* rp = row.data_ptr<int64_t>();
+  const int64_t* ep = end.data_ptr<int64_t>();
+  auto groups = plan_cascades(tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, row.numel(), page_size);
+  if (alias.has_value() && alias->defined()) {
+    TORCH_CHECK(alias->scalar_type() == at::kLong && alias->is_contiguous() && alias->dim() == 2 &&
+                    alias->size(0) == row.numel() && alias->size(1) == 3,
+                "cascade_plan: alias must be int64 [n, 3]");
+    extend_cascades(groups, tp, table.size(1), rp, ep, alias->data_ptr<int64_t>(), page_size);
+  }
+  std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>> out;
+  for (const auto& g : groups) out.emplace_back(g.first_page, g.pages, g.rows, g.ext_block, g.ext_len);
   return out;
 }
 

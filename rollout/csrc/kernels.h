@@ -12,10 +12,11 @@ void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             double scale, double softcap, at::Tensor& out);
 void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                               const at::Tensor& row, const at::Tensor& start, const at::Tensor& end,
-                              int64_t page_size, double scale, double softcap, at::Tensor& out);
-std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>>> cascade_plan(const at::Tensor& table, const at::Tensor& row,
-                                                                              const at::Tensor& start,
-                                                                              const at::Tensor& end, int64_t page_size);
+                              int64_t page_size, double scale, double softcap, at::Tensor& out,
+                              const c10::optional<at::Tensor>& alias);
+std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>> cascade_plan(
+    const at::Tensor& table, const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
+    const c10::optional<at::Tensor>& alias);
 int64_t parallel_threads(int64_t items);
 
 // small_gemm.cpp

@@ -9,9 +9,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
   m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (CPU)",
         release());
+  namespace py = pybind11;
   m.def("cascade_decode_attention", &cascade_decode_attention,
-        "decode attention over the paged cache, shared pages read once per group of rows (CPU)", release());
-  m.def("cascade_plan", &cascade_plan, "the cascade groups of a step (tests)", release());
+        "decode attention over the paged cache, shared pages read once per group of rows (CPU)", py::arg("q"),
+        py::arg("k"), py::arg("v"), py::arg("table"), py::arg("row"), py::arg("start"), py::arg("end"),
+        py::arg("page_size"), py::arg("scale"), py::arg("softcap"), py::arg("out"), py::arg("alias") = py::none(),
+        release());
+  m.def("cascade_plan", &cascade_plan, "the cascade groups of a step (tests)", py::arg("table"), py::arg("row"),
+        py::arg("start"), py::arg("end"), py::arg("page_size"), py::arg("alias") = py::none(), release());
   m.def("parallel_threads", &parallel_threads, "threads an at::parallel_for runs on (tests)", release());
   m.def("small_gemm_available", &small_gemm_available, "whether small_linear runs in this build (AVX-512)");
   m.def("pack_panels", &pack_panels, "a [N, K] fp32 weight as small_linear's panels [ceil(N/16), K, 16]",
