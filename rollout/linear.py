@@ -76,6 +76,12 @@ SMALL_ROWS = 32
 PACK_ROWS = 16
 
 
+try:
+    _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+except (AttributeError, RuntimeError):  # NOTE: a torch without oneDNN: nothing is routed (`onednn_available`)
+    _LINEAR_POINTWISE = None
+
+
 def _weight_copy(module: torch.nn.Linear, attr: str, make) -> torch.Tensor:
     """`make(weight)`, kept in `module.<attr>` and made again after any change the engine can see: an in-place
     write bumps `_version`, a new storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every
@@ -98,16 +104,20 @@ def panel_weight(module: torch.nn.Linear) -> torch.Tensor:
 
 
 def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # NOTE: runs ~85 times a decode step of a 100M model: the checks are ordered and kept cheap (`is_cpu`, no
+    # `device` objects, the weight's shape read once at routing: `_rollout_k`, `_rollout_n`)
     w, b = self.weight, self.bias
-    if x.dtype is w.dtype and w.dtype in DTYPES and x.device.type == "cpu" and w.device.type == "cpu" \
-            and (b is None or b.dtype is w.dtype) \
-            and (self._rollout_always or x.numel() >= MIN_ROWS * w.shape[1]) \
+    k, numel = self._rollout_k, x.numel()
+    if x.dtype is w.dtype and x.is_cpu and w.is_cpu and (b is None or b.dtype is w.dtype) and w.dtype in DTYPES \
+            and (self._rollout_always or numel >= MIN_ROWS * k) \
             and not torch.is_autocast_enabled("cpu"):  # NOTE: under autocast, torch's linear keeps its semantics
-        k = w.shape[1]
-        if self._rollout_small is not None and x.numel() <= SMALL_ROWS * k and w.dtype is torch.float32:
-            y = self._rollout_small(x.reshape(-1, k), panel_weight(self), b, w.shape[0])
-            return y.view(*x.shape[:-1], w.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, packed_weight(self), b, "none", [], "")
+        if self._rollout_small is not None and numel <= SMALL_ROWS * k and w.dtype is torch.float32:
+            held = self._rollout_panels  # NOTE: `panel_weight`'s check, inlined
+            panels = held[0] if held is not None and held[1] == w._version and held[2] == w.data_ptr() \
+                else panel_weight(self)
+            y = self._rollout_small(x.reshape(-1, k), panels, b, self._rollout_n)
+            return y.view(*x.shape[:-1], self._rollout_n)
+        return _LINEAR_POINTWISE(x, packed_weight(self), b, "none", [], "")
     return F.linear(x, w, b)
 
 
@@ -158,6 +168,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         module._rollout_packed = module._rollout_panels = None
         module._rollout_small = small if w.dtype is torch.float32 else None
         module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
+        module._rollout_n, module._rollout_k = w.shape
         n += 1
         nbytes += w.numel() * w.element_size()
     if n:

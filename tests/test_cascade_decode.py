@@ -288,6 +288,8 @@ def test_forks_read_their_copied_partial_page_once(kernels, dtype, softcap, lead
     cascade(q, k, v, table.to(torch.int32), row, start, end, ps, 0.125, softcap, c, alias)
     torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
     assert torch.equal(b, c)
+    paged(q, k, v, table, row, start, end, ps, 0.125, softcap, c, alias)  # NOTE: the engine passes either kernel
+    assert torch.equal(c, a), "the per-row kernel reads each row's own copy: aliases change nothing there"
     torch.testing.assert_close(b.double(), reference(q, k, v, table, row, start, end, ps, 0.125, softcap),
                                atol=2e-5, rtol=1e-5)
 

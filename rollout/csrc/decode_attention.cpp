@@ -828,10 +828,11 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   }
 }
 
-// Each query row alone (the reference the cascade is tested against).
+// Each query row alone (the reference the cascade is tested against). `alias` is accepted and not needed: each
+// row reads its own copy of the slots it names (the engine hands either kernel the same arguments).
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                             const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
-                            double scale, double softcap, at::Tensor& out) {
+                            double scale, double softcap, at::Tensor& out, const c10::optional<at::Tensor>& alias) {
   decode_attention(q, k, v, table, row, start, end, page_size, scale, softcap, false, c10::nullopt, out);
 }
 

@@ -9,7 +9,7 @@
 // decode_attention.cpp
 void paged_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                             const at::Tensor& row, const at::Tensor& start, const at::Tensor& end, int64_t page_size,
-                            double scale, double softcap, at::Tensor& out);
+                            double scale, double softcap, at::Tensor& out, const c10::optional<at::Tensor>& alias);
 void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
                               const at::Tensor& row, const at::Tensor& start, const at::Tensor& end,
                               int64_t page_size, double scale, double softcap, at::Tensor& out,

@@ -7,9 +7,11 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release = pybind11::call_guard<pybind11::gil_scoped_release>;
-  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (CPU)",
-        release());
   namespace py = pybind11;
+  m.def("paged_decode_attention", &paged_decode_attention, "decode attention over the paged cache (CPU)",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("table"), py::arg("row"), py::arg("start"), py::arg("end"),
+        py::arg("page_size"), py::arg("scale"), py::arg("softcap"), py::arg("out"), py::arg("alias") = py::none(),
+        release());
   m.def("cascade_decode_attention", &cascade_decode_attention,
         "decode attention over the paged cache, shared pages read once per group of rows (CPU)", py::arg("q"),
         py::arg("k"), py::arg("v"), py::arg("table"), py::arg("row"), py::arg("start"), py::arg("end"),
