@@ -96,19 +96,18 @@ class ModelRunner:
         """Per layer group's window, [B, 3] int64 (logical page, block, slots) of each fork whose partial prompt
         page copies slots of a block it holds a reference to (`Request.fork_alias`; page -1 for the others), or
         None when no request is such a fork."""
-        rows = None
+        flat = None  # NOTE: one flat int list per group, through `int_tensor` (512 rows: ~45 us, not ~125)
         for b, r in enumerate(requests):
             if r.fork_alias is None:
                 continue
             page, blocks, slots = r.fork_alias
-            if rows is None:
-                rows = [[(-1, 0, 0)] * len(requests) for _ in self.windows]
+            if flat is None:
+                flat = [[-1, 0, 0] * len(requests) for _ in self.windows]
             for g, block in enumerate(blocks):
-                rows[g][b] = (page, block, slots)
-        if rows is None:
+                flat[g][3 * b : 3 * b + 3] = page, block, slots
+        if flat is None:
             return None
-        return {window: torch.tensor(rows[g], dtype=torch.long, device=self.device)
-                for g, window in enumerate(self.windows)}
+        return {window: int_tensor(flat[g], self.device).view(-1, 3) for g, window in enumerate(self.windows)}
 
     @staticmethod
     def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
