@@ -46,8 +46,9 @@ from __future__ import annotations
 import os
 
 # NOTE: set before torch loads OpenMP. Busy-waiting worker threads make a 2-core machine that is
-# also running anything else up to ~20x slower on this model's small matrices; passive waiting
-# costs nothing when the machine is idle.
+# also running anything else up to ~20x slower on this model's small matrices. Passive waiting is not
+# free on larger models: a 100M engine's decode step wakes the team ~100 times, and ran ~1.5x slower
+# with PASSIVE on an idle box (benchmarks/RESULTS.md, issue 26): export OMP_WAIT_POLICY=ACTIVE there.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
