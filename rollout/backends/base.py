@@ -42,7 +42,7 @@ class StepInputs:
         self.rows = int_tensor(rows, device)  # [B] page-table row of each request
         self.tables = tables  # group window -> [R, P] int32
         # NOTE: group window -> [B, 3] int64 (page, block, slots) of forks whose partial prompt page copies
-        # slots of a block their leader still holds (`rollout.runner`); None when no request has one
+        # slots of a block the fork holds a reference to (`Request.fork_alias`); None when no request is one
         self.aliases: dict[int | None, torch.Tensor] | None = None
         total = int(sum(lens))
         self.decode_only = total == len(lens)

@@ -240,12 +240,8 @@ def gather_attend(
 
 
 def _paged(kernel, q, k_cache, v_cache, pd: PagedDecode, page_size, scale, softcap, out) -> None:
-    """The C++ kernel over `pd`'s rows, with the forks' aliases when the step has any."""
-    args = (q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, page_size, scale, float(softcap or 0.0), out)
-    if pd.alias is None:
-        kernel(*args)
-    else:
-        kernel(*args, pd.alias)
+    """The C++ kernel over `pd`'s rows (both kernels take the forks' aliases, None when the step has none)."""
+    kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, page_size, scale, float(softcap or 0.0), out, pd.alias)
 
 
 def _attend(

@@ -538,6 +538,15 @@ struct Cascade {
 // from, slots copied; page -1 for none): a group whose members all read the page after their shared full pages
 // either through such a copy of one block or as that block itself (the leader) reads the copied slots once
 // too, from that block. The caller vouches that the block still holds what was copied (`rollout.runner`).
+// The `alias` argument's data ([n, 3] int64, contiguous), or nullptr when there is none.
+const int64_t* alias_data(const c10::optional<at::Tensor>& alias, int64_t n, const char* who) {
+  if (!alias.has_value() || !alias->defined()) return nullptr;
+  TORCH_CHECK(alias->scalar_type() == at::kLong && alias->is_contiguous() && alias->dim() == 2 && alias->size(0) == n &&
+                  alias->size(1) == 3,
+              who, ": alias must be int64 [n, 3] (page, block, slots) per query");
+  return alias->data_ptr<int64_t>();
+}
+
 template <typename I>
 void extend_cascades(std::vector<Cascade>& groups, const I* tp, int64_t P, const int64_t* rp, const int64_t* hi,
                      const int64_t* alias, int64_t ps) {
@@ -811,13 +820,7 @@ void decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor
   TORCH_CHECK(row.numel() == n && start.numel() == n && end.numel() == n,
               "paged_decode_attention: one table row and one start and end per query");
   TORCH_CHECK(page_size >= 1 && k.size(1) % page_size == 0, "paged_decode_attention: bad page size");
-  const int64_t* ap = nullptr;
-  if (alias.has_value() && alias->defined()) {
-    TORCH_CHECK(alias->scalar_type() == at::kLong && alias->is_contiguous() && alias->dim() == 2 &&
-                    alias->size(0) == n && alias->size(1) == 3,
-                "paged_decode_attention: alias must be int64 [n, 3] (page, block, slots) per query");
-    ap = alias->data_ptr<int64_t>();
-  }
+  const int64_t* ap = alias_data(alias, n, "paged_decode_attention");
   const float sc = static_cast<float>(scale), cap = static_cast<float>(softcap);
   if (kt == at::kFloat) {
     paged_dispatch<float>(q, k, v, table, row, start, end, page_size, sc, cap, cascade, ap, out);
@@ -858,12 +861,8 @@ std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>
   const int64_t* rp = row.data_ptr<int64_t>();
   const int64_t* ep = end.data_ptr<int64_t>();
   auto groups = plan_cascades(tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, row.numel(), page_size);
-  if (alias.has_value() && alias->defined()) {
-    TORCH_CHECK(alias->scalar_type() == at::kLong && alias->is_contiguous() && alias->dim() == 2 &&
-                    alias->size(0) == row.numel() && alias->size(1) == 3,
-                "cascade_plan: alias must be int64 [n, 3]");
-    extend_cascades(groups, tp, table.size(1), rp, ep, alias->data_ptr<int64_t>(), page_size);
-  }
+  const int64_t* ap = alias_data(alias, row.numel(), "cascade_plan");
+  if (ap != nullptr) extend_cascades(groups, tp, table.size(1), rp, ep, ap, page_size);
   std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>> out;
   for (const auto& g : groups) out.emplace_back(g.first_page, g.pages, g.rows, g.ext_block, g.ext_len);
   return out;
