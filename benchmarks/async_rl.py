@@ -15,7 +15,7 @@ Each configuration runs in its own process (fresh OpenMP state), runs alternate 
     python benchmarks/async_rl.py --steps 40 --repeats 2     # -> benchmarks/logs/async_rl/ (results.json, async_rl.png)
 
 `--system disagg`: the same task with the rollout in a separate PROCESS (`rollout serve`, started by the run
-through `rollout.server_procs.ServerProcesses`, pinned to core 0, 1 OpenMP thread) and the learner
+through `rollout.fleet.server_procs.ServerProcesses`, pinned to core 0, 1 OpenMP thread) and the learner
 (`trainers.disagg.DisaggGRPOTrainer`) pinned to core 1 at 1 thread; modes "async_disagg" (`async_rollout=True`,
 `max_staleness` K: the weights reach the server in flight) against "sync" (in-process, 2 threads), and
 `--with_sync_disagg` adds the synchronous disaggregated layout for reference. Times are of `train()` only
@@ -111,8 +111,8 @@ def run_disagg(mode: str, args, out_dir: Path) -> None:
     """One run with 1 rollout server process on core 0 and this learner on core 1 (1 thread each)."""
     import torch
 
-    from rollout.rollout_pool import RolloutPool
-    from rollout.server_procs import ServerProcesses
+    from rollout.fleet.pool import RolloutPool
+    from rollout.fleet.server_procs import ServerProcesses
     from trainers import GRPOConfig
     from trainers.disagg import DisaggGRPOTrainer
 

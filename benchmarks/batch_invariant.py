@@ -7,7 +7,7 @@ interleaved A/B, median of `--reps`. Useful tokens per second.
 
 Trainer: the teacher-forced work of one GRPO step on that rollout batch: the no-grad old-logprob pass plus
 the loss pass with its backward (`scored_logprobs` on `completion_forward`), mode off (the model's own
-forward; bf16: under autocast, as `--bf16` trains) vs on (`rollout.invariant_forward.InvariantForward`; bf16:
+forward; bf16: under autocast, as `--bf16` trains) vs on (`rollout.invariant.forward.InvariantForward`; bf16:
 on bf16 casts of the fp32 weights, as `--bf16 --batch_invariant` trains). Seconds per step, median.
 
 Also prints the parity the mode buys: max |engine - trainer| logprob, off vs on.
@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import make_model  # noqa: E402
 
 from rollout import ContinuousBatchingConfig, RolloutEngine  # noqa: E402
-from rollout.invariant_forward import InvariantForward  # noqa: E402
+from rollout.invariant.forward import InvariantForward  # noqa: E402
 from trainers.common import completion_forward, scored_logprobs  # noqa: E402
 
 

@@ -167,7 +167,7 @@ def run_ours(model, wl: Workload, cbc=None, warm: bool = False) -> RunResult:
     inside the timing, unless `warm`: then it is built and warmed up first, outside it, on the warm-up `run_vllm`
     gives vLLM (the first 16 tokens of 4 prompts, 8 new tokens each), as a persistent engine in a training loop is."""
     from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     def engine():
         return EngineCore(model, greedy_config(), cbc if cbc is not None else ContinuousBatchingConfig())
@@ -281,7 +281,7 @@ def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
     steps the engine); `drive=False` waits while the manager's background thread steps (the engine loop of
     a server, and what `generate` did before)."""
     from rollout import ContinuousBatchingConfig, RolloutEngine
-    from rollout.collect import collect
+    from rollout.engine.collect import collect
 
     engine = RolloutEngine(model, config=ContinuousBatchingConfig(), generation_config=greedy_config())
     t0 = time.perf_counter()  # NOTE: a trainer builds its engine once; vLLM's start-up is not timed either

@@ -2,7 +2,7 @@
 
 `benchmarks/compile_levels.py` compiled the view with our paged attention excluded
 (`torch.compiler.disable`): 12 graphs and 14 graph breaks per forward, no win. This one runs
-`ContinuousBatchingConfig(default_compile_level=1)`, i.e. `rollout/compiled.py`: one graph per forward,
+`ContinuousBatchingConfig(default_compile_level=1)`, i.e. `rollout/model/compiled.py`: one graph per forward,
 no graph break (the paged attention and the packed oneDNN linears are custom ops), dynamic token count.
 
 It runs the RL workload of `throughput.py` through `EngineCore` (one engine per mode, kept alive across
@@ -37,7 +37,7 @@ from common import (  # noqa: E402
 
 def build(model, compiled: bool):
     from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     return EngineCore(model, greedy_config(), ContinuousBatchingConfig(default_compile_level=int(compiled)))
 

@@ -32,9 +32,9 @@ MODES = {1: ("default", True), 2: ("max-autotune-no-cudagraphs", True), 3: ("max
 def build(model, level: int):
     from transformers import AttentionInterface
 
-    import rollout.attention as attn
+    import rollout.attention.interface as attn
     from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())
     if level:

@@ -37,7 +37,7 @@ def _engine_run(model, wl) -> tuple[float, list[list[int]]]:
     """A fresh EngineCore (default config) over `wl`: (wall seconds, generated tokens)."""
     from benchmarks.common import greedy_config, run_core
     from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     _, wall, out = run_core(EngineCore(model, greedy_config(), ContinuousBatchingConfig()), wl)
     return wall, out

@@ -4,9 +4,9 @@ Shapes of one layer of the 5M Qwen3-arch model by default (4 query heads, 2 KV h
 `--rows` decode rows, each reading `--kv` keys (drawn in a range) through a block table of scattered
 16-token pages of a head-major cache `[Hkv, slots, D]`. Two variants, results checked close:
 
-  gather  what `rollout.backends.sdpa` does without the kernel: `index_select` of each row's slots into
+  gather  what `rollout.attention.backends.sdpa` does without the kernel: `index_select` of each row's slots into
           `[B, Hkv, Lmax, D]`, a key-padding mask, `F.scaled_dot_product_attention(..., enable_gqa=True)`
-  kernel  `rollout.cpu_kernels.paged_decode_attention`: every row read in place at its own length
+  kernel  `rollout.kernels.cpu_kernels.paged_decode_attention`: every row read in place at its own length
 
 Each variant is timed at every thread count of `--threads` (wall clock, median of `--reps` calls, warm:
 the same call repeated), interleaved. GB/s counts the K/V bytes the rows need (no padding).
@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from rollout import cpu_kernels  # noqa: E402
+from rollout.kernels import cpu_kernels  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

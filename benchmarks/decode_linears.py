@@ -2,11 +2,11 @@
 memory bound.
 
 Runs the 85 linear layers of the 100M Qwen3-arch model of `benchmarks/common.py` (12 layers x q, k, v, o,
-gate, up, down, plus the 768 x 32768 head) one after the other, as the engine's view does (`rollout/linear.py`),
+gate, up, down, plus the 768 x 32768 head) one after the other, as the engine's view does (`rollout/kernels/linear.py`),
 for M = 1 / 4 / 16 / 32 / 64 rows, at 1 and 2 threads, each way:
 
   onednn  `torch.ops.mkldnn._linear_pointwise` on oneDNN's packed weights (the engine above `SMALL_ROWS` rows)
-  ours    `rollout.cpu_kernels.small_linear` on its panels (`rollout/csrc/small_gemm.cpp`; the engine up to
+  ours    `rollout.kernels.cpu_kernels.small_linear` on its panels (`rollout/kernels/csrc/small_gemm.cpp`; the engine up to
           `SMALL_ROWS` rows)
 
 The weights total 403 MB, far more than any cache, so each call reads its weight from memory as in a real step.
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from rollout import cpu_kernels  # noqa: E402
+from rollout.kernels import cpu_kernels  # noqa: E402
 
 
 def main() -> None:

@@ -12,7 +12,7 @@ and writes everything to `--out` (JSON, rewritten after each part, so a run cut 
 measured) and the tests' whole output next to it (`*_tests.log`).
 
 `--dry-run` runs the same driver on a CPU with a ~5M model, a tiny workload and no compile-heavy system,
-lists the gpu tests it would run, and says what it would measure: CI runs it (tests/test_device_check.py).
+lists the gpu tests it would run, and says what it would measure: CI runs it (tests/benchmarks/test_device_check.py).
 
 On the lent machine (its image has torch and triton but an older transformers): first, here,
 `bash benchmarks/device_wheels.sh`, then carry `.whl` (see that script's header for the install line).
@@ -98,7 +98,7 @@ def _version(name: str) -> str | None:
 def gpu_tests(dry_run: bool, timeout: float, log: str) -> dict:
     """Run (or, dry, only collect) the `gpu`-marked tests; their whole output goes to `log` as they run
     (`-v`: a run cut short still says which tests passed)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests/test_gpu.py", "-rA", "--tb=short",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests/model/test_gpu.py", "-rA", "--tb=short",
            "--durations=5", "-p", "no:cacheprovider"]
     if dry_run:
         cmd.insert(4, "--collect-only")
@@ -112,7 +112,7 @@ def gpu_tests(dry_run: bool, timeout: float, log: str) -> dict:
         text = f.read() + (f"\ntimed out after {timeout:.0f} s" if rc == -1 else "")
     lines = text.splitlines()
     return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
-            "results": [ln for ln in lines if ln.startswith("tests/test_gpu.py::")][:80],
+            "results": [ln for ln in lines if ln.startswith("tests/model/test_gpu.py::")][:80],
             "tail": lines[-40:]}
 
 
@@ -226,7 +226,7 @@ def step_profile(dry_run: bool, device: str, steps: int = 20) -> dict:
     the step is bound by the host (Python, launches) or by the device; the top ops say by what."""
     from torch.profiler import ProfilerActivity, profile
 
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     spec, dtype = (CPU_MODEL, torch.float32) if dry_run else (GPU_MODEL, torch.bfloat16)
     model = make_model(spec, dtype, device, "sdpa")

@@ -45,8 +45,9 @@ from common import (  # noqa: E402
     vllm_available,
 )
 
-from rollout import ContinuousBatchingConfig, cpu_kernels  # noqa: E402
-from rollout.backends import cpu as cpu_backend  # noqa: E402
+from rollout import ContinuousBatchingConfig
+from rollout.attention.backends import cpu as cpu_backend  # noqa: E402
+from rollout.kernels import cpu_kernels  # noqa: E402
 
 
 def run_ours_rowwise(model, wl, cbc=None, warm=True):

@@ -64,7 +64,7 @@ class Timers:
 
 def make_core(model):
     from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     return EngineCore(model, greedy_config(), ContinuousBatchingConfig())
 
@@ -90,7 +90,7 @@ def instrument(core, timers: Timers, label: bool = False) -> None:
     """Wrap the phases of one engine step with timers (instance attributes only; rollout/ is untouched)."""
     from transformers import AttentionInterface
 
-    from rollout import attention as attn_mod
+    from rollout.attention import interface as attn_mod
 
     def wrap(obj, attr, name):
         fn = getattr(obj, attr)
@@ -133,7 +133,7 @@ def instrument(core, timers: Timers, label: bool = False) -> None:
 
 
 def uninstrument_attention() -> None:
-    from rollout import attention as attn_mod
+    from rollout.attention import interface as attn_mod
 
     attn_mod.register()
 

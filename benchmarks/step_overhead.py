@@ -34,7 +34,7 @@ from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM  # noqa
 
 import rollout  # noqa: E402
 from rollout import ContinuousBatchingConfig  # noqa: E402
-from rollout.core import EngineCore  # noqa: E402
+from rollout.engine.core import EngineCore  # noqa: E402
 
 
 class StubForward(torch.nn.Module):

@@ -369,7 +369,7 @@ def _run_core(model, wl, **processors) -> tuple[float, int]:
     """ours on `wl` (greedy, per-request budgets) with the given logits processors: (wall s, tokens)."""
     from benchmarks.common import greedy_config
     from rollout import ContinuousBatchingConfig
-    from rollout.core import EngineCore
+    from rollout.engine.core import EngineCore
 
     t0 = time.perf_counter()
     core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())

@@ -3,7 +3,7 @@ process, 2 threads), same cores, same requests, greedy, no EOS.
 
 What it answers: what does sharding cost or buy on one box, and how much memory does each rank hold? On a
 CPU both runs use the same two cores, so TP=2 can only lose speed to its all-reduces (two per layer, over
-gloo) and to rank 0's per-step messages (`rollout.tp`); its use is the memory per rank (weights and KV
+gloo) and to rank 0's per-step messages (`rollout.engine.tp`); its use is the memory per rank (weights and KV
 halved), as on GPUs, where it lets a model too big for one device run.
 
     python benchmarks/tp.py                       # both runs, one after the other; prints a table

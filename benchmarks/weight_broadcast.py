@@ -23,8 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from update_weights import make_model  # noqa: E402  (benchmarks/ sibling)
 
-from rollout.rollout_pool import RolloutPool  # noqa: E402
-from rollout.server_procs import ServerProcesses  # noqa: E402
+from rollout.fleet.pool import RolloutPool  # noqa: E402
+from rollout.fleet.server_procs import ServerProcesses  # noqa: E402
 
 
 def main() -> None:

@@ -53,8 +53,8 @@ from _common import (
 )
 from accelerate.utils import set_seed
 
-from rollout.rollout_pool import RolloutPool
-from rollout.server_procs import ServerProcesses, install_signal_handlers
+from rollout.fleet.pool import RolloutPool
+from rollout.fleet.server_procs import ServerProcesses, install_signal_handlers
 from trainers import GRPOConfig
 from trainers.disagg import DisaggGRPOTrainer
 

@@ -1,13 +1,13 @@
 """rollout: a continuous-batching RL rollout engine for Hugging Face causal LMs."""
 
-from .batch import RolloutBatch
-from .config import ContinuousBatchingConfig
-from .engine import RolloutEngine
-from .factories import continuous_batching_context_manager, init_continuous_batching
-from .generate import generate_batch
-from .manager import ContinuousBatchingManager
-from .requests import GenerationOutput, RequestStatus
-from .score_batch import ScoreBatch
+from rollout.api.batch import RolloutBatch
+from rollout.api.engine import RolloutEngine
+from rollout.api.factories import continuous_batching_context_manager, init_continuous_batching
+from rollout.api.generate import generate_batch
+from rollout.api.score_batch import ScoreBatch
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.requests import GenerationOutput, RequestStatus
 
 __all__ = [
     "ContinuousBatchingConfig",

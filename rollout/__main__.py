@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] != "serve":
         print(USAGE, file=sys.stderr)
         return 2
-    from .serve.cli import main as serve_main
+    from rollout.serve.cli import main as serve_main
 
     return serve_main(argv[1:])
 

@@ -21,9 +21,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .batch import RolloutBatch
-from .chat import chat_template_ids
-from .seeding import row_seed
+from rollout.api.batch import RolloutBatch
+from rollout.api.chat import chat_template_ids
+from rollout.sampling.seeding import row_seed
 
 Observation = list[Mapping[str, Any]] | str  # chat messages, or plain text
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
-from .weight_transfer import free_port, named_tensors, new_group
+from rollout.weights.transfer import free_port, named_tensors, new_group
 
 
 class RolloutClient:

@@ -6,7 +6,7 @@ transformers' continuous batching runs unchanged. The fields below are accepted 
 have no effect on rollout's engine. `COMPAT_FIELDS` says, for each, what it does in transformers (why
 it is accepted) and what it does here; `log_unavailable_features` is the one place that says so at
 run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA,
-`cpu_group_timeout` now bounds the tensor-parallel CPU group, `rollout.tp`); they stay fields of the config.
+`cpu_group_timeout` now bounds the tensor-parallel CPU group, `rollout.engine.tp`); they stay fields of the config.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ COMPAT_FIELDS: dict[str, CompatField] = {
     "varlen_compile_config": CompatField(
         "the CompileConfig of the varlen (prefill) forward",
         "not applied; when set, a warning: default_compile_level >= 1 compiles the whole forward on a CPU "
-        "(rollout.compiled)",
+        "(rollout.model.compiled)",
         note="compile",
     ),
     "decode_compile_config": CompatField(
@@ -66,7 +66,7 @@ COMPAT_FIELDS: dict[str, CompatField] = {
     ),
     "cpu_group_timeout": CompatField(
         "timeout in seconds of the CPU process group used under tensor parallelism",
-        "the same: bounds every collective of the tensor-parallel CPU group (rollout.tp); a number > 0, or "
+        "the same: bounds every collective of the tensor-parallel CPU group (rollout.engine.tp); a number > 0, or "
         "None to wait forever",
     ),
     "auto_switch_to_flash": CompatField(
@@ -87,7 +87,7 @@ def log_unavailable_features(config: Any, has_cuda: bool) -> None:
     """Warn (once per process per message) about the compat fields of `config` that are set but cannot
     take effect: per-path compile configs (never applied), GPU-only ones on a machine without CUDA."""
     if any(getattr(config, name) for name in _COMPILE_FIELDS):
-        # NOTE: `default_compile_level >= 1` compiles the whole forward on a CPU (rollout.compiled); the
+        # NOTE: `default_compile_level >= 1` compiles the whole forward on a CPU (rollout.model.compiled); the
         # per-shape CompileConfigs of transformers are not used.
         _warn_once(f"{' / '.join(_COMPILE_FIELDS)} are accepted but not applied by rollout's engine; "
                    "default_compile_level >= 1 compiles the engine forward on a CPU")

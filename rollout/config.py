@@ -15,12 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import compat_config
+from rollout import compat_config
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
-ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.backends implements each
-BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.backends.invariant in the mode
+ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.attention.backends implements each
+BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.invariant.attention in the mode
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 
@@ -164,7 +164,7 @@ class ContinuousBatchingConfig(_ConfigFields):
 
     Args:
         page_size: tokens per KV page (>= 4).
-        num_blocks: pages in the KV cache; None sizes it from memory (see `rollout.memory_plan.plan_cache`).
+        num_blocks: pages in the KV cache; None sizes it from memory (see `rollout.kv.memory_plan.plan_cache`).
         max_memory_percent: share of the free memory the cache may take; in (0, 1]. On a GPU the default
             0.8 of its free memory. On a CPU the cache shares host RAM with the trainer, so unless set
             explicitly it takes min(5% of the available RAM, 1 GiB); an explicit value is that share of
@@ -178,22 +178,22 @@ class ContinuousBatchingConfig(_ConfigFields):
         logprobs_mode: "processed" (under the distribution actually sampled) or "raw" (log_softmax of logits).
         allow_block_sharing: prefix caching of full pages across requests.
         per_request_processors: honour per-request sampling fields (temperature, top_k, top_p and the logits
-            processors of `rollout.sampling_fields`); False: every request samples with the generation config.
+            processors of `rollout.sampling.sampling_fields`); False: every request samples with the generation config.
         cpu_offload_space: GiB of host memory to park evicted pages in (0 disables; None sizes it from
             `cpu_offload_space_safety_threshold` of available RAM).
         attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, or "sdpa" with a warning
             when its C++ kernel cannot build; "flex" on CUDA; "sdpa" on other devices), "cpu" (C++
             kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled FlexAttention over the
             paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError).
-            See `rollout.backends`.
+            See `rollout.attention.backends`.
         batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
-            (`rollout.batch_invariant`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
+            (`rollout.invariant.mode`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
         default_compile_level: 0 (default) runs the forward eagerly; 1-3 (all the same here) compile it on
-            a CPU as one graph (`rollout.compiled`: seconds to a minute once per process and thread count,
+            a CPU as one graph (`rollout.model.compiled`: seconds to a minute once per process and thread count,
             faster steps after); no effect on other devices.
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         cpu_group_timeout: seconds a collective of the tensor-parallel CPU group may block before the rank
-            raises (`rollout.tp`); None waits forever.
+            raises (`rollout.engine.tp`); None waits forever.
         varlen_compile_config, decode_compile_config, max_blocks_per_request,
         auto_switch_to_flash: accepted (and validated) for API compatibility with
             transformers, without effect here: `rollout.compat_config` says what each does there and here.

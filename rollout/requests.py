@@ -54,7 +54,7 @@ class GenerationOutput:
 class SamplingParams:
     """Per-request sampling: temperature 0 means greedy; top_k 0, top_p 1.0, min_p 0.0 mean off.
 
-    The logits processors (each neutral at its default; `rollout.processors` applies them, in transformers'
+    The logits processors (each neutral at its default; `rollout.sampling.processors` applies them, in transformers'
     order): `logit_bias` (token, bias) pairs, from vLLM's `logit_bias`, length-1 `sequence_bias`, and
     -inf for bad words and `suppress_tokens`; `sequence_bias` ((ids...), bias) for sequences of 2+ tokens,
     applied to the last when the history ends with the others; `repetition_penalty` over prompt +
@@ -137,7 +137,7 @@ class Request:
     # NOTE: set by a fork whose partial prompt page copied the first `slots` slots of its leader's page:
     # (logical page, the block copied from in each layer group, slots). The fork holds a reference to those
     # blocks (nothing writes those slots again) until its pages are released; the decode kernel reads the
-    # slots there once for all the forks of one group (`rollout.runner`, `rollout/csrc/decode_attention.cpp`).
+    # slots there once for all the forks of one group (`rollout.model.runner`, `rollout/kernels/csrc/decode_attention.cpp`).
     fork_alias: tuple[int, list[int], int] | None = None
     # Scoring: `forced_ids` follow the prompt as given tokens (teacher-forced, never sampled); with
     # `score_from` set, the logprob of every given token from that index on is recorded (by position, so

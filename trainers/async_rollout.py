@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from rollout import RolloutBatch, RolloutEngine
-from rollout.openmp import release_thread_team
+from rollout.engine.openmp import release_thread_team
 from trainers.base import colocated_engine_config
 from trainers.losses import masked_mean
 

@@ -244,7 +244,7 @@ def completion_forward(model: torch.nn.Module, data: Mapping[str, Tensor], **kwa
 
 
 def truncate_logits(scaled: Tensor, tokens: Tensor, top_k: int | None, top_p: float | None) -> Tensor:
-    """The engine's top-k then top-p filter (`rollout.sampler`) on temperature-scaled logits:
+    """The engine's top-k then top-p filter (`rollout.sampling.sampler`) on temperature-scaled logits:
     `[N, T, V]` with -inf outside the kept set, the sampled `tokens [N, T]` always kept."""
     if not top_k and (top_p is None or top_p >= 1.0):
         return scaled

@@ -1,7 +1,7 @@
 """`DisaggGRPOTrainer`: GRPO whose rollouts come from `rollout serve` processes instead of an engine in the
 learner's process (the disaggregated layout: rollout servers on their own cores or GPUs, the learner on others).
 
-The trainer is `GRPOTrainer` unchanged but for its engine: a `rollout.rollout_pool.RolloutPool` with the
+The trainer is `GRPOTrainer` unchanged but for its engine: a `rollout.fleet.pool.RolloutPool` with the
 engine's RL API (`generate` -> `RolloutBatch` of token ids and logprobs straight from the servers,
 `update_weights(policy)` -> one bucketed broadcast to every live server, `policy_version`). By default the step
 stays synchronous: generate on the servers, train here, broadcast, next step. With `async_rollout=True`
@@ -15,7 +15,7 @@ broadcast that did not land shows there. One learner process (the broadcast has 
 
 from __future__ import annotations
 
-from rollout.rollout_pool import RolloutPool
+from rollout.fleet.pool import RolloutPool
 
 from .grpo import GRPOConfig, GRPOTrainer
 
@@ -32,7 +32,7 @@ class DisaggGRPOTrainer(GRPOTrainer):
     def __init__(self, model, tokenizer, reward_funcs, train_dataset, config: GRPOConfig | None = None, *,
                  pool: RolloutPool, **kwargs) -> None:
         if not isinstance(pool, RolloutPool):
-            raise ValueError(f"pool must be a rollout.rollout_pool.RolloutPool, got {type(pool).__name__}")
+            raise ValueError(f"pool must be a rollout.fleet.pool.RolloutPool, got {type(pool).__name__}")
         self.pool = pool
         super().__init__(model, tokenizer, reward_funcs, train_dataset, config, **kwargs)
         if self.accelerator.num_processes != 1:

@@ -2,7 +2,7 @@
 
 With it on, the engine runs `ContinuousBatchingConfig(batch_invariant=True)` and every teacher-forced pass
 of the trainer (the old-logprob recomputation, the loss's pass with gradients) runs through
-`rollout.invariant_forward.InvariantForward`: the engine's invariant ops on the trainer's padded batch, on
+`rollout.invariant.forward.InvariantForward`: the engine's invariant ops on the trainer's padded batch, on
 the engine's dtype. For the same weights and tokens the trainer's logprobs are then the engine's bits, so
 the parity probe `logprob_mismatch_max` is exactly 0.0 and the first on-policy ratio exactly 1. The frozen
 reference is scored by its own engine built with the same config (`trainers.reference`), so the KL at
@@ -20,7 +20,7 @@ import functools
 
 import torch
 
-from rollout.invariant_forward import InvariantForward
+from rollout.invariant.forward import InvariantForward
 
 
 class BatchInvariantMixin:

@@ -212,7 +212,7 @@ def _entropy_rows(logits: Tensor, _: Tensor | None) -> Tensor:
 def _logprob_rows(logits: Tensor, tokens: Tensor | None) -> Tensor:
     # logits: [R, V], tokens: [R] -> [R]
     assert tokens is not None
-    # NOTE: log_softmax then gather, as the engine's sampler does (rollout.sampler): under
+    # NOTE: log_softmax then gather, as the engine's sampler does (rollout.sampling.sampler): under
     # batch_invariant the trainer and the engine then get the same bits for the same logits.
     logp = logits.float().log_softmax(dim=-1)  # [R, V]
     return logp.gather(-1, tokens.long().unsqueeze(-1)).squeeze(-1)

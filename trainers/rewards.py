@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from rollout.chat import is_conversational
+from rollout.api.chat import is_conversational
 
 RewardFn = Callable[..., Sequence[float | None]]
 

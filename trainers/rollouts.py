@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from rollout import RolloutBatch
-from rollout.chat import chat_template_ids as chat_ids  # NOTE: module-level name: tests patch it
-from rollout.chat import is_conversational
+from rollout.api.chat import chat_template_ids as chat_ids  # NOTE: module-level name: tests patch it
+from rollout.api.chat import is_conversational
 
 
 def encode_prompt(tokenizer, prompt: Any, chat_template: bool = False) -> Any:

@@ -24,10 +24,10 @@ from typing import Any
 import torch
 from transformers import GenerationConfig
 
-from ..batch import RolloutBatch
-from ..chat import chat_template_ids, is_conversational
-from ..config import ContinuousBatchingConfig
-from ..engine import RolloutEngine
+from rollout.api.batch import RolloutBatch
+from rollout.api.chat import chat_template_ids, is_conversational
+from rollout.api.engine import RolloutEngine
+from rollout.config import ContinuousBatchingConfig
 
 logger = logging.getLogger("rollout")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 def build_app(*args, **kwargs):
     """See `rollout.serve.app.build_app` (imported on use, so this package imports without fastapi)."""
-    from .app import build_app as _build_app
+    from rollout.serve.app import build_app as _build_app
 
     return _build_app(*args, **kwargs)
 

@@ -16,12 +16,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from ..engine import RolloutEngine
-from . import control, openai_routes
-from .bridge import EngineBridge
-from .metrics import make_registry
-from .protocol import APIError, error_body, validation_error
-from .tools import TOOL_CALL_PARSERS
+from rollout.api.engine import RolloutEngine
+from rollout.serve import control, openai_routes
+from rollout.serve.bridge import EngineBridge
+from rollout.serve.metrics import make_registry
+from rollout.serve.protocol import APIError, error_body, validation_error
+from rollout.serve.tools import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("rollout.serve")
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine import RolloutEngine
-from ..openmp import team_released_after
-from ..requests import GenerationOutput
-from ..seeding import row_seed
-from .protocol import APIError
+from rollout.api.engine import RolloutEngine
+from rollout.engine.openmp import team_released_after
+from rollout.requests import GenerationOutput
+from rollout.sampling.seeding import row_seed
+from rollout.serve.protocol import APIError
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ import ipaddress
 import logging
 import os
 
-from ..config import ContinuousBatchingConfig
+from rollout.config import ContinuousBatchingConfig
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # NOTE: engine config fields the server sets itself, or that take no value from a command line.
@@ -100,12 +100,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from .app import build_app
+        from rollout.serve.app import build_app
     except ImportError as e:
         raise SystemExit(f"rollout serve needs the [serve] extra (pip install 'rollout[serve]'): {e}") from None
-    from ..engine import RolloutEngine
-    from ..openmp import release_thread_team
-    from .tp import follow, refuse_rank0_only_routes
+    from rollout.api.engine import RolloutEngine
+    from rollout.engine.openmp import release_thread_team
+    from rollout.serve.tp import follow, refuse_rank0_only_routes
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:

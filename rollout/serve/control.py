@@ -2,7 +2,7 @@
 
 Blocking work (waiting for requests to drain, copying weights, joining a process group) runs on worker
 threads, so the server keeps answering other requests meanwhile. A worker thread that ran torch work gives
-its OpenMP team back when done (`rollout.openmp`): an idle team slows the engine thread's steps.
+its OpenMP team back when done (`rollout.engine.openmp`): an idle team slows the engine thread's steps.
 """
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi import APIRouter, Request
 
-from ..openmp import team_released_after
-from .bridge import EngineBridge
-from .protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
-from .weights import WeightReceiver, check_update, load_checkpoint
+from rollout.engine.openmp import team_released_after
+from rollout.serve.bridge import EngineBridge
+from rollout.serve.protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
+from rollout.serve.weights import WeightReceiver, check_update, load_checkpoint
 
 router = APIRouter()
 

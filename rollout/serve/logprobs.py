@@ -8,7 +8,7 @@ body stays valid JSON, and each top dict of the legacy object holds the chosen t
 
 from __future__ import annotations
 
-from .text import SampleText
+from rollout.serve.text import SampleText
 
 FLOOR = -9999.0
 

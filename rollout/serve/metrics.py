@@ -6,7 +6,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from .bridge import EngineBridge
+from rollout.serve.bridge import EngineBridge
 
 # cache_stats() keys that only ever grow are counters; the rest are gauges.
 COUNTERS = ("computed_prompt_tokens", "cached_prompt_tokens", "generated_tokens", "recomputed_tokens",

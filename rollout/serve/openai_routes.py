@@ -16,12 +16,12 @@ from collections.abc import AsyncIterator
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from ..chat import chat_template_ids
-from .bridge import EngineBridge
-from .logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
-from .protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
-from .text import SampleText
-from .tools import ToolStream, forced_prefix, parse_tool_calls, tool_mode, tools_start_newline
+from rollout.api.chat import chat_template_ids
+from rollout.serve.bridge import EngineBridge
+from rollout.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from rollout.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
+from rollout.serve.text import SampleText
+from rollout.serve.tools import ToolStream, forced_prefix, parse_tool_calls, tool_mode, tools_start_newline
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5

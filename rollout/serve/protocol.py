@@ -69,7 +69,7 @@ class SamplingRequest(BaseModel):
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
     skip_special_tokens: bool = True
-    # vLLM's sampling fields, its names and ranges (rollout.processors applies them)
+    # vLLM's sampling fields, its names and ranges (rollout.sampling.processors applies them)
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)] = 0.0

@@ -7,7 +7,7 @@ incomplete multi-byte character (U+FFFD), is held back.
 
 from __future__ import annotations
 
-from ..requests import GenerationOutput
+from rollout.requests import GenerationOutput
 
 FINISH_REASONS = {"cancelled": "abort"}  # vLLM's name for an aborted request
 

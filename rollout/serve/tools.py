@@ -21,7 +21,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from .protocol import APIError
+from rollout.serve.protocol import APIError
 
 HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 START = {"hermes": "<tool_call>"}

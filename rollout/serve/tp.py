@@ -1,6 +1,6 @@
 """`rollout serve` on a tensor-parallel model (`--tensor-parallel-size N` under `torchrun --nproc-per-node N`).
 
-Rank 0 serves HTTP; every other rank builds the same engine and follows rank 0's rounds (`rollout.tp`) until
+Rank 0 serves HTTP; every other rank builds the same engine and follows rank 0's rounds (`rollout.engine.tp`) until
 rank 0's engine stops (its close ends the followers' engine threads). The followers replay rank 0's prefix
 flushes (`/reset_prefix_cache`, `/sleep`: the followers keep their KV memory while rank 0 sleeps). Weight
 updates would change rank 0's shards alone, so those routes answer 400 under tensor parallelism until the
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from .protocol import error_body
+from rollout.serve.protocol import error_body
 
 RANK0_ONLY_ROUTES = frozenset({
     "/update_weights_from_disk", "/init_weight_transfer_engine", "/start_weight_update", "/update_weights",

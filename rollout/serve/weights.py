@@ -2,9 +2,9 @@
 over `torch.distributed` (gloo on CPU, NCCL on GPU).
 
 The push uses a group of its own built from a `TCPStore` (trainer rank 0; one server: rank 1; several
-servers fed by one broadcast, `rollout.weight_sync`: ranks 1..N), never torch's default process group, so
+servers fed by one broadcast, `rollout.weights.broadcast`: ranks 1..N), never torch's default process group, so
 the server holds no global distributed state. A chunk arrives tensor by tensor, or `packed` as one flat
-buffer of one dtype (`rollout.weight_transfer`). Tensors are staged and
+buffer of one dtype (`rollout.weights.transfer`). Tensors are staged and
 only copied into the engine when the update finishes, all or nothing: a failed push leaves the old
 weights serving.
 """
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from ..weight_transfer import new_group, unflatten
-from ..weights import strip_prefixes
-from .protocol import APIError
+from rollout.serve.protocol import APIError
+from rollout.weights.in_place import strip_prefixes
+from rollout.weights.transfer import new_group, unflatten
 
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32",
                                                    "int8", "uint8", "bool")}
@@ -102,7 +102,7 @@ class WeightReceiver:
             self.staged[name] = t
 
     def receive_packed(self, items: list) -> None:
-        """Receive one chunk sent as a single flat buffer (`rollout.weight_transfer.flatten`, one dtype)."""
+        """Receive one chunk sent as a single flat buffer (`rollout.weights.transfer.flatten`, one dtype)."""
         if self.staged is None:
             raise RuntimeError("call /start_weight_update first")
         shapes = [shape for _, _, shape in items]

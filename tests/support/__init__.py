@@ -10,7 +10,7 @@ mode, no `tests/__init__.py`), and scripts the tests spawn get `tests/` on their
   `python tests/support/chat_model.py runs/tiny_chat` saves one.
 - `serving`: `rollout serve` in the test process (`serving`, `Served`), a tiny saved model with a chat
   template (`save_tiny`, `make_tokenizer`), and `free_port`.
-- `ddp_worker`: the two-rank script of tests/test_ddp.py (`accelerate launch ... tests/support/ddp_worker.py`),
+- `ddp_worker`: the two-rank script of tests/trainers/test_ddp.py (`accelerate launch ... tests/support/ddp_worker.py`),
   and its trainer builder for the single-process references.
 - `threads`: `guarded`, a call that fails the test instead of hanging.
 - `training`: helpers of the trainer tests on the addition task: the `digit_share` reward, `trained_state`

@@ -1,4 +1,4 @@
-"""Two-rank run of the batch-invariant trainers for tests/test_batch_invariant.py, started with
+"""Two-rank run of the batch-invariant trainers for tests/invariant/test_batch_invariant.py, started with
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no tests/support/ddp_invariant_worker.py --out DIR

@@ -1,4 +1,4 @@
-"""Two-rank checks for tests/test_ddp.py, started with
+"""Two-rank checks for tests/trainers/test_ddp.py, started with
 
     accelerate launch --multi_gpu --num_processes 2 --num_machines 1 --mixed_precision no \\
         --dynamo_backend no tests/support/ddp_worker.py --out DIR

@@ -1,5 +1,5 @@
 """Helpers of the sampling-distribution tests: the processed distribution a request's sampling kwargs
-describe (an implementation independent of `rollout.sampler`), and the checks that sampled tokens follow
+describe (an implementation independent of `rollout.sampling.sampler`), and the checks that sampled tokens follow
 it (exact support, chi-square) and that the reported logprobs are its numbers.
 
 A new logits processor (min-p, penalties, ...) is one more entry in `PROCESSORS`: a function

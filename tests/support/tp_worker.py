@@ -1,4 +1,4 @@
-"""The rank side of `tests/test_tp.py`: run under `torchrun --nproc-per-node 2` on CPU (gloo).
+"""The rank side of `tests/engine/test_tp.py`: run under `torchrun --nproc-per-node 2` on CPU (gloo).
 
 Every check of one launch on models loaded with `DistributedConfig(tp_size=2)` from the checkpoints in
 `--ckpt` (one folder per architecture, saved by the test); each rank writes what it saw to
@@ -24,7 +24,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 from transformers.distributed import DistributedConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine, generate_batch, init_continuous_batching
-from rollout.tp import TensorParallelTimeout
+from rollout.engine.tp import TensorParallelTimeout
 
 ARCHS = ("llama", "qwen3", "mistral", "gemma2")
 MAX_NEW = 10

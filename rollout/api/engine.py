@@ -1,0 +1,379 @@
+"""`RolloutEngine`: the RL-facing API on top of one persistent `ContinuousBatchingManager`.
+
+`generate` encodes the prompts, submits every sample of every group at once and steps the engine on the
+calling thread (`manager.collect`) until they are done, then pads them into a `RolloutBatch`
+(`rollout.api.batch`). `update_weights` copies new weights in (`rollout.weights.in_place`) between steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import math
+import threading
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.api.chat import chat_template_ids
+from rollout.api.score_batch import ScoreBatch, pack_scores
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.collect import collect
+from rollout.engine.manager import ContinuousBatchingManager
+from rollout.model.model_facts import eos_ids_of
+from rollout.prompts import check_token_ids
+from rollout.requests import RequestStatus
+from rollout.sampling.seeding import row_seed
+from rollout.weights.in_place import copy_weights
+
+logger = logging.getLogger("rollout")
+
+
+class RolloutEngine:
+    """Generation for RL: groups, per-prompt temperatures, logprobs, in-place weight swaps.
+
+    Args:
+        model: the policy (a HF causal LM). Its parameters are shared, never copied: an engine built on
+            the trainer's own model sees optimizer steps at once (call `update_weights(model)` to bump
+            the version and drop stale prefix KV).
+        tokenizer: encodes string prompts and decodes completions (optional).
+        config: engine configuration; logprobs are always returned (mode from the config).
+        generation_config: defaults (max_new_tokens, eos); default sampling is plain softmax sampling
+            (no top-k / top-p) at the temperature passed to `generate`.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer=None,
+        config: ContinuousBatchingConfig | None = None,
+        generation_config: GenerationConfig | None = None,
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        config = (config or ContinuousBatchingConfig()).replace(return_logprobs=True)
+        self.generation_config = self._generation_config(model, tokenizer, generation_config)
+        self.manager = ContinuousBatchingManager(model, self.generation_config, config)
+        self.manager.start()
+        self.device = next(model.parameters()).device
+        self._lock = threading.RLock()  # one generate / update / sleep at a time
+        self._calls = 0
+        self._asleep = False
+        self._closed = False
+
+    @staticmethod
+    def _generation_config(model, tokenizer, given: GenerationConfig | None) -> GenerationConfig:
+        """The engine's defaults. Stop tokens: the tokenizer's EOS plus the given config's, or without
+        one the model's `generation_config` (int or list: Llama 3 / Qwen 2.5 Instruct list several)."""
+        if given is not None:
+            gc = copy.deepcopy(given)
+        else:
+            gc = GenerationConfig(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=256,
+                                  pad_token_id=getattr(tokenizer, "pad_token_id", None))
+            given = getattr(model, "generation_config", None)
+        eos = sorted(eos_ids_of(tokenizer, given))
+        gc.eos_token_id = eos[0] if len(eos) == 1 else (eos or None)
+        return gc
+
+    # ------------------------------------------------------------- properties
+    @property
+    def policy_version(self) -> int:
+        return self.manager.policy_version
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = self.generation_config.pad_token_id
+        if pad is None:
+            eos = self.generation_config.eos_token_id
+            pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+        return int(pad)
+
+    @property
+    def is_asleep(self) -> bool:
+        """Whether `sleep()` released the KV cache (the next `generate` or `wake()` takes it back)."""
+        return self._asleep
+
+    def cache_stats(self) -> dict:
+        return self.manager.cache_stats()
+
+    # --------------------------------------------------------------- generate
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        temps: float | Sequence[float] = 1.0,
+        group_size: int = 1,
+        max_new_tokens: int | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        apply_chat_template: bool = False,
+        progress: bool = False,
+        *,
+        top_logprobs: int = 0,
+        min_p: float | Sequence[float] | None = None,
+        repetition_penalty: float | Sequence[float] | None = None,
+        presence_penalty: float | Sequence[float] | None = None,
+        frequency_penalty: float | Sequence[float] | None = None,
+        min_tokens: int | Sequence[int] | None = None,
+        logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
+        bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
+        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+    ) -> RolloutBatch:
+        """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
+
+        `temps` is one temperature for all prompts or one per prompt (0 = greedy). With `seed`, sample
+        j of prompt i draws from its own stream seeded by a hash of (seed, i * group_size + j), so a call
+        is reproducible and two different seeds share no stream. `top_logprobs=k` (<= 20) adds the k most
+        likely tokens of each step (`batch.top_logprobs` / `batch.top_ids` [N, T, k]).
+
+        Logits processors (`rollout.sampling.processors`; None = the generation config's): `min_p`,
+        `repetition_penalty` (prompt + generated tokens), `presence_penalty` / `frequency_penalty`
+        (generated tokens, as vLLM), `min_tokens` (stop ids masked until then), `logit_bias` (token id ->
+        bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
+        Each is one value for all prompts or a list with one value per prompt."""
+        self._check_open()
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of prompts, got a single string")
+        ids = [self._encode(p, apply_chat_template) for p in prompts]
+        if isinstance(temps, (int, float)):
+            temps = [float(temps)] * len(ids)
+        temps = [float(t) for t in temps]
+        if len(temps) != len(ids):
+            raise ValueError(f"temps has {len(temps)} values for {len(ids)} prompts")
+        for t in temps:
+            if math.isnan(t) or t < 0:
+                raise ValueError(f"temps must be non-negative numbers, got {t}")
+        per_prompt = _per_prompt(len(ids), min_p=min_p, repetition_penalty=repetition_penalty,
+                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                                 min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
+                                 stop_token_ids=stop_token_ids)
+        with self._lock:
+            if self._asleep:
+                self.wake()
+            self._calls += 1
+            with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
+                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt,
+                                    top_logprobs)
+                outputs = collect(self.manager, rids, progress)
+        failed = [o for o in outputs if o.status == RequestStatus.FAILED]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")
+        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
+                          self.tokenizer, top_logprobs)
+
+    def _encode(self, prompt, apply_chat_template: bool) -> list[int]:
+        core = self.manager.core
+        if isinstance(prompt, str) or (apply_chat_template and isinstance(prompt, list) and prompt
+                                       and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: pass tokenizer= to RolloutEngine")
+            if apply_chat_template:
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+                return core.check_prompt(chat_template_ids(self.tokenizer, messages))
+            return core.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return core.check_prompt(prompt)
+
+    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt,
+                top_logprobs=0) -> list[str]:
+        """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
+        core = self.manager.core
+        reqs = [
+            core.make_request(
+                prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
+                temperature=temps[i], top_k=top_k, top_p=top_p,
+                seed=None if seed is None else row_seed(seed, i * group_size + j), prompt_checked=True,
+                top_logprobs=top_logprobs,
+                **per_prompt[i],
+            )
+            for i, prompt in enumerate(ids)
+            for j in range(group_size)
+        ]
+        if not self.manager.submit(reqs):
+            raise RuntimeError("the rollout engine's manager is not running")
+        return [r.request_id for r in reqs]
+
+    # ------------------------------------------------------------------ score
+    def score(
+        self,
+        prompt_ids: RolloutBatch | Sequence[Sequence[int]] | Sequence[str],
+        completion_ids: Sequence[Sequence[int]] | Sequence[str] | None = None,
+        top_logprobs: int = 0,
+        prompt_logprobs: bool = False,
+        temps: float | Sequence[float] | None = None,
+        progress: bool = False,
+    ) -> ScoreBatch:
+        """Teacher-forced logprobs of `completion_ids[i]` after `prompt_ids[i]`, through the paged engine.
+
+        Rows sharing a prompt compute it once (the first forks its KV to the others, and prompts in the
+        prefix cache are not recomputed); long rows are prefilled in chunks. `prompt_ids` may be a
+        `RolloutBatch` (its completions after its prompts, at its temperatures, `ScoreBatch` shaped like it).
+        Logprobs follow the engine's `logprobs_mode`: raw, or processed at `temps` (one, or one per row;
+        default 1.0; 0 means raw). Returns a `ScoreBatch`."""
+        self._check_open()
+        width = None
+        if isinstance(prompt_ids, RolloutBatch):
+            batch = prompt_ids
+            prompts = [row[m.bool()].tolist() for row, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)]
+            completion_ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask,
+                                                                       strict=True)]
+            temps = batch.temperatures.tolist() if temps is None else temps
+            width = batch.completion_ids.shape[1]
+        else:
+            if isinstance(prompt_ids, str) or completion_ids is None:
+                raise ValueError("score needs a list of prompts and a list of completions (or a RolloutBatch)")
+            prompts = [self._encode(p, False) for p in prompt_ids]
+        completions = [self._encode_completion(c) for c in completion_ids]
+        if len(completions) != len(prompts):
+            raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
+        temps = [1.0] * len(prompts) if temps is None else temps
+        temps = [float(temps)] * len(prompts) if isinstance(temps, (int, float)) else [float(t) for t in temps]
+        if len(temps) != len(prompts) or any(math.isnan(t) or t < 0 for t in temps):
+            raise ValueError(f"temps must be one non-negative number or one per row ({len(prompts)}), got {temps}")
+        first_of = None
+        if prompt_logprobs:  # NOTE: the first row of each distinct prompt scores it; the others fork its KV
+            seen: dict[tuple[int, ...], int] = {}
+            first_of = [seen.setdefault(tuple(p), i) for i, p in enumerate(prompts)]
+        with self._lock:
+            if self._asleep:
+                self.wake()
+            self._calls += 1
+            core = self.manager.core
+            reqs = [
+                core.make_request(
+                    p, request_id=f"score{self._calls}_{i}", max_new_tokens=0, temperature=temps[i],
+                    prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
+                    score_from=1 if first_of is not None and first_of[i] == i else len(p),
+                )
+                for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
+            ]
+            with self.manager.driving():
+                if not self.manager.submit(reqs):
+                    raise RuntimeError("the rollout engine's manager is not running")
+                outputs = collect(self.manager, [r.request_id for r in reqs], progress, desc="score")
+        failed = [o for o in outputs if o.status == RequestStatus.FAILED]
+        if failed:
+            raise RuntimeError(f"{len(failed)} of {len(outputs)} scoring rows failed; first error: {failed[0].error}")
+        return pack_scores(prompts, completions, outputs, top_logprobs, first_of, width, self.device)
+
+    def _encode_completion(self, completion) -> list[int]:
+        if isinstance(completion, str):
+            if self.tokenizer is None:
+                raise ValueError("string completions need a tokenizer: pass tokenizer= to RolloutEngine")
+            completion = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
+        if len(completion) == 0:
+            return []
+        return check_token_ids(completion, self.manager.core.vocab_size, "completion_ids")
+
+    # ---------------------------------------------------------- weight update
+    def update_weights(self, source, in_flight: str = "finish", recompute_kv: bool = False) -> int:
+        """Load new policy weights in place; returns the new `policy_version`.
+
+        `source`: an nn.Module (DDP / accelerate / compile wrappers are unwrapped), a state dict, or an
+        iterable of (name, tensor). Values are cast to each parameter's dtype and copied into its
+        existing storage. Built on the trainer's own module, `update_weights(model)` copies nothing.
+        Every prefix-cache page computed with the old weights is dropped. Requests in flight finish
+        under the old weights first (`in_flight="finish"`) or are aborted with their partial output
+        (`in_flight="abort"`), or stay where they are and go on under the new weights (`in_flight="keep"`):
+        on a live engine (a `generate` on another thread, the engine thread) the update lands between two
+        steps; paused in "keep" mode, they go on after `resume()`. Their KV computed so far is kept (it
+        is their own context, never shared with another request), or with `recompute_kv=True` dropped and
+        recomputed under the new weights before their next token. Each token's version is in
+        `RolloutBatch.versions`."""
+        self._check_open()
+        if in_flight not in ("finish", "abort", "keep"):
+            raise ValueError(f"in_flight must be 'finish', 'abort' or 'keep', got {in_flight!r}")
+        if recompute_kv and in_flight != "keep":
+            raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
+        if in_flight == "abort":
+            self.manager.abort_live()
+        # NOTE: "keep" does not wait for a generate() running on another thread (it holds `_lock`).
+        with contextlib.nullcontext() if in_flight == "keep" else self._lock:
+            if in_flight != "keep":
+                self.manager.wait_idle()
+            with self.manager.step_lock:  # NOTE: between two steps
+                core = self.manager.core
+                try:
+                    copied = copy_weights(core.view, source)
+                finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
+                    core.reset_prefix_cache()
+                    if recompute_kv:
+                        core.scheduler.drop_kv()
+                core.policy_version += 1
+            logger.info("policy weights updated (version %d, %d tensors copied)", core.policy_version, copied)
+            return core.policy_version
+
+    # ---------------------------------------------------------------- memory
+    def sleep(self) -> int:
+        """Release the KV cache (and any offload buffer) between rollouts; returns the bytes freed."""
+        self._check_open()
+        with self._lock:
+            self.manager.wait_idle()
+            with self.manager.step_lock:
+                freed = self.manager.core.release_memory()
+            self._asleep = True
+            return freed
+
+    def wake(self) -> int:
+        """Take the KV cache memory back; returns its bytes."""
+        self._check_open()
+        with self._lock, self.manager.step_lock:
+            self._asleep = False
+            return self.manager.core.restore_memory()
+
+    # --------------------------------------------------------------- closing
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.manager.destroy()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this RolloutEngine is closed")
+
+    def __enter__(self) -> RolloutEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# NOTE: how to tell one value for all prompts from one value per prompt: a per-prompt list holds values
+# of the field's own kind (a list of dicts for logit_bias, of id lists for stop_token_ids, ...).
+_LIST_DEPTH = {"logit_bias": None, "bad_words_ids": 2, "stop_token_ids": 1}
+
+
+def _per_prompt(n: int, **fields) -> list[dict]:
+    """The processor keywords of each prompt (`make_request`'s names); ValueError naming a field whose
+    per-prompt list has the wrong length."""
+    out: list[dict] = [{} for _ in range(n)]
+    for name, value in fields.items():
+        if value is None:
+            continue
+        key = "eos_token_ids" if name == "stop_token_ids" else name
+        depth = _LIST_DEPTH.get(name, 0)
+        if depth is None:
+            each = isinstance(value, (list, tuple))
+        else:
+            each = isinstance(value, (list, tuple)) and _depth(value) == depth + 1
+        if each and len(value) != n:
+            raise ValueError(f"{name} has {len(value)} values for {n} prompts")
+        for i in range(n):
+            out[i][key] = value[i] if each else value
+    return out
+
+
+def _depth(value) -> int:
+    """Nesting depth of lists: 0 for a scalar, 1 for [1, 2], 2 for [[1], [2]]."""
+    d = 0
+    while isinstance(value, (list, tuple)):
+        if not value:
+            return d + 1
+        value, d = value[0], d + 1
+    return d

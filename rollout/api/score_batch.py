@@ -1,0 +1,72 @@
+"""`ScoreBatch`: teacher-forced logprobs of given completions, and `pack_scores`, which pads a call's outputs.
+
+`RolloutEngine.score` submits one scoring request per row (its prompt, its completion teacher-forced) and
+packs their `GenerationOutput.scores` here. Prompt logprobs are computed once per distinct prompt (by the
+first row that has it) and shared with the rows that repeat it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+
+from rollout.requests import GenerationOutput
+
+
+@dataclass
+class ScoreBatch:
+    """Per-token logprobs of N completions after their prompts (fp32, 0 where masked).
+
+    Completions are right-padded as in `RolloutBatch.completion_ids`; prompts left-padded as in
+    `RolloutBatch.prompt_ids`, so `prompt_logprobs[i, j]` is the logprob of `prompt_ids[i, j]` (0 on the
+    first prompt token, which has no context, and on padding).
+    """
+
+    logprobs: torch.Tensor  # [N, T] fp32
+    mask: torch.Tensor  # [N, T] 1 on completion tokens
+    top_logprobs: torch.Tensor | None = None  # [N, T, k] fp32, best first (when top_logprobs=k > 0)
+    top_ids: torch.Tensor | None = None  # [N, T, k] int64
+    prompt_logprobs: torch.Tensor | None = None  # [N, P] fp32 (when prompt_logprobs=True)
+    prompt_mask: torch.Tensor | None = None  # [N, P] 1 on prompt tokens that have a logprob
+
+    def __len__(self) -> int:
+        return self.logprobs.shape[0]
+
+    def to(self, device: torch.device | str) -> ScoreBatch:
+        return ScoreBatch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                             for f in fields(self)})
+
+
+def pack_scores(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
+                outputs: Sequence[GenerationOutput], top_logprobs: int, first_of: Sequence[int] | None,
+                width: int | None, device: torch.device) -> ScoreBatch:
+    """Pad the outputs of one scoring call. Row i scored `completions[i]` after `prompts[i]`; with prompt
+    logprobs, `first_of[i]` is the row whose output holds them (it scored from token 1). `width` is the
+    completion width T (default the longest completion)."""
+    n = len(outputs)
+    t_len = max((len(c) for c in completions), default=0) if width is None else width
+    k = top_logprobs
+    logprobs = torch.zeros((n, t_len), dtype=torch.float32)
+    mask = torch.zeros((n, t_len), dtype=torch.long)
+    top_lp = torch.zeros((n, t_len, k), dtype=torch.float32) if k else None
+    top_ids = torch.zeros((n, t_len, k), dtype=torch.long) if k else None
+    p_len = max((len(p) for p in prompts), default=0)
+    prompt_lp = torch.zeros((n, p_len), dtype=torch.float32) if first_of is not None else None
+    prompt_mask = torch.zeros((n, p_len), dtype=torch.long) if first_of is not None else None
+    for row, (p, c, out) in enumerate(zip(prompts, completions, outputs, strict=True)):
+        skip = len(out.scores) - len(c)  # NOTE: prompt positions scored before the completion's
+        if c:
+            logprobs[row, : len(c)] = torch.tensor(out.scores[skip:], dtype=torch.float32)
+            mask[row, : len(c)] = 1
+            if k:
+                top_lp[row, : len(c)] = torch.tensor(out.score_top_logprobs[skip:], dtype=torch.float32)
+                top_ids[row, : len(c)] = torch.tensor(out.score_top_ids[skip:], dtype=torch.long)
+        if first_of is not None and len(p) > 1:
+            src = outputs[first_of[row]]
+            prompt_lp[row, p_len - len(p) + 1 :] = torch.tensor(src.scores[: len(p) - 1], dtype=torch.float32)
+            prompt_mask[row, p_len - len(p) + 1 :] = 1
+    batch = ScoreBatch(logprobs=logprobs, mask=mask, top_logprobs=top_lp, top_ids=top_ids,
+                       prompt_logprobs=prompt_lp, prompt_mask=prompt_mask)
+    return batch.to(device)

@@ -1,0 +1,400 @@
+"""`EngineCore`: schedule -> run -> sample -> update, one step at a time, single-threaded.
+
+The manager drives it from its background thread; `generate_batch` drives it inline.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import weakref
+from collections.abc import Sequence
+
+import torch
+from transformers import GenerationConfig
+
+from rollout.attention.backends import attention_memory
+from rollout.attention.backends import create as create_backend
+from rollout.attention.backends import select as select_backend
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
+from rollout.invariant import mode as batch_invariant
+from rollout.kernels.linear import drop_packed
+from rollout.kv.kv_cache import PagedKVCache
+from rollout.kv.memory_plan import KVShape, kv_shape_from_config, plan_cache, step_bytes_per_token
+from rollout.kv.offload import CpuOffloadBuffer, plan_offload
+from rollout.kv.page_pool import PagePool
+from rollout.model.engine_view import make_engine_view
+from rollout.model.model_facts import (
+    eos_ids_of,
+    has_attention_sinks,
+    layer_groups,
+    layer_windows,
+    text_config,
+)
+from rollout.model.runner import ModelRunner
+from rollout.prompts import check_token_ids
+from rollout.requests import Request, RequestStatus, SamplingParams
+from rollout.sampling.sampler import Sampler
+from rollout.sampling.sampling_fields import generation_defaults, make_sampling, overrides
+from rollout.sampling.token_logprobs import check_scoring, record_logprobs
+from rollout.scheduling.scheduler import Scheduler
+from rollout.scheduling.stages import SchedulerOutput
+from rollout.weights.in_place import versioned_tensors, weights_version
+
+logger = logging.getLogger("rollout")
+
+STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens")
+
+
+def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
+    if isinstance(values, int) or isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of token ids, got {values!r}")
+    values = list(values)
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
+        raise ValueError(f"{name} must hold int token ids, got {values!r}")
+    return frozenset(values)
+
+
+class EngineCore:
+    """Owns the cache, the scheduler, the runner and the sampler of one model.
+
+    Args:
+        model: any HF causal LM (its parameters are shared, never copied).
+        generation_config: defaults for max_new_tokens, eos, do_sample / temperature / top_k / top_p.
+        config: the engine configuration.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        generation_config: GenerationConfig | None = None,
+        config: ContinuousBatchingConfig | None = None,
+    ) -> None:
+        self.config = config = config or ContinuousBatchingConfig()
+        self._model_ref = weakref.ref(model)  # NOTE: weak: a persistent manager must not keep its model alive
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        config.log_unavailable_features(torch.cuda.is_available())
+        if config.default_compile_level and self.device.type != "cpu":
+            logger.warning("default_compile_level=%d has no effect on %s: rollout compiles its forward on a CPU only",
+                           config.default_compile_level, self.device)
+        self.view = make_engine_view(model)
+        self.windows, groups = layer_groups(layer_windows(model))
+        self.sliding = any(w is not None for w in self.windows)
+        sharing = config.allow_block_sharing
+        # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
+        if config.batch_invariant:  # NOTE: one reduction order per token (rollout.invariant.mode); before any group
+            batch_invariant.check(self.device, self.dtype, has_attention_sinks(model), type(model).__name__,
+                                  tp_size_of(model))
+        # NOTE: under tensor parallelism each rank holds its own KV heads only (rollout.engine.tp)
+        self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
+        # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.engine.tp)
+        self.follower = self.tp is not None and not self.tp.leader
+        per_layer = kv_shape_from_config(model.config, self.dtype, tp_size_of(model))
+        shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
+        tc = text_config(model)
+        attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
+                                   type(model).__name__)
+        if config.batch_invariant:
+            batch_invariant.install(self.view)
+        max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
+        attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,
+                                       bool(getattr(tc, "attn_logit_softcapping", None)), max_pages)
+        num_pages, self.max_batch_tokens = plan_cache(
+            shape, config.page_size, config.num_blocks, config.max_batch_tokens,
+            config.max_memory_percent, self.device,
+            step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
+            cpu_share_set=config.memory_percent_set, attn=attn_memory,
+        )
+        if self.tp is not None:
+            num_pages, self.max_batch_tokens = self.tp.agree_min(num_pages, self.max_batch_tokens)
+        self.page_size = config.page_size
+        self.backend = batch_invariant.engine_backend(attn_name) if config.batch_invariant else create_backend(
+            attn_name, self.device, self.dtype, page_size=config.page_size, num_pages=num_pages,
+            max_batch_tokens=self.max_batch_tokens)
+        self.cache = PagedKVCache(num_pages, config.page_size, self.device, self.dtype, groups,
+                                  zeroed=self.backend.reads_unwritten_slots)
+        offload_pages = plan_offload(
+            config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
+            config.page_size * shape.bytes_per_token,
+        )
+        if self.tp is not None:
+            offload_pages = self.tp.agree_min(offload_pages)[0]
+        if offload_pages:
+            self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
+        self.page_pool = PagePool(num_pages, config.page_size, enable_prefix_caching=sharing)
+        self.scheduler = Scheduler(
+            self.page_pool, self.max_batch_tokens, config.max_requests_per_batch,
+            config.scheduler_type, config.safety_margin, fork_prompts=config.allow_block_sharing,
+            windows=self.windows, offloader=self.cache.offload,
+        )
+        self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
+                                  compiled=config.default_compile_level >= 1 and self.device.type == "cpu")
+        self.sampler = Sampler(self.device) if self.tp is None else AgreedSampler(Sampler(self.device), self.tp)
+        self.set_generation_config(generation_config)
+        tc = text_config(model)
+        self.vocab_size = model.get_input_embeddings().num_embeddings
+        self.max_context = getattr(tc, "max_position_embeddings", None)
+        self.policy_version = 0
+        self.requests: dict[str, Request] = {}  # live (not final) requests by id
+        self.stats = dict.fromkeys(STAT_COUNTERS, 0)
+        self._arrival = itertools.count()
+        self.batch_ids = itertools.count()  # NOTE: ids of `add_requests` batches under tensor parallelism
+        self._weights = versioned_tensors(self.view)
+        self._weights_seen = weights_version(self._weights)
+        logger.info(
+            "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
+            "attention windows %s, CPU offload %d pages",
+            num_pages, config.page_size, num_pages * config.page_size * shape.bytes_per_token / 2**20,
+            self.max_batch_tokens, "on" if sharing else "off", self.windows, offload_pages,
+        )
+
+    @property
+    def model(self) -> torch.nn.Module:
+        """The model served; its engine view (same class, config and parameters) once the caller dropped it."""
+        return self._model_ref() or self.view
+
+    # ------------------------------------------------------------ requests
+    def set_generation_config(self, gc: GenerationConfig | None) -> None:
+        """Defaults for new requests (a later call's config is honoured, never frozen at the first)."""
+        # NOTE: an explicit config is taken as is (eos_token_id=None means no EOS); without one, the
+        # model's own generation config supplies the defaults.
+        gc = gc or getattr(self.model, "generation_config", None) or GenerationConfig()
+        self.generation_config = gc
+        self.eos_ids = eos_ids_of(gc)
+        # NOTE: a field the engine does not implement is refused at submission (make_request), by name.
+        try:
+            self.sampling_defaults, self.generation_refusal = generation_defaults(gc, self.eos_ids), None
+        except ValueError as e:
+            self.sampling_defaults, self.generation_refusal = {}, str(e)
+        self.default_max_new_tokens = gc.max_new_tokens or 20
+        # NOTE: transformers' budget without max_new_tokens is max_length - prompt length
+        self.default_max_length = gc.max_length if gc.max_new_tokens is None else None
+
+    def check_prompt(self, input_ids: Sequence[int] | torch.Tensor) -> list[int]:
+        """A prompt's token ids as a list after one vectorised check (ValueError naming `input_ids`)."""
+        return check_token_ids(input_ids, self.vocab_size)
+
+    def make_request(
+        self,
+        input_ids: Sequence[int] | torch.Tensor,
+        request_id: str | None = None,
+        max_new_tokens: int | None = None,
+        streaming: bool = False,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        seed: int | None = None,
+        eos_token_ids: Sequence[int] | None = None,
+        ignore_eos: bool = False,
+        *,
+        prompt_checked: bool = False,
+        forced_ids: Sequence[int] | torch.Tensor | None = None,
+        score_from: int | None = None,
+        top_logprobs: int = 0,
+        **processors,
+    ) -> Request:
+        """Validate a submission (ValueError naming the field) and build its `Request`.
+
+        `processors`: per-request sampling fields over the generation config's (`rollout.sampling.sampling_fields`:
+        min_p, repetition_penalty, presence_penalty, frequency_penalty, min_tokens / min_new_tokens,
+        logit_bias, bad_words_ids, sequence_bias, no_repeat_ngram_size, suppress_tokens, ...).
+
+        Stop tokens: the engine's EOS ids (see `set_generation_config`; none with `ignore_eos`) plus the
+        request's own `eos_token_ids`. `prompt_checked=True` says `input_ids` is the list `check_prompt`
+        returned (a group's samples share one check). Scoring (`rollout.sampling.token_logprobs`): `forced_ids` follow
+        the prompt teacher-forced, `score_from` the first given token whose logprob is recorded (then
+        `max_new_tokens` may be 0), `top_logprobs` k <= 20 the top k of each scored and generated token."""
+        if request_id is None:
+            request_id = f"req_{next(self._arrival)}"
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {request_id!r}")
+        if request_id in self.requests and not self.follower:
+            raise ValueError(f"request_id {request_id!r} is already in use by a live request")
+        try:
+            ids = input_ids if prompt_checked else self.check_prompt(input_ids)
+        except ValueError as e:
+            raise ValueError(f"request {request_id!r}: {e}") from None
+        if self.generation_refusal is not None:
+            raise ValueError(self.generation_refusal)
+        if max_new_tokens is None:
+            max_new_tokens = self.default_max_new_tokens
+            if self.default_max_length is not None:
+                max_new_tokens = self.default_max_length - len(ids)
+        forced = check_scoring(forced_ids, score_from, top_logprobs, len(ids), self.vocab_size, max_new_tokens)
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < (score_from is None):
+            raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
+        total = len(ids) + len(forced) + max_new_tokens
+        if self.max_context is not None and total > self.max_context:
+            raise ValueError(
+                f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+                f"model's context of {self.max_context} tokens"
+            )
+        # NOTE: a sliding-window group holds at most its window's pages, whatever the length.
+        need = self.scheduler.max_pages(total)
+        if need > self.page_pool.num_pages:
+            raise ValueError(
+                f"request {request_id!r} needs {need} KV pages ({total} tokens) but the whole cache has "
+                f"{self.page_pool.num_pages} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
+            )
+        sampling = self._sampling(temperature, top_k, top_p, seed, processors)
+        eos = frozenset() if ignore_eos else self.eos_ids
+        if eos_token_ids is not None:
+            eos = eos | _int_set(eos_token_ids, "eos_token_ids")
+        return Request(
+            request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
+            eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,
+            arrival=next(self._arrival), forced_ids=forced, score_from=score_from, top_logprobs=top_logprobs,
+        )
+
+    def _sampling(self, temperature, top_k, top_p, seed, processors: dict) -> SamplingParams:
+        """The generation config's fields, overridden per request (unless `per_request_processors` is off)."""
+        given = overrides({"temperature": temperature, "top_k": top_k, "top_p": top_p, **processors})
+        spec = {**self.sampling_defaults, **(given if self.config.per_request_processors else {})}
+        return make_sampling(spec, seed, self.vocab_size)
+
+    def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
+        self.requests[request.request_id] = request
+        self.scheduler.add(request)
+
+    def cancel(self, request_id: str) -> Request | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finalize(req, RequestStatus.CANCELLED, "cancelled")
+        return req
+
+    def fail(self, request: Request, error: str) -> None:
+        self._finalize(request, RequestStatus.FAILED, "error", error)
+
+    def fail_all(self, error: str) -> list[Request]:
+        reqs = list(self.requests.values())
+        for req in reqs:
+            self.fail(req, error)
+        return reqs
+
+    def _finalize(self, req: Request, status: RequestStatus, reason: str, error: str | None = None) -> None:
+        self.scheduler.remove(req)
+        req.status, req.finish_reason, req.error = status, reason, error
+        req.policy_version = self.policy_version
+        self.requests.pop(req.request_id, None)
+        self.sampler.forget(req.request_id)
+        self.runner.release(req)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    # ---------------------------------------------------------------- step
+    def step(self) -> list[Request]:
+        """One engine step. Returns the requests with news (final, or a new token when streaming)."""
+        if self.scheduler.waiting:
+            self._check_weights()
+        out = self.scheduler.schedule()
+        if not out:
+            return self._unstick()
+        self._count_prompt_tokens(out)
+        try:
+            logits, sampled, scores = self.runner.execute(out)
+            reqs = [out.scheduled[i].request for i in sampled]
+            mode = self.config.logprobs_mode if self.config.return_logprobs else None
+            result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode,
+                                  requests=reqs)
+            record_logprobs(scores, out, logits, reqs, self.config.logprobs_mode)
+        except Exception as e:  # NOTE: a failing step fails its own requests; the engine keeps serving
+            logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            failed = [s.request for s in out.scheduled]
+            for req in failed:
+                self.fail(req, f"engine step failed: {type(e).__name__}: {e}")
+            return failed
+        self.scheduler.after_step(out)
+        news: list[Request] = []
+        logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
+        for req, token, logprob in zip(reqs, result.tokens, logprobs, strict=True):
+            reason = req.append_token(token, logprob, self.policy_version)
+            if reason is not None:
+                self._finalize(req, RequestStatus.FINISHED, reason)
+                news.append(req)
+            elif req.streaming:
+                news.append(req)
+        self.stats["generated_tokens"] += len(reqs)
+        for s in out.scheduled:  # NOTE: a scoring-only request (max_new_tokens 0) ends with its given tokens
+            if s.request.max_new_tokens == 0 and s.request.remaining == 0 and not s.request.status.is_final:
+                self._finalize(s.request, RequestStatus.FINISHED, "length")
+                news.append(s.request)
+        return news
+
+    def _count_prompt_tokens(self, out: SchedulerOutput) -> None:
+        """Prompt tokens computed and tokens computed again after a preemption (below `high_water`)."""
+        if out.decode_only:  # NOTE: DECODING rows compute a generated token past their high-water mark
+            return
+        recomputed = prompt = 0
+        for s in out.scheduled:
+            req = s.request
+            start = req.num_computed_tokens
+            end = start + s.num_new_tokens
+            if start < req.high_water:
+                recomputed += min(end, req.high_water) - start
+            if start < len(req.prompt_ids):
+                prompt += min(end, len(req.prompt_ids)) - start
+        self.stats["recomputed_tokens"] += recomputed
+        self.stats["computed_prompt_tokens"] += prompt
+
+    def _unstick(self) -> list[Request]:
+        """Nothing could be scheduled although work is queued: fail the head request if it cannot fit."""
+        if not self.scheduler.waiting or self.scheduler.running:
+            return []
+        req = self.scheduler.waiting[0]
+        self.fail(req, f"request needs more KV pages than are free in a cache of {self.page_pool.num_pages} pages")
+        return [req]
+
+    def _check_weights(self) -> None:
+        """Before admitting requests: parameters changed in place since the last check (an optimizer step
+        on the trainer's own model, a `copy_` without `update_weights`) make every cached prefix stale."""
+        # NOTE: not under tensor parallelism: ranks would notice at different rounds (use update_weights)
+        if self.tp is None and weights_version(self._weights) != self._weights_seen:
+            dropped = self.reset_prefix_cache()
+            logger.info("parameters changed in place (version counters): dropped %d cached prefix pages", dropped)
+
+    # ------------------------------------------------------------- control
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix page (and anything that would share KV computed so far), and the
+        packed weight copies of `rollout.kernels.linear` (rebuilt at the next step from the current weights)."""
+        self.scheduler.forget_prefixes()
+        if self.tp is not None:
+            self.tp.flushes += 1
+        drop_packed(self.view)
+        self._weights_seen = weights_version(self._weights)
+        return self.page_pool.reset_prefix_cache()
+
+    def release_memory(self) -> int:
+        """Free the KV tensors while idle (their contents, and so the prefix cache, are lost)."""
+        if self.has_work():
+            raise RuntimeError("release_memory needs an idle engine")
+        self.reset_prefix_cache()
+        return self.cache.release()
+
+    def restore_memory(self) -> int:
+        return self.cache.reallocate()
+
+    def cache_stats(self) -> dict:
+        bm = self.page_pool
+        return {
+            "num_blocks": bm.num_pages,
+            "free_blocks": bm.num_free_pages,
+            "page_size": bm.page_size,
+            "cached_blocks": len(bm.cached),
+            "preemptions": self.scheduler.num_preemptions,
+            "offloaded_blocks": self.scheduler.num_offloaded_pages,
+            "restored_blocks": self.scheduler.num_restored_pages,
+            "offload_fallbacks": self.scheduler.num_offload_fallbacks,
+            "offload_free_blocks": self.cache.offload.num_free if self.cache.offload else 0,
+            "recycled_blocks": self.scheduler.num_recycled_pages,
+            "peak_used_blocks": self.scheduler.peak_used_pages,
+            "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
+            "kv_bytes": self.cache.nbytes,
+            "max_batch_tokens": self.max_batch_tokens,
+            **self.stats,
+        }

@@ -1,0 +1,1 @@
+"""Many engines: pools of `rollout serve` processes behind the RolloutEngine API, and those processes."""

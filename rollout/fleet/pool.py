@@ -1,0 +1,304 @@
+"""`RolloutPool`: a learner's rollouts from one or more `rollout serve` processes, with the engine's RL API.
+
+    pool = RolloutPool(urls, tokenizer=tok)          # or RolloutPool(urls, api_key=..., pad_token_id=0)
+    batch = pool.generate(prompt_ids, temps=1.0, group_size=8, max_new_tokens=64, seed=0)   # RolloutBatch
+    version = pool.update_weights(model)             # one broadcast to every live server
+    pool.close()
+
+Each prompt's group is one `/v1/completions` request (token ids in, `n=group_size`, `return_token_ids`,
+`logprobs=0`: token ids and logprobs out, no retokenisation; the answering weights' version from the
+`X-Weight-Version` header, or per token from `weight_versions` where the server reports them), sent to the live
+server with the fewest groups in flight. Group i of a call seeded `s` is seeded `row_seed(s, i)`, so its samples do not depend on which
+server runs it. Liveness: every request has a deadline (`request_timeout_s`); a request that fails (refused
+connection, timeout, 5xx) makes the pool probe that server's `/health` (`health_timeout_s`); a server that
+does not answer is marked dead with a log line and its groups go to the others, each group at most
+`max_attempts` times; with no server left the call raises. Nothing waits without a deadline.
+
+Weights: `weight_transfer="broadcast"` (default) keeps one `WeightBroadcaster` group over the live servers,
+rebuilt without a server once it is dead; `"disk"` saves the model to `disk_dir` and has every server load it
+(`/update_weights_from_disk`).
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.requests import GenerationOutput, RequestStatus
+from rollout.sampling.seeding import row_seed
+from rollout.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightBroadcaster
+
+logger = logging.getLogger("rollout.fleet.pool")
+
+
+class ServerDown(RuntimeError):
+    """A rollout server stopped answering."""
+
+
+class RolloutPool:
+    """Groups of samples from several rollout servers, as a `RolloutEngine` gives them.
+
+    Args:
+        urls: the servers' base URLs.
+        api_key: their key (None when they have none).
+        tokenizer: encodes string prompts, decodes completions (`completions_text`), gives the pad id.
+        pad_token_id: the padding id of batches (default: the tokenizer's, else 0).
+        request_timeout_s: deadline of one group's request.
+        health_timeout_s: deadline of a `/health` probe.
+        max_attempts: how many servers one group may be tried on.
+        weight_transfer: "broadcast" (torch.distributed, `rollout.weights.broadcast`) or "disk".
+        backend, bucket_bytes, sync_timeout_s: the broadcast's (see `WeightBroadcaster`).
+        disk_dir: where "disk" saves the weights (default: a temporary folder).
+    """
+
+    def __init__(self, urls: Sequence[str], api_key: str | None = None, tokenizer=None,
+                 pad_token_id: int | None = None, request_timeout_s: float = 300.0, health_timeout_s: float = 5.0,
+                 max_attempts: int = 3, weight_transfer: str = "broadcast", backend: str | None = None,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, sync_timeout_s: float = 120.0,
+                 disk_dir: str | None = None) -> None:
+        import httpx
+
+        if not urls:
+            raise ValueError("urls must name at least one rollout server")
+        if weight_transfer not in ("broadcast", "disk"):
+            raise ValueError(f"weight_transfer must be 'broadcast' or 'disk', got {weight_transfer!r}")
+        if max_attempts < 1:
+            raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        self.urls = [u.rstrip("/") for u in urls]
+        self.alive = list(self.urls)
+        self.tokenizer = tokenizer
+        pad = getattr(tokenizer, "pad_token_id", None) if pad_token_id is None else pad_token_id
+        self.pad_token_id = 0 if pad is None else int(pad)
+        self.request_timeout_s, self.health_timeout_s, self.max_attempts = request_timeout_s, health_timeout_s, max_attempts
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(request_timeout_s, connect=health_timeout_s),
+                                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+        self.weight_transfer = weight_transfer
+        self.sync = (WeightBroadcaster(self.urls, api_key, backend, bucket_bytes, sync_timeout_s)
+                     if weight_transfer == "broadcast" else None)
+        self.disk_dir = disk_dir
+        self.device = torch.device("cpu")  # NOTE: batches are built here; the trainer moves them
+        self.in_flight = {u: 0 for u in self.urls}
+        self.resubmitted = 0  # groups sent again after their server failed
+        self.closed = False
+        self._lock = threading.Lock()
+        versions = {}
+        for url in self.urls:
+            try:
+                versions[url] = self._version(url)
+            except Exception as e:
+                self.mark_dead(url, f"{type(e).__name__}: {e}")
+        if not versions:
+            raise RuntimeError(f"no rollout server answers: {', '.join(self.urls)}")
+        if len(set(versions.values())) > 1:
+            logger.warning("the rollout servers start at different weight versions %s: batches report the "
+                           "oldest", versions)
+        self.policy_version = min(versions.values())
+        self._workers = ThreadPoolExecutor(64, thread_name_prefix="rollout-pool")
+
+    # ------------------------------------------------------------------------ liveness
+    def _version(self, url: str) -> int:
+        r = self.http.get(url + "/get_weight_version", timeout=self.health_timeout_s)
+        r.raise_for_status()
+        return int(r.json()["weight_version"])
+
+    def healthy(self, url: str) -> bool:
+        try:
+            return self.http.get(url + "/health", timeout=self.health_timeout_s).status_code == 200
+        except Exception:
+            return False
+
+    def mark_dead(self, url: str, reason: str) -> None:
+        with self._lock:
+            if url not in self.alive:
+                return
+            self.alive.remove(url)
+            lost = self.in_flight.get(url, 0)
+        left = ", ".join(self.alive) or "none"
+        logger.warning("rollout server %s is down (%s): resubmitting its %d group(s) to the %d live server(s) "
+                       "left (%s)", url, reason, lost, len(self.alive), left)
+
+    def check_servers(self) -> list[str]:
+        """Probe every live server's /health; mark the silent ones dead. Returns the live ones."""
+        for url in list(self.alive):
+            if not self.healthy(url):
+                self.mark_dead(url, "no answer to /health")
+        return list(self.alive)
+
+    def _pick(self, tried: set[str]) -> str:
+        with self._lock:
+            if not self.alive:
+                raise RuntimeError(f"no rollout server left alive (of {len(self.urls)}: {', '.join(self.urls)})")
+            fresh = [u for u in self.alive if u not in tried] or self.alive
+            url = min(fresh, key=lambda u: self.in_flight[u])
+            self.in_flight[url] += 1
+            return url
+
+    # ---------------------------------------------------------------------- generation
+    def _group(self, i: int, body: dict) -> dict:
+        """One group's response from some live server, trying others when one fails."""
+        tried: set[str] = set()
+        errors: list[str] = []
+        for attempt in range(self.max_attempts):
+            url = self._pick(tried)
+            tried.add(url)
+            try:
+                r = self.http.post(url + "/v1/completions", json=body)
+            except Exception as e:  # connection refused / reset, read timeout (the request's deadline)
+                if self.closed:  # NOTE: the learner is leaving (Ctrl-C): no server is to blame
+                    self._done(url)
+                    raise RuntimeError("the rollout pool was closed") from None
+                reason = f"{type(e).__name__}: {e}"
+            else:
+                if r.status_code == 200 or r.status_code < 500:
+                    self._done(url)
+                    if r.status_code != 200:  # NOTE: a bad request fails the same on every server
+                        raise ValueError(f"{url}: HTTP {r.status_code}: {r.text[:500]}")
+                    if attempt:
+                        logger.warning("group %d done on %s after %d failed attempt(s)", i, url, attempt)
+                    answer = r.json()
+                    answer["weight_version"] = int(r.headers.get("x-weight-version", self.policy_version))
+                    return answer
+                reason = f"HTTP {r.status_code}"
+            errors.append(f"{url}: {reason}")
+            if not self.healthy(url):
+                self.mark_dead(url, reason)  # NOTE: before this group leaves in_flight: the log counts it
+            else:
+                logger.warning("group %d failed on %s (%s), server still healthy: trying again", i, url, reason)
+            self._done(url)
+            with self._lock:
+                self.resubmitted += 1
+        raise RuntimeError(f"group {i} failed on {self.max_attempts} attempt(s): {'; '.join(errors)}")
+
+    def _done(self, url: str) -> None:
+        with self._lock:
+            self.in_flight[url] -= 1
+
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] = 1.0,
+                 group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None) -> RolloutBatch:
+        """`group_size` samples per prompt from the servers; returns a `RolloutBatch` on the CPU, rows grouped
+        by prompt, `policy_version` the oldest weight version that answered."""
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        ids = [self._encode(p) for p in prompts]
+        temps = [float(temps)] * len(ids) if isinstance(temps, (int, float)) else [float(t) for t in temps]
+        if len(temps) != len(ids):
+            raise ValueError(f"temps has {len(temps)} values for {len(ids)} prompts")
+        bodies = [{"prompt": p, "n": group_size, "temperature": temps[i], "logprobs": 0, "return_token_ids": True,
+                   "top_k": -1 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
+                   **({} if max_new_tokens is None else {"max_tokens": int(max_new_tokens)}),
+                   **({} if seed is None else {"seed": row_seed(seed, i)})}
+                  for i, p in enumerate(ids)]
+        futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
+        # NOTE: each future ends within max_attempts x (request deadline + health probe)
+        bound = self.max_attempts * (self.request_timeout_s + 2 * self.health_timeout_s) + 30
+        outputs: list[GenerationOutput] = []
+        for i, f in enumerate(futures):
+            answer = f.result(timeout=bound)
+            outputs += self._outputs(i, ids[i], group_size, answer, answer["weight_version"])
+        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
+                          self.tokenizer)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: pass tokenizer= to RolloutPool")
+            return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return [int(t) for t in prompt]
+
+    @staticmethod
+    def _outputs(i: int, prompt: list[int], n: int, answer: dict, version: int) -> list[GenerationOutput]:
+        choices = sorted(answer["choices"], key=lambda c: c["index"])
+        if len(choices) != n:
+            raise RuntimeError(f"group {i}: the server answered {len(choices)} choices for n={n}")
+        outs = []
+        for j, c in enumerate(choices):
+            tokens = [int(t) for t in c["token_ids"]]
+            lps = [float(x) for x in (c.get("logprobs") or {}).get("token_logprobs") or []]
+            if len(lps) != len(tokens):
+                raise RuntimeError(f"group {i}: {len(tokens)} tokens but {len(lps)} logprobs")
+            versions = c.get("weight_versions")  # NOTE: per-token versions where the server reports them
+            if versions is not None and len(versions) != len(tokens):
+                raise RuntimeError(f"group {i}: {len(tokens)} tokens but {len(versions)} weight versions")
+            versions = [int(v) for v in versions] if versions else None
+            outs.append(GenerationOutput(
+                request_id=f"pool_{i}_{j}", prompt_ids=prompt, generated_tokens=tokens, logprobs=lps,
+                status=RequestStatus.FINISHED, finish_reason=c["finish_reason"],
+                policy_version=min(versions) if versions else version, versions=versions))
+        return outs
+
+    # ------------------------------------------------------------------------- weights
+    def update_weights(self, model, in_flight: str | None = None) -> int:
+        """New weights on every live server (one broadcast, or one checkpoint on disk); returns the version.
+        A server found dead meanwhile is dropped from the group and the update retried once. `in_flight="keep"`
+        (async GRPO): requests running on a server go on under the new weights from its next step, KV kept
+        (their tokens' `weight_versions` show the switch); default: they finish under the old ones first."""
+        if in_flight not in (None, "keep", "finish"):
+            raise ValueError(f"in_flight must be 'keep' or 'finish', got {in_flight!r}")
+        if self.sync is None:
+            return self._update_from_disk(model, in_flight)
+        start = time.perf_counter()
+        for attempt in (0, 1):
+            live = self.check_servers()
+            if not live:
+                raise RuntimeError("no rollout server left alive to send weights to")
+            try:
+                if self.sync.members != live:
+                    self.sync.init(live)
+                versions = self.sync.broadcast(model, in_flight)
+                break
+            except Exception as e:
+                if attempt:
+                    raise
+                logger.warning("weight broadcast failed (%s: %s): checking the servers and trying again",
+                               type(e).__name__, e)
+                self.sync.close_group()
+        if len(set(versions)) != 1:
+            logger.warning("the servers hold the same weights under different versions %s (they started apart): "
+                           "batches report the oldest", versions)
+        self.policy_version = min(versions)
+        logger.info("weights v%d on %d server(s) in %.2fs", self.policy_version, len(live), time.perf_counter() - start)
+        return self.policy_version
+
+    def _update_from_disk(self, model, in_flight: str | None = None) -> int:
+        path = self.disk_dir or tempfile.mkdtemp(prefix="rollout-weights-")
+        model.save_pretrained(path)
+        versions = set()
+        for url in self.check_servers():
+            r = self.http.post(url + "/update_weights_from_disk", json={"model_path": path},
+                               params={"in_flight": in_flight} if in_flight else None)
+            if r.status_code != 200:
+                raise RuntimeError(f"{url}/update_weights_from_disk: HTTP {r.status_code}: {r.text[:500]}")
+            versions.add(int(r.json()["weight_version"]))
+        if len(versions) != 1:
+            raise RuntimeError(f"the servers disagree on the weight version after loading {path}: {sorted(versions)}")
+        self.policy_version = versions.pop()
+        return self.policy_version
+
+    # ------------------------------------------------------------- the engine's API
+    def sleep(self) -> None:  # NOTE: the servers' memory is theirs; nothing to free on the learner
+        pass
+
+    def wake(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.closed = True
+        if self.sync is not None:
+            self.sync.close()
+        self._workers.shutdown(wait=False, cancel_futures=True)
+        self.http.close()
+
+    def __enter__(self) -> RolloutPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

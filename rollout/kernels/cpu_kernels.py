@@ -1,0 +1,248 @@
+"""Optional C++ kernel for the CPU decode path, built once per machine by torch's JIT extension loader.
+
+`paged_decode_attention` attends decode rows (one query token per request) in place over the paged
+cache through page tables, for fp32, bf16 and fp16 caches. torch's CPU SDPA with one query row per
+request runs at a third to a half of the memory bandwidth (PROFILE.md); this kernel streams each
+request's K and V once for all the query heads that share them, at each row's own length, so no row
+is padded. Without it (no compiler, `ROLLOUT_CPU_KERNELS=0`) decode rows take the gather + SDPA path
+of `rollout.attention.backends.sdpa`.
+
+The source is `rollout/kernels/csrc/decode_attention.cpp`. It is compiled with `-O3 -march=native -fopenmp`
+the first time a CPU engine starts on a machine (about 30 s; cached under `TORCH_EXTENSIONS_DIR`,
+default `~/.cache/torch_extensions`); the name of the build carries a hash of the CPU flags, the torch
+version, the flags and the source, so a shared home directory never hands one machine another's
+binary, and a new version of the source is a new build. `-fopenmp` makes ATen's inline `parallel_for`
+inside the kernels use torch's intra-op threads (it links the OpenMP runtime torch already loaded);
+every entry point releases the GIL while it runs.
+
+Loading and building (several processes may start at once, e.g. DDP ranks):
+- a finished build (the library plus the `rollout.ok` marker written after it loaded) is imported
+  directly, without any lock, so a lock left behind by a killed process never blocks it;
+- otherwise one process builds under an `flock` on `rollout.lock` in the build directory (the kernel
+  frees it when its holder dies), waiting at most `BUILD_LOCK_TIMEOUT_S`; under that lock, torch's own
+  `lock` file, if a killed build left one, is stale and removed first;
+- no compiler, no ninja, a failed build or a lock held past the timeout: one warning, and decode
+  attention stays on torch's SDPA. `ROLLOUT_CPU_KERNELS=0` skips the kernels (and the build) altogether.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import importlib.util
+import logging
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("rollout")
+
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp", CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp")
+HEADERS = (CSRC / "kernels.h",)
+# NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
+# build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+BUILD_LOCK_TIMEOUT_S = 300.0  # most seconds to wait for another process's build
+DONE_MARKER = "rollout.ok"  # written once a build has loaded: the library in that directory is whole
+LOCK_FILE = "rollout.lock"
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def enabled() -> bool:
+    """False when `ROLLOUT_CPU_KERNELS=0`."""
+    return os.environ.get("ROLLOUT_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_tag() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS + LDFLAGS)}".encode() + b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+    return hashlib.sha1(key).hexdigest()[:12]
+
+
+def _ensure_ninja() -> None:
+    """torch's JIT loader runs `ninja`; the `ninja` wheel puts one in the venv, which may not be on PATH."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # noqa: PLC0415
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+def build_name() -> str:
+    return f"rollout_cpu_{_cpu_tag()}"
+
+
+def build_directory(name: str) -> Path:
+    """Where torch's loader keeps the build `name` (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions)."""
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    return Path(cpp_extension._get_build_directory(name, False))  # NOTE: private, stable since torch 1.x
+
+
+def _import(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _cached(directory: Path, name: str):
+    """The finished build in `directory`, imported, or None."""
+    lib = directory / f"{name}.so"
+    if (directory / DONE_MARKER).exists() and lib.exists():
+        return _import(lib, name)
+    return None
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path, timeout: float):
+    """An exclusive `flock` on `path` (released by the kernel if the holder dies); TimeoutError after `timeout` s."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(
+                        f"another process has held the build lock {path} for {timeout:.0f} s"
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)  # NOTE: closing the descriptor drops the lock
+
+
+def _compile(name: str, directory: Path):
+    from torch.utils import cpp_extension  # noqa: PLC0415
+
+    _ensure_ninja()
+    logger.warning(
+        "rollout: compiling the CPU kernels (decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes; once per machine, about 1-2 minutes; "
+        "ROLLOUT_CPU_KERNELS=0 skips it)"
+    )
+    return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
+                              extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+
+
+def _build(timeout: float | None = None):
+    """The cached build, else a build under the lock (see module doc)."""
+    name = build_name()
+    directory = build_directory(name)
+    module = _cached(directory, name)
+    if module is not None:
+        return module
+    directory.mkdir(parents=True, exist_ok=True)
+    with _file_lock(directory / LOCK_FILE, BUILD_LOCK_TIMEOUT_S if timeout is None else timeout):
+        module = _cached(directory, name)  # NOTE: built by the process we waited for
+        if module is not None:
+            return module
+        # NOTE: under our lock no rollout process is building here: torch's baton is a killed build's.
+        (directory / "lock").unlink(missing_ok=True)
+        (directory / DONE_MARKER).unlink(missing_ok=True)
+        module = _compile(name, directory)
+        (directory / DONE_MARKER).write_text(f"{name}\n")
+        return module
+
+
+def _module():
+    """The compiled extension, or None (see module doc). Builds (or loads the cached build) on first
+    call; thread-safe; the outcome is remembered."""
+    if not enabled():
+        return None
+    if "module" in _state:  # NOTE: settled: no lock (attention asks for `write_kv` every layer of every step)
+        return _state["module"]
+    with _lock:
+        if "module" not in _state:
+            module = None
+            try:
+                module = _build()
+            except Exception as e:  # NOTE: no compiler, no ninja, a failed build: SDPA still works
+                logger.warning("rollout: CPU decode-attention kernel unavailable, using torch SDPA (%s: %s)",
+                               type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+            _state["module"] = module
+        return _state["module"]
+
+
+def parallel_threads():
+    """`parallel_threads(items)`: threads an ATen `parallel_for` inside the kernels runs on, or None."""
+    module = _module()
+    return None if module is None else module.parallel_threads
+
+
+def paged_decode_attention():
+    """`paged_decode_attention(q, k_cache, v_cache, table, row, start, end, page_size, scale, softcap, out)`
+    over the paged cache (fp32, bf16 or fp16), or None."""
+    module = _module()
+    return None if module is None else module.paged_decode_attention
+
+
+def cascade_plan():
+    """`cascade_plan(table, row, start, end, page_size, alias=None)` (int64): the groups `cascade_decode_attention`
+    forms, as (first shared page, shared full pages, member queries, block whose first slots extend the shared keys
+    or -1, how many) tuples (tests), or None."""
+    module = _module()
+    return None if module is None else module.cascade_plan
+
+
+def cascade_decode_attention():
+    """`paged_decode_attention`'s signature and result (up to float rounding), with rows whose page tables name
+    the same full pages (forks of one prompt, prefix-cache hits) reading those pages once per group, and with
+    `alias` ([n, 3] int64: logical page, block, slots; page -1 for none) the slots forks copied from one partial
+    page too (`Request.fork_alias`): or None."""
+    module = _module()
+    return None if module is None else module.cascade_decode_attention
+
+
+def small_linear():
+    """`small_linear(x [M, K], panels, bias or None, N)`: fp32 `x @ W.T + bias` for decode-sized M, W given as
+    `pack_panels(W)` (rollout/kernels/csrc/small_gemm.cpp), or None (no kernels, or a build without AVX-512)."""
+    module = _module()
+    return None if module is None or not module.small_gemm_available() else module.small_linear
+
+
+def pack_panels():
+    """`pack_panels(W [N, K] fp32)` -> the panels `small_linear` reads, or None (see `small_linear`)."""
+    module = _module()
+    return None if module is None or not module.small_gemm_available() else module.pack_panels
+
+
+def rms_norm():
+    """`rms_norm(x fp32, weight [H] fp32, eps)`: Llama's RMSNorm in one call (rollout/kernels/csrc/rms_norm.cpp), or None."""
+    module = _module()
+    return None if module is None else module.rms_norm
+
+
+def silu_mul():
+    """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/kernels/csrc/silu_mul.cpp), or None."""
+    module = _module()
+    return None if module is None else module.silu_mul
+
+
+def write_kv():
+    """`write_kv(k_cache, v_cache, slots, key, value)`: key/value [Hkv, T, D] into the caches [Hkv, S, D] at `slots`
+    (the caches' dtype; rollout/kernels/csrc/kv_write.cpp), or None."""
+    module = _module()
+    return None if module is None else module.write_kv

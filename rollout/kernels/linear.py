@@ -1,0 +1,179 @@
+"""fp32 and bf16 Linear layers of the engine view through oneDNN on packed weights, on a CPU.
+
+On a CPU torch runs an fp32 `F.linear` through MKL; bf16 already goes through oneDNN, on the plain
+weight layout (packing helps it as much: see `DTYPES`). Inside a model
+forward the weights stream from memory every step, and there MKL's sgemm falls far short: on the
+2-core AMD EPYC of `benchmarks/`, a 100M Qwen3-arch forward over 1 / 3 / 16 / 64 tokens took 47 / 612
+/ 72 / 148 ms with MKL and 29 / 38 / 61 / 112 ms with oneDNN's `_linear_pointwise` on the same, unpacked
+weights. oneDNN's own blocked layout of the weight ("packed", as vLLM's CPU build keeps it) is faster
+again in decode: 24-28 / 33-35 / 81-91 ms at 3 / 16 / 64 tokens. Small layers, whose weights stay in
+cache, keep MKL: oneDNN's per-call cost (~12 us) is larger than their matmul there.
+
+The packed copy costs one more copy of those weights (the engine's own, as any serving engine holds).
+It is rebuilt at the first forward after the weight changed: in place (the tensor's version counter),
+replaced (its storage), or through `update_weights` / `reset_prefix_cache` (which drop every copy).
+Writes through `.data` reach neither counter nor storage; like the prefix cache, they need
+`update_weights`.
+
+Only the engine view is touched (the user's module keeps its forward): each plain `nn.Linear` of the
+view whose fp32 or bf16 CPU weight has at least `MIN_WEIGHT_ELEMENTS` elements gets an instance
+`forward` that calls oneDNN on the packed weight, and falls back to `F.linear` when the input's dtype
+differs from the weight's or either is not on a CPU. Vendors' vLLM
+CPU builds route their linears to oneDNN for the same reason. The results match `F.linear` to float
+rounding (not bitwise: another summation order).
+
+Decode steps (up to `SMALL_ROWS` fp32 rows) go further: oneDNN reads a weight and then computes on it,
+so 16 rows cost the memory time plus the FMA time. rollout's small-M kernel (`rollout/kernels/csrc/small_gemm.cpp`)
+streams the weights ahead of the FMAs on its own panel layout (a second copy, built at the first decode
+step, dropped with the packed one), 1.3-1.4x oneDNN's packed linears over 1-32 rows.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import types
+
+import torch
+import torch.nn.functional as F
+
+from rollout.kernels import cpu_kernels
+
+logger = logging.getLogger("rollout")
+
+# NOTE: measured on the packed weights, 2 threads: from 2**18 fp32 elements (1 MiB: a 5M model's 4096x256
+# head, every linear of a 100M model) oneDNN wins at any row count (1.5-1.8x at 1-64 rows); from 2**17
+# (a 256x768 MLP, a 768x256 K/V projection) it wins from 8 rows on (1.2-1.6x at 16-64) and loses at 1
+# (~5 us); below that (256x256) MKL is as fast or faster.
+MIN_WEIGHT_ELEMENTS = 2**17
+ALWAYS_WEIGHT_ELEMENTS = 2**18
+MIN_ROWS = 8  # rows from which a weight between the two sizes runs on oneDNN
+# NOTE: bf16 already runs on oneDNN in torch, but on the plain layout: packed, a 100M bf16 forward over
+# 3 / 16 / 64 tokens took 18.5 / 24.7 / 55.5 ms against 29.3 / 43.5 / 75.6 (same results, bit for bit).
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+@functools.cache
+def onednn_available() -> bool:
+    """Whether torch's oneDNN fp32 linear runs here (probed once on a tiny input)."""
+    try:
+        x, w = torch.ones(2, 4), torch.ones(3, 4)
+        with torch.inference_mode():
+            y = torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        return bool(torch.backends.mkldnn.is_available()) and torch.equal(y, torch.full((2, 3), 4.0))
+    except Exception:  # noqa: BLE001 - any failure means "not here": the view keeps torch's linear
+        return False
+
+
+# NOTE: up to this many rows an fp32 linear runs on rollout's small-M kernel (rollout/kernels/csrc/small_gemm.cpp),
+# which streams the weights while it computes; above, oneDNN's packed GEMM is faster (measured on the 100M
+# model's 84 layer linears + head at 2 threads, oneDNN -> ours: 1 row 11.8 -> 8.7 ms, 16 rows 14.9 -> 10.5,
+# 32 rows 22.2 -> 17.4, 64 rows 35.5 -> 33.0, 512 rows 258 -> 377; `benchmarks/decode_linears.py`).
+SMALL_ROWS = 32
+# NOTE: the batch size oneDNN lays a packed weight out for; decode steps run 1-256 rows and prompt chunks
+# more, and one layout serves every size (measured: packed for 16 or 64 rows, the same speed at 1-64).
+PACK_ROWS = 16
+
+
+try:
+    _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+except (AttributeError, RuntimeError):  # NOTE: a torch without oneDNN: nothing is routed (`onednn_available`)
+    _LINEAR_POINTWISE = None
+
+
+def _weight_copy(module: torch.nn.Linear, attr: str, make) -> torch.Tensor:
+    """`make(weight)`, kept in `module.<attr>` and made again after any change the engine can see: an in-place
+    write bumps `_version`, a new storage moves `data_ptr`, and `update_weights` / `reset_prefix_cache` drop every
+    copy (`drop_packed`)."""
+    w, held = module.weight, getattr(module, attr)
+    if held is None or held[1] != w._version or held[2] != w.data_ptr():
+        held = (make(w.detach()), w._version, w.data_ptr())
+        setattr(module, attr, held)
+    return held[0]
+
+
+def packed_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """The module's weight in oneDNN's packed layout (see `_weight_copy`)."""
+    return _weight_copy(module, "_rollout_packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, PACK_ROWS))
+
+
+def panel_weight(module: torch.nn.Linear) -> torch.Tensor:
+    """The module's fp32 weight as `small_linear`'s panels (see `_weight_copy`)."""
+    return _weight_copy(module, "_rollout_panels", lambda w: cpu_kernels.pack_panels()(w))
+
+
+def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    # NOTE: runs ~85 times a decode step of a 100M model: the checks are ordered and kept cheap (`is_cpu`, no
+    # `device` objects, the weight's shape read once at routing: `_rollout_k`, `_rollout_n`)
+    w, b = self.weight, self.bias
+    k, numel = self._rollout_k, x.numel()
+    if x.dtype is w.dtype and x.is_cpu and w.is_cpu and (b is None or b.dtype is w.dtype) and w.dtype in DTYPES \
+            and (self._rollout_always or numel >= MIN_ROWS * k) \
+            and not torch.is_autocast_enabled("cpu"):  # NOTE: under autocast, torch's linear keeps its semantics
+        if self._rollout_small is not None and numel <= SMALL_ROWS * k and w.dtype is torch.float32:
+            held = self._rollout_panels  # NOTE: `panel_weight`'s check, inlined (0.6 us a call: 85 calls a step)
+            panels = held[0] if held is not None and held[1] == w._version and held[2] == w.data_ptr() \
+                else panel_weight(self)
+            y = self._rollout_small(x.reshape(-1, k), panels, b, self._rollout_n)
+            return y.view(*x.shape[:-1], self._rollout_n)
+        return _LINEAR_POINTWISE(x, packed_weight(self), b, "none", [], "")
+    return F.linear(x, w, b)
+
+
+def drop_packed(view: torch.nn.Module) -> int:
+    """Forget the packed weight copies (they are rebuilt at the next forward); returns how many were held."""
+    n = 0
+    for module in view.modules():
+        if getattr(module, "_rollout_packed", None) is not None:
+            module._rollout_packed = None
+            n += 1
+        if getattr(module, "_rollout_panels", None) is not None:
+            module._rollout_panels = None
+            n += 1
+        if getattr(module, "_rollout_w", None) is not None:  # NOTE: the compiled forward's copy (rollout.model.compiled)
+            module._rollout_w = None
+    return n
+
+
+def enabled() -> bool:
+    """False when `ROLLOUT_ONEDNN_LINEARS=0` (the view then runs torch's own linear: no packed copies)."""
+    return os.environ.get("ROLLOUT_ONEDNN_LINEARS", "1") != "0"
+
+
+def small_enabled() -> bool:
+    """False when `ROLLOUT_SMALL_LINEARS=0` (decode-sized fp32 rows then stay on oneDNN too)."""
+    return os.environ.get("ROLLOUT_SMALL_LINEARS", "1") != "0"
+
+
+def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -> int:
+    """Route the view's large fp32 / bf16 CPU `nn.Linear`s through oneDNN; returns how many were routed.
+
+    Skips modules whose `forward` is already set on the instance (accelerate's hooks, other wrappers)
+    and subclasses of `nn.Linear` (quantized or adapter layers keep their own forward)."""
+    if not (enabled() and onednn_available()):
+        return 0
+    min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
+    small, looked = None, False  # NOTE: the kernels are built only when a CPU weight is routed (never on a GPU)
+    n = nbytes = 0
+    for module in view.modules():
+        if type(module) is not torch.nn.Linear or "forward" in vars(module):
+            continue
+        w = module.weight
+        if w.device.type != "cpu" or w.dtype not in DTYPES or w.numel() < min_elements:
+            continue
+        if not looked:
+            small, looked = (cpu_kernels.small_linear() if small_enabled() else None), True
+        module.forward = types.MethodType(_onednn_forward, module)
+        module._rollout_packed = module._rollout_panels = None
+        module._rollout_small = small if w.dtype is torch.float32 else None
+        module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
+        module._rollout_n, module._rollout_k = w.shape
+        n += 1
+        nbytes += w.numel() * w.element_size()
+    if n:
+        logger.info("rollout: %d linear layers run through oneDNN on packed weight copies (%.1f MiB more, held "
+                    "while the engine lives; ROLLOUT_ONEDNN_LINEARS=0 turns this off)%s", n, nbytes / 2**20,
+                    "; fp32 decode rows through rollout's small-M kernel on a second copy, built at the first "
+                    "decode step (ROLLOUT_SMALL_LINEARS=0 turns it off)" if small is not None else "")
+    return n

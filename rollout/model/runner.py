@@ -1,0 +1,174 @@
+"""Scheduler output -> packed tensors -> one HF forward -> fp32 logits of the rows we sample.
+
+Owns `ModelRunner`: the step's `StepInputs`, each layer group's metadata from the backend's
+`build_group`, the forward, and the first-step check that our attention ran in every layer. Which
+attention backend runs is the backend's business (`rollout.attention.backends`): the runner never asks. It never
+mutates a request. The model it runs is the engine view of the user's model (`rollout.model.engine_view`).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from rollout.attention.backends import AttentionBackend, AttentionMetadata, StepInputs
+from rollout.attention.backends import create as create_backend
+from rollout.kv.device_page_tables import DevicePageTables
+from rollout.kv.kv_cache import PagedKVCache
+from rollout.sampling.token_logprobs import Scores, score_rows
+from rollout.scheduling.stages import SchedulerOutput
+from rollout.tensors import int_tensor
+
+logger = logging.getLogger("rollout")
+
+
+class ModelRunner:
+    """Runs one packed forward per step.
+
+    Args:
+        model: the engine view (see `make_engine_view`).
+        cache: the paged KV cache.
+        windows: attention window of each layer group (None = full attention), in the order of the
+            scheduler's page tables; default one full-attention group.
+        num_layers: attention layers the model announces; the first step checks that our attention ran
+            in each of them (default: the cache's layers).
+        backend: the attention backend (`rollout.attention.backends`): builds each group's metadata and attends;
+            default the portable `sdpa`.
+        compiled: run the view's forward as one compiled graph (`rollout.model.compiled`, CPU only).
+    """
+
+    def __init__(
+        self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None,
+        num_layers: int | None = None, backend: AttentionBackend | None = None, compiled: bool = False,
+    ) -> None:
+        self.model = model
+        self.forward = model
+        if compiled:
+            from rollout.model.compiled import CompiledForward
+
+            self.forward = CompiledForward(model)
+        self.cache = cache
+        self.backend = backend or create_backend("sdpa", cache.device, cache.dtype)
+        self.windows = windows or [None]  # attention window of each layer group
+        self.num_layers = len(cache.layer_groups) if num_layers is None else num_layers
+        self.verified = False  # NOTE: set once a step saw our attention run in every layer
+        self.device = cache.device
+        self.page_size = cache.page_size
+        self.device_page_tables = DevicePageTables(len(self.windows), self.device)  # NOTE: persistent, synced each step
+
+    def release(self, request) -> None:
+        """`request` is final: its page-table row is free."""
+        self.device_page_tables.release(request)
+
+    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
+        """Forward kwargs for the step, and the scheduled indices whose last logits are sampled (the rows a
+        scoring request keeps follow them in `logits_to_keep`: `rollout.sampling.token_logprobs.score_rows`)."""
+        requests = [s.request for s in out.scheduled]
+        if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
+            ids = [r.token_ids[-1] for r in requests]
+            starts = [r.num_computed_tokens for r in requests]
+            lens = [1] * len(requests)
+            keep = sampled = list(range(len(requests)))
+        else:
+            ids, keep, sampled, starts, lens = self._rows(out)
+            keep = keep + score_rows(out)[0]
+        dev = self.device
+        if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `page_ids`
+            tables = [[r.page_ids for r in requests]]
+        else:
+            tables = [list(t) for t in zip(*(s.tables for s in out.scheduled), strict=True)]
+        rows = self.device_page_tables.sync(requests, tables)
+        persistent = {window: self.device_page_tables.group(g) for g, window in enumerate(self.windows)}
+        step = StepInputs(starts, lens, rows, persistent, dev)
+        step.aliases = self._fork_aliases(requests)
+        groups = [self.backend.build_group(window, tables[g], step, self.page_size)
+                  for g, window in enumerate(self.windows)]
+        kwargs = {
+            "input_ids": int_tensor(ids, dev)[None],  # [1, T]
+            "position_ids": step.positions[None],  # [1, T]
+            "logits_to_keep": int_tensor(keep, dev),  # [R]
+            "use_cache": False,
+            "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
+        }
+        return kwargs, sampled
+
+    def _fork_aliases(self, requests: list) -> dict[int | None, torch.Tensor] | None:
+        """Per layer group's window, [B, 3] int64 (logical page, block, slots) of each fork whose partial prompt
+        page copies slots of a block it holds a reference to (`Request.fork_alias`; page -1 for the others), or
+        None when no request is such a fork."""
+        flat = None  # NOTE: one flat int list per group, through `int_tensor` (512 rows, half forks: 75 us, not 127)
+        for b, r in enumerate(requests):
+            if r.fork_alias is None:
+                continue
+            page, blocks, slots = r.fork_alias
+            if flat is None:
+                flat = [[-1, 0, 0] * len(requests) for _ in self.windows]
+            for g, block in enumerate(blocks):
+                flat[g][3 * b : 3 * b + 3] = page, block, slots
+        if flat is None:
+            return None
+        return {window: int_tensor(flat[g], self.device).view(-1, 3) for g, window in enumerate(self.windows)}
+
+    @staticmethod
+    def _rows(out: SchedulerOutput) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+        """(token ids [T], packed rows sampled, their scheduled indices, start and length of each row)."""
+        ids: list[int] = []
+        keep: list[int] = []  # packed rows whose logits we sample
+        sampled: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        for i, s in enumerate(out.scheduled):
+            req, n = s.request, s.num_new_tokens
+            start = req.num_computed_tokens
+            tokens = req.token_ids
+            if n == 1:
+                ids.append(tokens[start])
+            else:
+                ids += tokens[start : start + n]
+            starts.append(start)
+            lens.append(n)
+            if start + n == len(tokens) and req.max_new_tokens > 0:  # NOTE: a scoring-only request samples nothing
+                keep.append(len(ids) - 1)
+                sampled.append(i)
+        return ids, keep, sampled, starts, lens
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int], Scores | None]:
+        """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`, the scored
+        rows' logits and where they belong, or None when no row is scored)."""
+        for src, dst, n in out.copies:
+            ps = self.page_size
+            idx = torch.arange(n, device=self.device)
+            self.cache.copy_slots(src * ps + idx, dst * ps + idx)
+        kwargs, sampled = self.prepare(out)
+        scored = score_rows(out)[1]
+        kept = len(kwargs["logits_to_keep"])
+        if not kept:
+            kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
+        meta = kwargs["rollout_meta"]
+        if not self.verified:
+            meta.layers_seen = set()
+        logits = self.forward(**kwargs).logits[0]  # [R + S, V]
+        if not self.verified:
+            self._verify(meta.layers_seen)
+        if not kept:
+            logits = logits[:0]
+        logits = logits.float()
+        if not scored:
+            return logits, sampled, None
+        return logits[: len(sampled)], sampled, Scores(logits[len(sampled) :], scored)
+
+    def _verify(self, seen: set[int]) -> None:
+        """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""
+        missing = sorted(set(range(self.num_layers)) - seen)
+        if missing:
+            raise RuntimeError(
+                f"rollout's paged attention did not run in layer(s) {missing} of {self.num_layers}: the model's "
+                "forward (or a layer's) was replaced by one that bypasses the attention interface (e.g. a "
+                "wrapper bound to another module instance), so the engine would produce wrong tokens. "
+                "Build the engine on a model whose layers dispatch attention through "
+                "transformers.AttentionInterface (call it before wrapping, or pass the unwrapped model)."
+            )
+        self.verified = True
+

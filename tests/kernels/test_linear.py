@@ -1,0 +1,127 @@
+"""The engine view's fp32 linears through oneDNN (`rollout.kernels.linear`): same results, same greedy tokens.
+
+Tiny test models have no layer above `MIN_WEIGHT_ELEMENTS`, so the default path keeps torch's linear
+here; these tests force every linear through oneDNN (threshold 0) and compare with the user's model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from support.greedy import GREEDY_GC, MAX_NEW, PROMPTS, reference, run_engine
+from support.tiny_models import hf_greedy, make_model, random_prompts
+from transformers import GenerationConfig
+
+import rollout.kernels.linear as linear
+from rollout import ContinuousBatchingConfig, RolloutEngine
+from rollout.engine.core import EngineCore
+from rollout.model.engine_view import make_engine_view
+
+pytestmark = pytest.mark.skipif(not linear.onednn_available(), reason="torch has no oneDNN fp32 linear here")
+
+
+def routed(view: torch.nn.Module) -> list[str]:
+    return [name for name, m in view.named_modules() if "forward" in vars(m) and isinstance(m, torch.nn.Linear)]
+
+
+def test_routed_linears_match_torch_and_leave_the_users_model_alone():
+    model = make_model("qwen3")
+    view = make_engine_view(model)
+    n = linear.use_onednn_linears(view, min_elements=0)
+    linears = [name for name, m in view.named_modules() if type(m) is torch.nn.Linear]
+    assert n == len(linears) > 0 and sorted(routed(view)) == sorted(linears)
+    assert routed(model) == []  # the user's modules keep their class forward
+    other = copy.deepcopy(model)  # NOTE: the view runs paged attention only inside the engine; this keeps sdpa
+    assert linear.use_onednn_linears(other, min_elements=0) == n
+    ids = torch.randint(1, 100, (1, 37))
+    with torch.inference_mode():
+        ours = other(input_ids=ids, use_cache=False).logits
+        ref = model(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-5)
+    # one layer on its own, with a bias: fp32, then the same module cast to bf16 (repacked), then fp16
+    # (not routed: falls back to torch's linear)
+    layer = torch.nn.Linear(64, 48)
+    linear.use_onednn_linears(layer, min_elements=0)
+    x = torch.randn(3, 5, 64)
+    with torch.inference_mode():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        xb = x.bfloat16()
+        torch.testing.assert_close(layer.bfloat16()(xb), F.linear(xb, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
+        assert layer._rollout_packed[0].dtype == torch.bfloat16
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # NOTE: autocast keeps torch's linear: same dtype out
+            assert layer.float()(x).dtype == F.linear(x, layer.weight, layer.bias).dtype == torch.bfloat16
+        xh = x.half()
+        assert torch.equal(layer.half()(xh), F.linear(xh, layer.weight, layer.bias))
+
+
+def test_only_large_plain_fp32_linears_are_routed():
+    model = make_model("qwen3")
+    view = make_engine_view(model)
+    head = view.lm_head
+    assert head.weight.numel() < linear.MIN_WEIGHT_ELEMENTS  # tiny models stay on torch's linear by default
+    assert routed(view) == []
+    wrapped = view.model.layers[0].mlp.up_proj
+    wrapped.forward = wrapped.forward  # an instance forward (as accelerate's hooks set) is left alone
+    linear.use_onednn_linears(view, min_elements=0)
+    assert wrapped.forward.__func__ is torch.nn.Linear.forward
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3", dtype=torch.float16)), min_elements=0) == 0
+
+    class Adapter(torch.nn.Linear):
+        pass
+
+    holder = torch.nn.Sequential(Adapter(64, 64), torch.nn.Linear(64, 64))
+    assert linear.use_onednn_linears(holder, min_elements=0) == 1 and routed(holder) == ["1"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "gemma2", "phi3"])
+def test_greedy_through_onednn_linears_matches_hf_generate(arch, monkeypatch):
+    model, expected = reference(arch)
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
+    cbc = ContinuousBatchingConfig(page_size=16, max_batch_tokens=48, num_blocks=128)
+    core = EngineCore(model, GREEDY_GC, cbc)
+    assert routed(core.view)  # every linear of the view runs through oneDNN
+    reqs, _, _ = run_engine(core, PROMPTS)
+    for i, (req, exp) in enumerate(zip(reqs, expected, strict=True)):
+        assert req.generated == exp, f"{arch}: prompt {i} differs from generate"
+        assert len(req.generated) == MAX_NEW
+
+
+def test_update_weights_drops_packed_copies_even_for_writes_through_data(monkeypatch):
+    monkeypatch.setattr(linear, "MIN_WEIGHT_ELEMENTS", 0)
+    gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)
+    prompts = random_prompts(3, 10, 30, seed=6)
+    model, other = make_model("qwen3", seed=0), make_model("qwen3", seed=1)
+    with RolloutEngine(model, config=ContinuousBatchingConfig(page_size=16, num_blocks=64), generation_config=gc) as eng:
+        assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(model, p, 6) for p in prompts]
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            p.data.copy_(q.data)  # NOTE: no version bump: only update_weights tells the engine
+        eng.update_weights(model)
+        assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(other, p, 6) for p in prompts]
+        view = eng.manager.core.view
+        assert any(getattr(m, "_rollout_packed", None) is not None for m in view.modules())
+        eng.sleep()  # NOTE: the packed copies go with the KV cache, and come back at the next step
+        assert all(getattr(m, "_rollout_packed", None) is None for m in view.modules())
+        eng.wake()
+        assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(other, p, 6) for p in prompts]
+
+
+def test_bf16_views_with_and_without_onednn_give_the_same_logits(monkeypatch):
+    model = make_model("qwen3", dtype=torch.bfloat16)
+    plain, routed_copy = copy.deepcopy(model), copy.deepcopy(model)
+    assert linear.use_onednn_linears(routed_copy, min_elements=0) > 0
+    ids = torch.randint(1, 100, (1, 41))
+    with torch.inference_mode():
+        a = plain(input_ids=ids, use_cache=False).logits
+        b = routed_copy(input_ids=ids, use_cache=False).logits
+    torch.testing.assert_close(b, a, rtol=2e-2, atol=2e-2)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_the_environment_switch_turns_the_routing_off(monkeypatch):
+    monkeypatch.setenv("ROLLOUT_ONEDNN_LINEARS", "0")
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3")), min_elements=0) == 0
+    monkeypatch.setenv("ROLLOUT_ONEDNN_LINEARS", "1")
+    assert linear.use_onednn_linears(make_engine_view(make_model("qwen3")), min_elements=0) > 0
