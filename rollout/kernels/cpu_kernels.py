@@ -135,20 +135,20 @@ def _file_lock(path: Path, timeout: float):
         os.close(fd)  # NOTE: closing the descriptor drops the lock
 
 
-def _compile(name: str, directory: Path):
+def compile_sources(name: str, directory: Path):
+    """Compile the kernels' sources into `directory` as the extension `name` and import it (the build step
+    `build` runs under its lock; a test replaces it to check the lock)."""
     from torch.utils import cpp_extension  # noqa: PLC0415
 
     _ensure_ninja()
-    logger.warning(
-        "rollout: compiling the CPU kernels (decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes; once per machine, about 1-2 minutes; "
-        "ROLLOUT_CPU_KERNELS=0 skips it)"
-    )
+    logger.warning("rollout: compiling the C++ CPU kernels (%s) into %s: once per machine, about 1-2 minutes "
+                   "on 2 cores; ROLLOUT_CPU_KERNELS=0 skips them", KERNELS, directory)
     return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
                               extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
 
 
-def _build(timeout: float | None = None):
-    """The cached build, else a build under the lock (see module doc)."""
+def build(timeout: float | None = None):
+    """The cached build, else a build under the lock (see module doc); raises what the build raised."""
     name = build_name()
     directory = build_directory(name)
     module = _cached(directory, name)
@@ -162,14 +162,34 @@ def _build(timeout: float | None = None):
         # NOTE: under our lock no rollout process is building here: torch's baton is a killed build's.
         (directory / "lock").unlink(missing_ok=True)
         (directory / DONE_MARKER).unlink(missing_ok=True)
-        module = _compile(name, directory)
+        module = compile_sources(name, directory)
         (directory / DONE_MARKER).write_text(f"{name}\n")
         return module
 
 
-def _module():
+KERNELS = "decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes"
+
+
+def why_off(error: BaseException) -> str:
+    """What kept the kernels from loading, said so a user can act on it: files the installed package lacks
+    (a wheel without the headers), no C++ compiler, another process's build lock, or the build's own error."""
+    missing = [f.name for f in SOURCES + HEADERS if not f.exists()]
+    if missing:
+        return (f"the installed package lacks {', '.join(missing)} in {CSRC} (reinstall rollout: the wheel must "
+                "carry every file the C++ sources include)")
+    if isinstance(error, TimeoutError):
+        return str(error)
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None and shutil.which("g++") is None:
+        return f"no C++ compiler found (`{compiler}` and `g++` are not on PATH; install g++ to get the kernels)"
+    text = str(error).strip()
+    return f"the build failed ({type(error).__name__}: {text.splitlines()[-1] if text else ''})"
+
+
+def load():
     """The compiled extension, or None (see module doc). Builds (or loads the cached build) on first
-    call; thread-safe; the outcome is remembered."""
+    call; thread-safe; the outcome is remembered. When the kernels are off, one warning names every
+    kernel and the cause (`why_off`)."""
     if not enabled():
         return None
     if "module" in _state:  # NOTE: settled: no lock (attention asks for `write_kv` every layer of every step)
@@ -178,24 +198,24 @@ def _module():
         if "module" not in _state:
             module = None
             try:
-                module = _build()
-            except Exception as e:  # NOTE: no compiler, no ninja, a failed build: SDPA still works
-                logger.warning("rollout: CPU decode-attention kernel unavailable, using torch SDPA (%s: %s)",
-                               type(e).__name__, str(e).strip().splitlines()[-1] if str(e).strip() else "")
+                module = build()
+            except Exception as e:  # NOTE: no compiler, no ninja, a missing header, a failed build: torch still works
+                logger.warning("rollout: the C++ CPU kernels are off (%s); using torch SDPA and torch ops: %s",
+                               KERNELS, why_off(e))
             _state["module"] = module
         return _state["module"]
 
 
 def parallel_threads():
     """`parallel_threads(items)`: threads an ATen `parallel_for` inside the kernels runs on, or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.parallel_threads
 
 
 def paged_decode_attention():
     """`paged_decode_attention(q, k_cache, v_cache, table, row, start, end, page_size, scale, softcap, out)`
     over the paged cache (fp32, bf16 or fp16), or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.paged_decode_attention
 
 
@@ -203,7 +223,7 @@ def cascade_plan():
     """`cascade_plan(table, row, start, end, page_size, alias=None)` (int64): the groups `cascade_decode_attention`
     forms, as (first shared page, shared full pages, member queries, block whose first slots extend the shared keys
     or -1, how many) tuples (tests), or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.cascade_plan
 
 
@@ -212,37 +232,37 @@ def cascade_decode_attention():
     the same full pages (forks of one prompt, prefix-cache hits) reading those pages once per group, and with
     `alias` ([n, 3] int64: logical page, block, slots; page -1 for none) the slots forks copied from one partial
     page too (`Request.fork_alias`): or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.cascade_decode_attention
 
 
 def small_linear():
     """`small_linear(x [M, K], panels, bias or None, N)`: fp32 `x @ W.T + bias` for decode-sized M, W given as
     `pack_panels(W)` (rollout/kernels/csrc/small_gemm.cpp), or None (no kernels, or a build without AVX-512)."""
-    module = _module()
+    module = load()
     return None if module is None or not module.small_gemm_available() else module.small_linear
 
 
 def pack_panels():
     """`pack_panels(W [N, K] fp32)` -> the panels `small_linear` reads, or None (see `small_linear`)."""
-    module = _module()
+    module = load()
     return None if module is None or not module.small_gemm_available() else module.pack_panels
 
 
 def rms_norm():
     """`rms_norm(x fp32, weight [H] fp32, eps)`: Llama's RMSNorm in one call (rollout/kernels/csrc/rms_norm.cpp), or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.rms_norm
 
 
 def silu_mul():
     """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/kernels/csrc/silu_mul.cpp), or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.silu_mul
 
 
 def write_kv():
     """`write_kv(k_cache, v_cache, slots, key, value)`: key/value [Hkv, T, D] into the caches [Hkv, S, D] at `slots`
     (the caches' dtype; rollout/kernels/csrc/kv_write.cpp), or None."""
-    module = _module()
+    module = load()
     return None if module is None else module.write_kv

@@ -162,17 +162,17 @@ def test_weight_change_between_steps_reaches_the_next_rollout(model, tokenizer):
     rollout = make_rollout_func(ENGINE)
     try:
         first = rollout(repeated(prompts, 2), trainer)
-        version = rollout.api.engine.policy_version
+        version = rollout.engine.policy_version
         assert first["completion_ids"][::2] == [hf_greedy(model, tokenizer, p, 5) for p in ids]
         rollout(repeated(prompts, 2), trainer)  # same step (e.g. gradient accumulation): same version
-        assert rollout.api.engine.policy_version == version
+        assert rollout.engine.policy_version == version
         with torch.no_grad():  # an optimizer step, in place
             g = torch.Generator().manual_seed(1)
             for p in model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.5)
         trainer.state.global_step += 1
         second = rollout(repeated(prompts, 2), trainer)
-        assert rollout.api.engine.policy_version == version + 1
+        assert rollout.engine.policy_version == version + 1
         new = [hf_greedy(model, tokenizer, p, 5) for p in ids]
         assert second["completion_ids"][::2] == new
         assert second["completion_ids"] != first["completion_ids"]  # the change is visible at all

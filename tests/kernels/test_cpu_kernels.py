@@ -201,12 +201,13 @@ def test_a_failed_build_warns_once_and_falls_back_to_sdpa(monkeypatch, caplog):
         raise RuntimeError("Error building extension 'rollout_cpu': c++: command not found")
 
     monkeypatch.setattr(cpu_kernels, "_state", {})
-    monkeypatch.setattr(cpu_kernels, "_build", broken)
+    monkeypatch.setattr(cpu_kernels, "build", broken)
     with caplog.at_level(logging.WARNING, logger="rollout"):
         assert cpu_kernels.paged_decode_attention() is None
         assert cpu_kernels.paged_decode_attention() is None  # remembered: no second build, no second warning
-    warnings = [r.getMessage() for r in caplog.records if "decode-attention kernel unavailable" in r.getMessage()]
-    assert len(warnings) == 1 and "command not found" in warnings[0]
+    warnings = [r.getMessage() for r in caplog.records if "C++ CPU kernels are off" in r.getMessage()]
+    assert len(warnings) == 1 and "command not found" in warnings[0], warnings
+    assert all(name in warnings[0] for name in ("decode attention", "linears", "RMSNorm", "SiLU", "KV writes"))
     core = EngineCore(make_model("qwen3"), GREEDY, ContinuousBatchingConfig())
     assert core.backend.name == "sdpa"  # the engine still runs, on the gather + SDPA buckets
     assert len(_decode(core, 4).generated) == 4

@@ -26,7 +26,7 @@ HAVE_COMPILER = shutil.which("c++") is not None or shutil.which("g++") is not No
 
 @pytest.fixture(scope="module")
 def module():
-    mod = cpu_kernels._module()
+    mod = cpu_kernels.load()
     if mod is None and not HAVE_COMPILER:
         pytest.skip("no C++ compiler: the kernels cannot be built here")
     assert mod is not None, "a C++ compiler is present but the kernels did not build"
@@ -122,10 +122,10 @@ def test_a_cached_build_loads_without_the_lock(module, build_dir, monkeypatch):
     shutil.copy(module.__file__, build_dir / f"{name}.so")
     (build_dir / cpu_kernels.DONE_MARKER).write_text(name)
     (build_dir / "lock").write_text("")  # NOTE: torch's FileBaton, left by a killed build: load() waits forever
-    monkeypatch.setattr(cpu_kernels, "_compile", lambda *a: pytest.fail("a cached build was rebuilt"))
+    monkeypatch.setattr(cpu_kernels, "compile_sources", lambda *a: pytest.fail("a cached build was rebuilt"))
     fd = _hold_lock(build_dir)
     try:
-        loaded = cpu_kernels._build(timeout=0.2)  # NOTE: would raise TimeoutError if it took the lock
+        loaded = cpu_kernels.build(timeout=0.2)  # NOTE: would raise TimeoutError if it took the lock
     finally:
         os.close(fd)
     assert callable(loaded.paged_decode_attention)
@@ -133,7 +133,7 @@ def test_a_cached_build_loads_without_the_lock(module, build_dir, monkeypatch):
 
 def test_a_held_lock_without_a_build_times_out_with_one_warning(build_dir, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "BUILD_LOCK_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(cpu_kernels, "_compile", lambda *a: pytest.fail("built while another process held the lock"))
+    monkeypatch.setattr(cpu_kernels, "compile_sources", lambda *a: pytest.fail("built while another process held the lock"))
     fd = _hold_lock(build_dir)
     try:
         with caplog.at_level(logging.WARNING, logger="rollout"):
@@ -154,8 +154,8 @@ def test_a_killed_builds_stale_baton_is_removed_and_the_build_runs(build_dir, mo
         assert not (directory / "lock").exists()
         return built
 
-    monkeypatch.setattr(cpu_kernels, "_compile", fake_compile)
-    assert cpu_kernels._build(timeout=5.0) is built
+    monkeypatch.setattr(cpu_kernels, "compile_sources", fake_compile)
+    assert cpu_kernels.build(timeout=5.0) is built
     assert (build_dir / cpu_kernels.DONE_MARKER).exists()
 
 
@@ -174,5 +174,25 @@ def test_a_build_in_this_process_leaves_the_build_name_alone(build_dir, monkeypa
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
     before = cpu_kernels.build_name()
-    cpu_kernels._compile(before, build_dir)
+    cpu_kernels.compile_sources(before, build_dir)
     assert cpu_kernels.build_name() == before
+
+
+# ------------------------------------------------------------------ what the warning says when they are off
+
+
+def test_why_off_names_a_file_the_package_lacks_before_anything_else(tmp_path, monkeypatch):
+    """A wheel without `kernels.h` fails with a compiler error that reads like a broken toolchain: say the file."""
+    monkeypatch.setattr(cpu_kernels, "HEADERS", (tmp_path / "kernels.h",))
+    why = cpu_kernels.why_off(RuntimeError("Error building extension: fatal error: kernels.h: No such file"))
+    assert "lacks kernels.h" in why and "reinstall" in why, why
+
+
+def test_why_off_tells_no_compiler_from_a_failed_build(monkeypatch):
+    failed = RuntimeError("Error building extension 'rollout_cpu'\nsmall_gemm.cpp:12: error: expected ';'")
+    why = cpu_kernels.why_off(failed)
+    assert why.startswith("the build failed") and "expected ';'" in why, why
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    why = cpu_kernels.why_off(failed)
+    assert "no C++ compiler" in why and "g++" in why, why
+    assert "build lock" in cpu_kernels.why_off(TimeoutError("another process has held the build lock x for 3 s"))
