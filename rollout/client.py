@@ -8,18 +8,15 @@ weight pushes over `torch.distributed`.
 The push follows vLLM's route names: `/init_weight_transfer_engine` (the server joins this trainer's group
 as rank 1), `/start_weight_update`, `/update_weights` (names, dtypes and shapes of a chunk, checked by the
 server before any tensor moves; then rank 0 broadcasts the chunk), `/finish_weight_update` (the server
-copies everything in at once, bumps the weight version and drops stale prefix KV). Needs `httpx`.
+copies everything in at once, bumps the weight version and drops stale prefix KV): one server's case of
+`rollout.weights.broadcast.WeightBroadcaster`, one wire format for both. Needs `httpx`.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable, Mapping
 
 import torch
-import torch.distributed as dist
-
-from rollout.weights.transfer import free_port, named_tensors, new_group
 
 
 class RolloutClient:
@@ -34,10 +31,10 @@ class RolloutClient:
     def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 600.0) -> None:
         import httpx
 
+        self.base_url, self.api_key = base_url.rstrip("/"), api_key
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.http = httpx.Client(base_url=base_url.rstrip("/"), headers=headers, timeout=timeout)
-        self.group: dist.ProcessGroup | None = None
-        self._store: dist.TCPStore | None = None
+        self.http = httpx.Client(base_url=self.base_url, headers=headers, timeout=timeout)
+        self.weights = None  # the WeightBroadcaster of the weight push, formed on first use
 
     # ------------------------------------------------------------- plain calls
     def _post(self, path: str, json: dict | None = None, params: dict | None = None) -> dict:
@@ -84,65 +81,31 @@ class RolloutClient:
         return int(self._post("/update_weights_from_disk", {"model_path": model_path})["weight_version"])
 
     # ------------------------------------------------------------ weight push
-    def init_weight_transfer(self, master_address: str = "127.0.0.1", master_port: int | None = None,
-                             timeout_s: float = 120.0) -> None:
-        """Form the 2-rank gloo group (this process rank 0, the server rank 1)."""
-        port = master_port or free_port(master_address)
-        answer: dict = {}
+    def init_weight_transfer(self, master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
+        """Form the 2-rank group (this process rank 0, the server rank 1; gloo, or NCCL on CUDA)."""
+        from rollout.weights.broadcast import WeightBroadcaster  # noqa: PLC0415 (torch.distributed on first push)
 
-        def ask() -> None:
-            try:
-                answer["r"] = self._post("/init_weight_transfer_engine", {"init_info": {
-                    "master_address": master_address, "master_port": port, "rank_offset": 1, "world_size": 2}})
-            except Exception as e:
-                answer["e"] = e
-
-        asker = threading.Thread(target=ask, daemon=True)
-        asker.start()
-        self._store, self.group = new_group(master_address, port, 0, 2, timeout_s, "gloo", is_master=True)
-        asker.join(timeout_s)
-        if "e" in answer:
-            raise answer["e"]
+        if self.weights is not None:
+            self.weights.close()
+        self.weights = WeightBroadcaster([self.base_url], api_key=self.api_key, timeout_s=timeout_s,
+                                         master_address=master_address)
+        self.weights.init()
 
     def update_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable,
-                       chunk_bytes: int = 256 * 2**20) -> int:
-        """Push every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to the server;
-        returns the server's new weight version. A tensor shared by two names (tied weights) goes once."""
-        if self.group is None:
+                       in_flight: str | None = None) -> int:
+        """Push every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to the server in
+        buckets, through the same wire format as a broadcast to many servers (`WeightBroadcaster`: a tensor
+        shared by two names goes once); returns the server's new weight version."""
+        if self.weights is None:
             self.init_weight_transfer()
-        items = named_tensors(model)
-        self._post("/start_weight_update", {"is_checkpoint_format": True})
-        seen: set[int] = set()
-        chunk: list[tuple[str, torch.Tensor]] = []
-        size = 0
-        for name, tensor in items:
-            if tensor.data_ptr() in seen:
-                continue
-            seen.add(tensor.data_ptr())
-            chunk.append((name, tensor.detach().to("cpu").contiguous()))
-            size += tensor.numel() * tensor.element_size()
-            if size >= chunk_bytes:
-                self._send(chunk)
-                chunk, size = [], 0
-        if chunk:
-            self._send(chunk)
-        return int(self._post("/finish_weight_update")["weight_version"])
-
-    def _send(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
-        # NOTE: the server checks the names and shapes and answers before it receives, so a refused chunk
-        # never leaves this side waiting in a broadcast.
-        self._post("/update_weights", {"update_info": {
-            "names": [n for n, _ in chunk],
-            "dtype_names": [str(t.dtype).removeprefix("torch.") for _, t in chunk],
-            "shapes": [list(t.shape) for _, t in chunk],
-        }})
-        for _, t in chunk:
-            self.group.broadcast(t, 0).wait()
+        (version,) = self.weights.broadcast(model, in_flight=in_flight)
+        return version
 
     def close(self) -> None:
+        if self.weights is not None:
+            self.weights.close()
+            self.weights = None
         self.http.close()
-        self.group = None
-        self._store = None
 
     def __enter__(self) -> RolloutClient:
         return self

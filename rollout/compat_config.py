@@ -5,8 +5,9 @@ transformers' continuous batching runs unchanged. The fields below are accepted 
 (`rollout.config` declares them, with their defaults and rules, in transformers' field order) but
 have no effect on rollout's engine. `COMPAT_FIELDS` says, for each, what it does in transformers (why
 it is accepted) and what it does here; `log_unavailable_features` is the one place that says so at
-run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA,
-`cpu_group_timeout` now bounds the tensor-parallel CPU group, `rollout.engine.tp`); they stay fields of the config.
+run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA); they stay
+fields of the config. `cpu_group_timeout` came from the same list and has its meaning (it bounds the tensor-parallel
+CPU group, `rollout.engine.tp`), so it is declared in `rollout.config` with the engine's own fields.
 """
 
 from __future__ import annotations
@@ -64,11 +65,6 @@ COMPAT_FIELDS: dict[str, CompatField] = {
         "sizes the block table of the flash_attn_with_kvcache decode fast path (0 disables that path)",
         "nothing: rollout's page tables grow as a request needs; validated as None or an int >= 0",
     ),
-    "cpu_group_timeout": CompatField(
-        "timeout in seconds of the CPU process group used under tensor parallelism",
-        "the same: bounds every collective of the tensor-parallel CPU group (rollout.engine.tp); a number > 0, or "
-        "None to wait forever",
-    ),
     "auto_switch_to_flash": CompatField(
         "switches a model's sdpa/eager attention to flash attention when available",
         "nothing: rollout runs its own paged attention, chosen by attn_backend; validated as a bool",
@@ -80,7 +76,7 @@ _CUDA_FIELDS = tuple(name for name, f in COMPAT_FIELDS.items() if f.note == "cud
 # NOTE: the notes already logged in this process: each says the same for every engine, so it is said once
 # per process (not once per engine or config object: an RL loop builds many engines, and a config holds no
 # logging state). Keyed by the message, which names the fields it is about.
-_LOGGED: set[str] = set()
+LOGGED: set[str] = set()
 
 
 def log_unavailable_features(config: Any, has_cuda: bool) -> None:
@@ -99,6 +95,6 @@ def log_unavailable_features(config: Any, has_cuda: bool) -> None:
 
 
 def _warn_once(message: str) -> None:
-    if message not in _LOGGED:
-        _LOGGED.add(message)
+    if message not in LOGGED:
+        LOGGED.add(message)
         logger.warning("%s", message)

@@ -129,7 +129,7 @@ class _ConfigFields:
     varlen_compile_config: Any = _compat(None, None)
     decode_compile_config: Any = _compat(None, None)
     max_blocks_per_request: int | None = _compat(None, Int(0, optional=True))
-    cpu_group_timeout: float | None = _compat(600.0, Number(0.0, math.inf, low_open=True, optional=True))
+    cpu_group_timeout: float | None = _setting(600.0, Number(0.0, math.inf, low_open=True, optional=True))
     auto_switch_to_flash: bool = _compat(True, Bool())
     attn_backend: str = _setting("auto", OneOf(ATTN_BACKENDS))
     batch_invariant: bool = _setting(False, Bool())
@@ -191,9 +191,9 @@ class ContinuousBatchingConfig(_ConfigFields):
         default_compile_level: 0 (default) runs the forward eagerly; 1-3 (all the same here) compile it on
             a CPU as one graph (`rollout.model.compiled`: seconds to a minute once per process and thread count,
             faster steps after); no effect on other devices.
-        use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         cpu_group_timeout: seconds a collective of the tensor-parallel CPU group may block before the rank
             raises (`rollout.engine.tp`); None waits forever.
+        use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         varlen_compile_config, decode_compile_config, max_blocks_per_request,
         auto_switch_to_flash: accepted (and validated) for API compatibility with
             transformers, without effect here: `rollout.compat_config` says what each does there and here.

@@ -187,21 +187,13 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token: int, logprob: float | None, version: int = 0) -> str | None:
-        """Add a token sampled under policy `version`; returns the `stop_reason` it leaves (None: keep going)."""
+        """Add a token sampled under policy `version`; returns why it stops the request, "stop" (an EOS or stop token) or "length" (the budget used), or None."""
         self.token_ids.append(token)
         self.generated.append(token)
         self.versions.append(version)
         if logprob is not None:
             self.logprobs.append(logprob)
         if token in self.eos_token_ids:
-            return "stop"
-        if len(self.generated) >= self.max_new_tokens:
-            return "length"
-        return None
-
-    def stop_reason(self) -> str | None:
-        """'stop' after an EOS / stop token, 'length' once the budget is used, else None."""
-        if self.generated and self.generated[-1] in self.eos_token_ids:
             return "stop"
         if len(self.generated) >= self.max_new_tokens:
             return "length"

@@ -195,7 +195,6 @@ COMPAT_VALUES = dict(
     varlen_compile_config=object(),
     decode_compile_config=object(),
     max_blocks_per_request=32,
-    cpu_group_timeout=300.0,
     auto_switch_to_flash=False,
 )
 
@@ -229,7 +228,7 @@ def test_unavailable_features_are_logged_once_per_process(monkeypatch, caplog):
 
     from rollout import compat_config
 
-    monkeypatch.setattr(compat_config, "_LOGGED", set())
+    monkeypatch.setattr(compat_config, "LOGGED", set())
     gpu_only = dict(use_cuda_graph=True, use_async_batching=True)
     with caplog.at_level(logging.WARNING, logger="rollout"):
         ContinuousBatchingConfig().log_unavailable_features(False)

@@ -1,7 +1,7 @@
 """`RolloutEngine`: the RL-facing API on top of one persistent `ContinuousBatchingManager`.
 
 `generate` encodes the prompts, submits every sample of every group at once and steps the engine on the
-calling thread (`manager.collect`) until they are done, then pads them into a `RolloutBatch`
+calling thread (`rollout.engine.collect`) until they are done, then pads them into a `RolloutBatch`
 (`rollout.api.batch`). `update_weights` copies new weights in (`rollout.weights.in_place`) between steps.
 """
 

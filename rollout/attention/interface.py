@@ -8,7 +8,7 @@ K/V into the layer's cache through its group's `slot_mapping`, and hands the lay
 backend (`meta.backend.attend`); how attention runs over the pages is the backend's (`rollout.attention.backends`).
 
 Owns `ATTN_NAME`, `paged_attention_forward`, the kwargs it ignores or refuses (`IGNORED_KWARGS`,
-`_check_kwargs`) and `register`.
+`check_kwargs`) and `register`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def paged_attention_forward(
         raise RuntimeError(
             f"attention '{ATTN_NAME}' was called without rollout metadata: it only runs inside the rollout engine"
         )
-    _check_kwargs(module, kwargs, dropout)
+    check_kwargs(module, kwargs, dropout)
     if s_aux is not None and not meta.backend.supports_sinks:
         raise ValueError(f"attn_backend {meta.backend.name!r} does not implement attention sinks "
                          "(s_aux); use attn_backend='sdpa'")
@@ -78,7 +78,7 @@ IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "outp
                             "output_router_logits", "is_causal", "head_mask"})
 
 
-def _check_kwargs(module: torch.nn.Module, kwargs: dict, dropout: float) -> None:
+def check_kwargs(module: torch.nn.Module, kwargs: dict, dropout: float) -> None:
     unknown = sorted(set(kwargs) - IGNORED_KWARGS)
     if unknown:
         raise ValueError(f"{type(module).__name__} passes attention argument(s) {unknown} that rollout's paged "

@@ -1,6 +1,7 @@
 """`EngineCore`: schedule -> run -> sample -> update, one step at a time, single-threaded.
 
-The manager drives it from its background thread; `generate_batch` drives it inline.
+The manager drives it, one `round()` at a time: from the thread that waits on results (`rollout.engine.collect`:
+`RolloutEngine.generate`, `generate_batch`), else from its background thread (`rollout.engine.engine_thread`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,6 @@ class EngineCore:
                            config.default_compile_level, self.device)
         self.view = make_engine_view(model)
         self.windows, groups = layer_groups(layer_windows(model))
-        self.sliding = any(w is not None for w in self.windows)
         sharing = config.allow_block_sharing
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
         if config.batch_invariant:  # NOTE: one reduction order per token (rollout.invariant.mode); before any group

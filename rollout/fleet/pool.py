@@ -38,10 +38,6 @@ from rollout.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightBroadcaster
 logger = logging.getLogger("rollout.fleet.pool")
 
 
-class ServerDown(RuntimeError):
-    """A rollout server stopped answering."""
-
-
 class RolloutPool:
     """Groups of samples from several rollout servers, as a `RolloutEngine` gives them.
 
@@ -203,7 +199,7 @@ class RolloutPool:
         outputs: list[GenerationOutput] = []
         for i, f in enumerate(futures):
             answer = f.result(timeout=bound)
-            outputs += self._outputs(i, ids[i], group_size, answer, answer["weight_version"])
+            outputs += self.outputs_from_answer(i, ids[i], group_size, answer, answer["weight_version"])
         return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
                           self.tokenizer)
 
@@ -215,7 +211,9 @@ class RolloutPool:
         return [int(t) for t in prompt]
 
     @staticmethod
-    def _outputs(i: int, prompt: list[int], n: int, answer: dict, version: int) -> list[GenerationOutput]:
+    def outputs_from_answer(i: int, prompt: list[int], n: int, answer: dict, version: int) -> list[GenerationOutput]:
+        """Group `i`'s `n` outputs from a `/v1/completions` answer (weight versions per token where the server
+        sends them, else `version` for every token)."""
         choices = sorted(answer["choices"], key=lambda c: c["index"])
         if len(choices) != n:
             raise RuntimeError(f"group {i}: the server answered {len(choices)} choices for n={n}")

@@ -17,20 +17,15 @@ import atexit
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from rollout.weights.transfer import free_port
+
 logger = logging.getLogger("rollout.fleet.server_procs")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # NOTE: each child starts through this bootstrap instead of a `preexec_fn` (unsafe in a process with threads):
@@ -88,7 +83,7 @@ class ServerProcesses:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         try:
             for i in range(n):
-                port = _free_port()
+                port = free_port("127.0.0.1")
                 log = self.log_dir / f"server{i}.log"
                 cmd = [python or sys.executable, "-c", BOOTSTRAP, str(model_path), "--host", "127.0.0.1",
                        "--port", str(port), *serve_args]

@@ -54,7 +54,7 @@ DONE_MARKER = "rollout.ok"  # written once a build has loaded: the library in th
 LOCK_FILE = "rollout.lock"
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}
+STATE: dict[str, object] = {}
 
 
 def enabled() -> bool:
@@ -192,18 +192,18 @@ def load():
     kernel and the cause (`why_off`)."""
     if not enabled():
         return None
-    if "module" in _state:  # NOTE: settled: no lock (attention asks for `write_kv` every layer of every step)
-        return _state["module"]
+    if "module" in STATE:  # NOTE: settled: no lock (attention asks for `write_kv` every layer of every step)
+        return STATE["module"]
     with _lock:
-        if "module" not in _state:
+        if "module" not in STATE:
             module = None
             try:
                 module = build()
             except Exception as e:  # NOTE: no compiler, no ninja, a missing header, a failed build: torch still works
                 logger.warning("rollout: the C++ CPU kernels are off (%s); using torch SDPA and torch ops: %s",
                                KERNELS, why_off(e))
-            _state["module"] = module
-        return _state["module"]
+            STATE["module"] = module
+        return STATE["module"]
 
 
 def parallel_threads():

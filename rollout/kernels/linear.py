@@ -34,6 +34,7 @@ import functools
 import logging
 import os
 import types
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +120,25 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return y.view(*x.shape[:-1], self._rollout_n)
         return _LINEAR_POINTWISE(x, packed_weight(self), b, "none", [], "")
     return F.linear(x, w, b)
+
+
+class RoutedCopies(NamedTuple):
+    """What a routed linear holds now: its weight in oneDNN's packed layout, as the small-M kernel's panels
+    (each None until a forward needed it, or after `drop_packed`), and the small-M kernel it routes decode
+    rows to (None: off, `ROLLOUT_SMALL_LINEARS=0` or no kernels)."""
+
+    packed: torch.Tensor | None
+    panels: torch.Tensor | None
+    small: object | None
+
+
+def routed_copies(module: torch.nn.Linear) -> RoutedCopies:
+    """The copies `module` holds (see `RoutedCopies`)."""
+    def held(attr: str) -> torch.Tensor | None:
+        copy = getattr(module, attr, None)
+        return None if copy is None else copy[0]
+
+    return RoutedCopies(held("_rollout_packed"), held("_rollout_panels"), getattr(module, "_rollout_small", None))
 
 
 def drop_packed(view: torch.nn.Module) -> int:

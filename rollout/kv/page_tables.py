@@ -12,10 +12,6 @@ from collections.abc import Sequence
 
 from rollout.kv.page_pool import PagePool
 
-# NOTE: a model's layers fall into groups by attention window (full attention, or one sliding
-# window). Each group keeps its own page table per request over the one shared pool; all tables of
-# a request have the same logical length (one entry per `page_size` tokens), and an entry of a
-# sliding table whose page the window can no longer see is recycled and set to FREED.
 FREED = -1
 
 

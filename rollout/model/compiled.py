@@ -33,7 +33,7 @@ import weakref
 
 import torch
 
-from rollout.attention.interface import _check_kwargs, paged_attention_forward
+from rollout.attention.interface import check_kwargs, paged_attention_forward
 from rollout.kernels.fused_layers import drop_fused_layers
 from rollout.kernels.linear import packed_weight
 
@@ -102,7 +102,7 @@ def compiled_attention_forward(
     """The attention HF calls inside the compiled forward: the custom op (checks run at trace time)."""
     if rollout_step is None:
         raise RuntimeError(f"attention '{ATTN_NAME_COMPILED}' only runs inside rollout's compiled engine forward")
-    _check_kwargs(module, kwargs, dropout)
+    check_kwargs(module, kwargs, dropout)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = paged_attention_op(query, key, value, rollout_step, module.layer_idx, float(scale),
                              float(softcap or 0.0), int(sliding_window or 0), s_aux)

@@ -48,10 +48,6 @@ def layer_windows(model: torch.nn.Module) -> list[int | None]:
     return [window if slides else None] * cfg.num_hidden_layers
 
 
-def has_sliding_layers(model: torch.nn.Module) -> bool:
-    return any(w is not None for w in layer_windows(model))
-
-
 def layer_groups(windows: Sequence[int | None]) -> tuple[list[int | None], list[int]]:
     """`(group windows, group of each layer)`: full attention first, then sliding windows by size."""
     groups = sorted(set(windows), key=lambda w: (w is not None, w or 0))

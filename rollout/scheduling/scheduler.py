@@ -53,6 +53,7 @@ class Scheduler:
         fork_prompts: bool = True,
         windows: Sequence[int | None] = (None,),
         offloader: Offloader | None = None,
+        decode_fast_path: bool = True,
     ) -> None:
         if policy not in _POLICIES:
             raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
@@ -64,6 +65,7 @@ class Scheduler:
         self.safety_pages = safety_margin * page_pool.num_pages
         self.tables = PageTables(page_pool, windows)
         self.offloader = offloader
+        self.decode_fast_path = decode_fast_path  # NOTE: off only to check it against the general loop (tests)
         # NOTE: a fork shares the leader's full prompt pages in every layer group (a sliding group only
         # those still inside the fork's window); refcounts keep a shared page until nobody holds it.
         self.prefixes = PrefixIndex(page_pool, fork_prompts)
@@ -116,7 +118,7 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
-        if not done and prefill is not True and (left := self._schedule_decodes(out, budget, done)) is not None:
+        if self.decode_fast_path and not done and prefill is not True and (left := self._schedule_decodes(out, budget, done)) is not None:
             return left
         multi, ps = self.tables.num_groups > 1, self.page_size
         i = 0

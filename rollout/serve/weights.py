@@ -102,7 +102,7 @@ class WeightReceiver:
             self.staged[name] = t
 
     def receive_packed(self, items: list) -> None:
-        """Receive one chunk sent as a single flat buffer (`rollout.weights.transfer.flatten`, one dtype)."""
+        """Receive one chunk sent as a single flat buffer (packed by `rollout.weights.broadcast.WeightBroadcaster`, one dtype)."""
         if self.staged is None:
             raise RuntimeError("call /start_weight_update first")
         shapes = [shape for _, _, shape in items]

@@ -44,16 +44,8 @@ def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
     yield from (b for b in open_.values() if b)
 
 
-def flatten(tensors: Sequence[torch.Tensor], device: torch.device | str = "cpu") -> torch.Tensor:
-    """One flat buffer `[sum of numels]` (on `device`) holding `tensors` in order; all of one dtype."""
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        raise ValueError(f"a bucket holds one dtype, got {sorted(map(str, dtypes))}")
-    return torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
-
-
 def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Views of `flat` with `shapes`, in order (the inverse of `flatten`)."""
+    """Views of `flat` with `shapes`, in order (the inverse of the sender packing them in order, `WeightBroadcaster`)."""
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     if sum(sizes) != flat.numel():
         raise ValueError(f"the bucket holds {flat.numel()} elements, its shapes {sum(sizes)}")

@@ -127,7 +127,7 @@ def test_softcap_scores_are_built_in_bounded_chunks(monkeypatch, masked):
     budget = 4 * 4 * 10 * 160  # NOTE: 10 query rows of fp32 scores at a time
     monkeypatch.setattr(sdpa, "SOFTCAP_SCORE_BYTES", budget)
     with LargestFloat() as seen:
-        out = sdpa._attend(q, k, v, allowed[None, None] if masked else None, 0.25, 20.0, is_causal=True)
+        out = sdpa.attend_dense(q, k, v, allowed[None, None] if masked else None, 0.25, 20.0, is_causal=True)
     s = q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2) * 0.25
     s = (torch.tanh(s / 20.0) * 20.0).masked_fill(~allowed, float("-inf"))
     ref = s.softmax(-1) @ v.double().repeat_interleave(2, 1)

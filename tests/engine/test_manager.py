@@ -322,7 +322,7 @@ def test_persistent_manager_is_reused_and_honours_new_generation_config(model, o
         m1.add_request(PROMPTS[5], request_id="a")  # default max_new_tokens=8
         assert drain(m1)["a"].generated_tokens == ref[:8]
     try:
-        assert not m1._destroyed and not m1.is_running()
+        assert not m1.is_destroyed and not m1.is_running()
         assert_all_free(m1)
         gc3 = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
         with continuous_batching_context_manager(model, generation_config=gc3, continuous_batching_config=cfg,

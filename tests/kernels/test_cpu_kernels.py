@@ -200,7 +200,7 @@ def test_a_failed_build_warns_once_and_falls_back_to_sdpa(monkeypatch, caplog):
     def broken():
         raise RuntimeError("Error building extension 'rollout_cpu': c++: command not found")
 
-    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "STATE", {})
     monkeypatch.setattr(cpu_kernels, "build", broken)
     with caplog.at_level(logging.WARNING, logger="rollout"):
         assert cpu_kernels.paged_decode_attention() is None

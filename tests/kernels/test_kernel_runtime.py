@@ -105,7 +105,7 @@ def test_a_kernel_call_releases_the_gil(module):
 def build_dir(tmp_path, monkeypatch):
     """An empty build directory for the real build name; fresh module state."""
     monkeypatch.setattr(cpu_kernels, "build_directory", lambda name: tmp_path)
-    monkeypatch.setattr(cpu_kernels, "_state", {})
+    monkeypatch.setattr(cpu_kernels, "STATE", {})
     return tmp_path
 
 

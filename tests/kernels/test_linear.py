@@ -50,7 +50,7 @@ def test_routed_linears_match_torch_and_leave_the_users_model_alone():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
         xb = x.bfloat16()
         torch.testing.assert_close(layer.bfloat16()(xb), F.linear(xb, layer.weight, layer.bias), rtol=1e-2, atol=1e-2)
-        assert layer._rollout_packed[0].dtype == torch.bfloat16
+        assert linear.routed_copies(layer).packed.dtype == torch.bfloat16
         with torch.autocast("cpu", dtype=torch.bfloat16):  # NOTE: autocast keeps torch's linear: same dtype out
             assert layer.float()(x).dtype == F.linear(x, layer.weight, layer.bias).dtype == torch.bfloat16
         xh = x.half()

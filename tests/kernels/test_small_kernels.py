@@ -76,20 +76,20 @@ def test_the_view_runs_decode_rows_on_panels_and_prompt_chunks_on_onednn(monkeyp
         for rows in (1, linear.SMALL_ROWS):
             x = torch.randn(1, rows, 64)
             torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert layer._rollout_panels is not None and layer._rollout_packed is None
+        assert linear.routed_copies(layer).panels is not None and linear.routed_copies(layer).packed is None
         x = torch.randn(linear.SMALL_ROWS + 1, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-        assert layer._rollout_packed is not None
+        assert linear.routed_copies(layer).packed is not None
         layer.weight.mul_(2)  # NOTE: an in-place write: the panels are rebuilt at the next call
         x = torch.randn(3, 64)
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
-    assert linear.drop_packed(layer) == 2 and layer._rollout_panels is None
+    assert linear.drop_packed(layer) == 2 and linear.routed_copies(layer).panels is None
     monkeypatch.setenv("ROLLOUT_SMALL_LINEARS", "0")
     off = torch.nn.Linear(64, 48)
     linear.use_onednn_linears(off, min_elements=0)
     with torch.inference_mode():
         off(torch.randn(2, 64))
-    assert off._rollout_small is None and off._rollout_panels is None and off._rollout_packed is not None
+    assert linear.routed_copies(off).small is None and linear.routed_copies(off).panels is None and linear.routed_copies(off).packed is not None
 
 
 def test_llama_family_norms_are_recognised_by_their_forward_and_others_are_not():

@@ -36,8 +36,7 @@ def step(s: Scheduler):
     sampled = [x.request for x in out.scheduled if x.samples]
     s.after_step(out)
     for req in sampled:
-        req.append_token(7, None)
-        if req.stop_reason() is not None:
+        if req.append_token(7, None) is not None:  # its stop reason
             s.remove(req)
             req.status = RequestStatus.FINISHED
     s.bm.check_invariants()

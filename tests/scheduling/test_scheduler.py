@@ -383,8 +383,7 @@ def _random_workload(workload, num_blocks, budget, max_requests, policy, margin,
         sampled = [x.request for x in out.scheduled if x.samples]
         s.after_step(out)
         for req in sampled:
-            req.append_token(len(req.token_ids) % 5 + 1, None)
-            if req.stop_reason() is not None:
+            if req.append_token(len(req.token_ids) % 5 + 1, None) is not None:  # its stop reason
                 s.remove(req)
                 req.status = RequestStatus.FINISHED
         s.bm.check_invariants()

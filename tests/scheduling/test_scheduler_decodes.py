@@ -1,4 +1,4 @@
-"""The scheduler's all-decode fast path (`Scheduler._schedule_decodes`) against its general loop.
+"""The scheduler's all-decode fast path (`Scheduler(decode_fast_path=True)`, the default) against its general loop.
 
 The same random workload (arrivals over time, tight pools with preemption, prefix hits, forks, sliding
 windows, both policies) runs through a scheduler with the fast path and one without it; every step must
@@ -21,13 +21,6 @@ PS = 4
 GREEDY = SamplingParams(temperature=0.0)
 
 
-class GeneralOnly(Scheduler):
-    """The scheduler with its fast path switched off: every step takes the general loop."""
-
-    def _schedule_decodes(self, out, budget, done):
-        return None
-
-
 def _requests(workload) -> list[tuple[int, Request]]:
     families = {f: [1000 * (f + 1) + i for i in range(12)] for f in range(3)}
     arrival = itertools.count()
@@ -38,9 +31,9 @@ def _requests(workload) -> list[tuple[int, Request]]:
     return out
 
 
-def _trace(cls, workload, num_blocks, budget, max_requests, policy, windows, caching):
-    s = cls(PagePool(num_blocks, PS, enable_prefix_caching=caching), budget,
-            max_requests_per_batch=max_requests, policy=policy, windows=windows)
+def _trace(fast_path, workload, num_blocks, budget, max_requests, policy, windows, caching):
+    s = Scheduler(PagePool(num_blocks, PS, enable_prefix_caching=caching), budget,
+                  max_requests_per_batch=max_requests, policy=policy, windows=windows, decode_fast_path=fast_path)
     reqs = _requests(workload)
     trace, fast_steps = [], 0
     for t in range(400):
@@ -90,8 +83,8 @@ def test_fast_path_schedules_exactly_what_the_general_loop_does(
     workload, num_blocks, budget, max_requests, policy, windows, caching
 ):
     caching = caching and windows == (None,)  # NOTE: as the engine: no prefix caching with sliding layers
-    fast, _ = _trace(Scheduler, workload, num_blocks, budget, max_requests, policy, windows, caching)
-    general, none = _trace(GeneralOnly, workload, num_blocks, budget, max_requests, policy, windows, caching)
+    fast, _ = _trace(True, workload, num_blocks, budget, max_requests, policy, windows, caching)
+    general, none = _trace(False, workload, num_blocks, budget, max_requests, policy, windows, caching)
     assert none == 0
     assert fast == general
 
@@ -101,8 +94,8 @@ def test_fast_path_runs_in_the_steady_state_and_stops_for_new_rows_and_preemptio
     # then runs dry (general: someone is preempted); the traces still match.
     workload = [(0, 3, 14, 0), (1, 3, 14, 0), (2, 3, 14, 0), (0, 9, 14, 6)]
     for windows in [(None,), (None, 6)]:
-        fast, steps = _trace(Scheduler, workload, 16, 16, None, "fifo", windows, windows == (None,))
-        general, _ = _trace(GeneralOnly, workload, 16, 16, None, "fifo", windows, windows == (None,))
+        fast, steps = _trace(True, workload, 16, 16, None, "fifo", windows, windows == (None,))
+        general, _ = _trace(False, workload, 16, 16, None, "fifo", windows, windows == (None,))
         assert fast == general
         assert steps >= 5
         assert any(preempted for _, preempted, _, _ in fast)

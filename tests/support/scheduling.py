@@ -45,8 +45,7 @@ def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
     s.after_step(out)
     finished = []
     for req in sampled:
-        req.append_token(token, None)
-        if req.stop_reason() is not None:
+        if req.append_token(token, None) is not None:  # its stop reason
             s.remove(req)
             req.status = RequestStatus.FINISHED
             finished.append(req)

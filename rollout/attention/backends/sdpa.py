@@ -2,7 +2,7 @@
 
 Owns the gather path end to end: its per-group metadata (`GroupMetadata`: `Segment`s, `DecodeBucket`s,
 `PagedDecode` rows), their builder (`build_gather_group`, from the step's `StepInputs`), its attention
-(`gather_attend`, over `_attend`: SDPA, or an explicit fp32 softmax for Gemma 2's logit softcap and
+(`gather_attend`, over `attend_dense`: SDPA, or an explicit fp32 softmax for Gemma 2's logit softcap and
 gpt-oss's attention sinks, chunked by `SOFTCAP_SCORE_BYTES`) and its memory plan. Runs on any device.
 
 - prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step when
@@ -222,7 +222,7 @@ def gather_attend(
         v = v_cache.index_select(1, flat).view(num_kv_heads, b, lmax, head_dim).transpose(0, 1)
         if upcast:
             q, k, v = q.float(), k.float(), v.float()
-        o = _attend(q, k, v, bucket.mask(), scale, softcap, is_causal=False, sinks=sinks)  # [B, H, 1, D]
+        o = attend_dense(q, k, v, bucket.mask(), scale, softcap, is_causal=False, sinks=sinks)  # [B, H, 1, D]
         out.index_copy_(0, bucket.rows, o[:, :, 0, :].to(out.dtype))
 
     for i, seg in enumerate(group.segments):
@@ -234,7 +234,7 @@ def gather_attend(
             k = k_cache.index_select(1, seg.kv_slots)[None]  # [1, Hkv, kv, D]
             v = v_cache.index_select(1, seg.kv_slots)[None]
         mask = group.segment_mask(i, seg)
-        o = _attend(q, k, v, mask, scale, softcap, is_causal=True, sinks=sinks)  # [1, H, q, D]
+        o = attend_dense(q, k, v, mask, scale, softcap, is_causal=True, sinks=sinks)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
     return out
 
@@ -244,7 +244,7 @@ def _paged(kernel, q, k_cache, v_cache, pd: PagedDecode, page_size, scale, softc
     kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, page_size, scale, float(softcap or 0.0), out, pd.alias)
 
 
-def _attend(
+def attend_dense(
     q: torch.Tensor,  # [B, H, Lq, D]
     k: torch.Tensor,  # [B, Hkv, Lk, D]
     v: torch.Tensor,  # [B, Hkv, Lk, D]
@@ -309,7 +309,7 @@ class SdpaBackend:
     """Gather + SDPA (see the module docstring); holds no state."""
 
     name = "sdpa"
-    supports_sinks = True  # NOTE: gpt-oss sinks in the explicit softmax of `_attend`
+    supports_sinks = True  # NOTE: gpt-oss sinks in the explicit softmax of `attend_dense`
     reads_unwritten_slots = False  # NOTE: padding of a gather repeats a written slot
     kernel = None  # NOTE: CpuBackend sets the C++ decode kernel
 
