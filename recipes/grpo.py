@@ -56,8 +56,6 @@ import time
 
 from _common import (
     GRPO_EMBEDDED_ENGINE,
-    GRPO_WARM_START,
-    REWARDS,
     add_async_args,
     add_run_args,
     async_run_kwargs,
@@ -74,41 +72,22 @@ from _common import (
     trainer_run_kwargs,
     write_json,
 )
+from _grpo_args import TRAIN_PROMPTS, add_grpo_args, grpo_config_kwargs
 from accelerate.utils import set_seed
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.tasks import AdditionTask, greedy_accuracy
 
 # ----------------------------------------------------------------------------------- config
-STEPS = 200  # RL steps
-PROMPTS_PER_STEP = 32  # per process
-GROUP_SIZE = 8  # samples per prompt: 256 rollouts per step and process
-TEMPERATURE = 1.2  # a little more exploration than 1.0: the reward rose further in the same 200 steps
-LR = 5e-4  # the embedded model is tiny and trained from scratch; a hub model wants ~1e-6
-ITERATIONS = 2  # passes over each rollout batch ...
-MINIBATCHES = 2  # ... in 2 optimizer steps each: 4 AdamW steps per rollout batch
-MAX_NEW_TOKENS = 5  # an answer has at most 4 digits, then eos
-TRAIN_PROMPTS = 8192  # embedded dataset size (no prompt repeats within a default run)
+# The shared defaults (steps 200, 32 prompts x G=8 per step and process, T=1.2, lr 5e-4, 2 iterations x 2
+# minibatches, 5 new tokens) are in recipes/_grpo_args.py, with the flags both GRPO recipes take.
 HELDOUT = 512  # held-out problems for the greedy accuracy reported before and after RL
-WARM_START = GRPO_WARM_START  # seeded separately from the RL run (see recipes/_common.py)
 EMBEDDED_ENGINE = GRPO_EMBEDDED_ENGINE
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="local path or hub id (default: the embedded warm start)")
-    p.add_argument("--dataset", default=None, help="json/jsonl/parquet/csv, save_to_disk dir or hub id")
-    p.add_argument("--dataset_split", default="train")
-    p.add_argument("--reward", default="addition", choices=sorted(REWARDS))
-    p.add_argument("--algorithm", default="grpo", choices=["grpo", "dr_grpo", "dapo"])
-    p.add_argument("--steps", type=int, default=STEPS)
-    p.add_argument("--prompts_per_step", type=int, default=PROMPTS_PER_STEP)
-    p.add_argument("--group_size", type=int, default=GROUP_SIZE)
-    p.add_argument("--temperature", type=float, default=TEMPERATURE)
-    p.add_argument("--lr", type=float, default=LR)
-    p.add_argument("--iterations", type=int, default=ITERATIONS, help="passes over each rollout batch")
-    p.add_argument("--minibatches", type=int, default=MINIBATCHES, help="optimizer steps per pass")
-    p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS)
+    add_grpo_args(p, output_dir="runs/grpo")
     p.add_argument("--beta", type=float, default=0.0, help="k3 KL weight to the initial policy")
     p.add_argument("--top_k", type=int, default=None, help="sampling top-k (the trainer scores under it too)")
     p.add_argument("--top_p", type=float, default=None, help="sampling top-p (the trainer scores under it too)")
@@ -116,14 +95,51 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--overlong_buffer", type=int, default=0, help="soft overlong penalty buffer (tokens)")
     p.add_argument("--overlong_filter", action="store_true", help="leave truncated completions out of the loss")
     p.add_argument("--engine_dtype", default=None, help="run the engine on a cast copy, e.g. bfloat16")
-    p.add_argument("--sft_target", type=float, default=WARM_START["target_exact"])
-    p.add_argument("--sft_steps", type=int, default=WARM_START["max_sft_steps"])
-    p.add_argument("--sft_seed", type=int, default=WARM_START["seed"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", default="runs/grpo")
     add_run_args(p)
     add_async_args(p)
     return p.parse_args(argv)
+
+
+def grpo_config(args: argparse.Namespace) -> GRPOConfig:
+    return GRPOConfig(
+        **grpo_config_kwargs(args),
+        beta=args.beta,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        max_resample_rounds=args.max_resample_rounds,
+        overlong_buffer=args.overlong_buffer,
+        overlong_filter=args.overlong_filter,
+        engine_dtype=run_engine_dtype(args),
+        engine_config=None if args.model else EMBEDDED_ENGINE,
+        log_stdout=False,  # the tqdm bar shows the reward; metrics.jsonl has everything
+        **trainer_run_kwargs(args),
+        **async_run_kwargs(args),
+    )
+
+
+def write_outputs(args, accelerator, trainer, tokenizer, summary: dict, history: list, heldout: dict) -> None:
+    """Rank 0: the final checkpoint, the reward plot, summary.json and the two summary lines."""
+    if not accelerator.is_main_process:
+        return
+    final = os.path.join(args.output_dir, "final")
+    trainer.policy.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    first, last = summary["reward_first5"], summary["reward_last5"]
+    title = f"{args.algorithm} on {summary['model']}, T={args.temperature}: reward {first:.3f} -> {last:.3f}"
+    plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
+    write_json(summary, os.path.join(args.output_dir, "summary.json"))
+    print(
+        f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in "
+        f"{summary['steps']} steps on {accelerator.num_processes} process(es), {summary['wall_time_s']:.0f}s "
+        f"(warm start {summary['warm_start_s']:.0f}s), {summary['rollout_tokens_per_s']:.0f} rollout tok/s; "
+        f"outputs in {args.output_dir}"
+    )
+    if heldout:
+        before, after = heldout["greedy_before"], heldout["greedy_after"]
+        print(
+            f"held-out greedy exact match {before['exact']:.3f} -> {after['exact']:.3f}, "
+            f"reward {before['reward']:.3f} -> {after['reward']:.3f} ({HELDOUT} problems)"
+        )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -146,30 +162,7 @@ def main(argv: list[str] | None = None) -> dict:
         heldout["greedy_before"] = greedy_accuracy(model, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
 
     # 3. GRPO
-    config = GRPOConfig(
-        output_dir=args.output_dir,
-        algorithm=args.algorithm,
-        max_steps=args.steps,
-        prompts_per_step=args.prompts_per_step,
-        group_size=args.group_size,
-        temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens,
-        learning_rate=args.lr,
-        num_iterations=args.iterations,
-        num_minibatches=args.minibatches,
-        beta=args.beta,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        max_resample_rounds=args.max_resample_rounds,
-        overlong_buffer=args.overlong_buffer,
-        overlong_filter=args.overlong_filter,
-        engine_dtype=run_engine_dtype(args),
-        engine_config=None if args.model else EMBEDDED_ENGINE,
-        seed=args.seed,
-        log_stdout=False,  # the tqdm bar shows the reward; metrics.jsonl has everything
-        **trainer_run_kwargs(args),
-        **async_run_kwargs(args),
-    )
+    config = grpo_config(args)
     trainer = GRPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config, accelerator=accelerator)
     with trainer:
         if resume:
@@ -193,25 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
         algorithm=args.algorithm,
         **heldout,
     )
-    if accelerator.is_main_process:
-        final = os.path.join(args.output_dir, "final")
-        trainer.policy.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        first, last = summary["reward_first5"], summary["reward_last5"]
-        title = f"{args.algorithm} on {model_path}, T={args.temperature}: reward {first:.3f} -> {last:.3f}"
-        plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
-        write_json(summary, os.path.join(args.output_dir, "summary.json"))
-        print(
-            f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in "
-            f"{summary['steps']} steps on {accelerator.num_processes} process(es), {wall:.0f}s "
-            f"(warm start {warm_start_s:.0f}s), {summary['rollout_tokens_per_s']:.0f} rollout tok/s; outputs in {args.output_dir}"
-        )
-        if heldout:
-            before, after = heldout["greedy_before"], heldout["greedy_after"]
-            print(
-                f"held-out greedy exact match {before['exact']:.3f} -> {after['exact']:.3f}, "
-                f"reward {before['reward']:.3f} -> {after['reward']:.3f} ({HELDOUT} problems)"
-            )
+    write_outputs(args, accelerator, trainer, tokenizer, summary, history, heldout)
     accelerator.end_training()
     return summary
 

@@ -38,8 +38,6 @@ import time
 import torch
 from _common import (
     GRPO_EMBEDDED_ENGINE,
-    GRPO_WARM_START,
-    REWARDS,
     add_async_args,
     async_run_kwargs,
     fresh_output_dir,
@@ -51,6 +49,7 @@ from _common import (
     summarize,
     write_json,
 )
+from _grpo_args import TRAIN_PROMPTS, add_grpo_args, grpo_config_kwargs
 from accelerate.utils import set_seed
 
 from rollout.fleet.pool import RolloutPool
@@ -58,30 +57,10 @@ from rollout.fleet.server_procs import ServerProcesses, install_signal_handlers
 from trainers import GRPOConfig
 from trainers.disagg import DisaggGRPOTrainer
 
-TRAIN_PROMPTS = 8192
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default=None, help="local path or hub id (default: the embedded warm start)")
-    p.add_argument("--dataset", default=None, help="json/jsonl/parquet/csv, save_to_disk dir or hub id")
-    p.add_argument("--dataset_split", default="train")
-    p.add_argument("--reward", default="addition", choices=sorted(REWARDS))
-    p.add_argument("--algorithm", default="grpo", choices=["grpo", "dr_grpo", "dapo"])
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--prompts_per_step", type=int, default=32)
-    p.add_argument("--group_size", type=int, default=8)
-    p.add_argument("--temperature", type=float, default=1.2)
-    p.add_argument("--lr", type=float, default=5e-4)
-    p.add_argument("--iterations", type=int, default=2)
-    p.add_argument("--minibatches", type=int, default=2)
-    p.add_argument("--max_new_tokens", type=int, default=5)
-    p.add_argument("--sft_target", type=float, default=GRPO_WARM_START["target_exact"])
-    p.add_argument("--sft_steps", type=int, default=GRPO_WARM_START["max_sft_steps"])
-    p.add_argument("--sft_seed", type=int, default=GRPO_WARM_START["seed"])
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output_dir", default="runs/grpo_disagg")
-    # the disaggregated layout
+    add_grpo_args(p, output_dir="runs/grpo_disagg")
     p.add_argument("--rollout_servers", type=int, default=2, help="rollout server processes to start")
     p.add_argument("--server_cpus", default=None, help="CPU ids the servers share, e.g. '0' (default: core 0 of 2+)")
     p.add_argument("--learner_cpus", default=None, help="CPU ids of the learner, e.g. '1' (default: the others)")
@@ -126,13 +105,7 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = GRPO_EMBEDDED_ENGINE
         serve_args += ["--page-size", str(cfg.page_size), "--num-blocks", str(cfg.num_blocks),
                        "--max-batch-tokens", str(cfg.max_batch_tokens)]
-    config = GRPOConfig(
-        output_dir=args.output_dir, algorithm=args.algorithm, max_steps=args.steps,
-        prompts_per_step=args.prompts_per_step, group_size=args.group_size, temperature=args.temperature,
-        max_new_tokens=args.max_new_tokens, learning_rate=args.lr, num_iterations=args.iterations,
-        num_minibatches=args.minibatches, seed=args.seed, log_stdout=True, progress=False,
-        **async_run_kwargs(args),
-    )
+    config = GRPOConfig(**grpo_config_kwargs(args), log_stdout=True, progress=False, **async_run_kwargs(args))
     spawn = time.perf_counter()
     with ServerProcesses(model_path, n=args.rollout_servers, cpus=server_cpus, threads=args.server_threads,
                          serve_args=serve_args, log_dir=os.path.join(args.output_dir, "servers")) as servers:

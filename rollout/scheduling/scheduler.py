@@ -41,6 +41,7 @@ class Scheduler:
         windows: attention window of each layer group (None = full attention); group 0's table is
             `request.page_ids`, the others are kept here.
         offloader: where preempted requests park their pages (None: preemption recomputes).
+        decode_fast_path: one pass when every running request decodes (off only to check it, in tests).
     """
 
     def __init__(
@@ -59,13 +60,11 @@ class Scheduler:
             raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
         self.bm = page_pool
         self.page_size = page_pool.page_size
-        self.max_batch_tokens = max_batch_tokens
-        self.max_requests = max_requests_per_batch or 1 << 30
+        self.max_batch_tokens, self.max_requests = max_batch_tokens, max_requests_per_batch or 1 << 30
         self.policy = policy
         self.safety_pages = safety_margin * page_pool.num_pages
         self.tables = PageTables(page_pool, windows)
-        self.offloader = offloader
-        self.decode_fast_path = decode_fast_path  # NOTE: off only to check it against the general loop (tests)
+        self.offloader, self.decode_fast_path = offloader, decode_fast_path
         # NOTE: a fork shares the leader's full prompt pages in every layer group (a sliding group only
         # those still inside the fork's window); refcounts keep a shared page until nobody holds it.
         self.prefixes = PrefixIndex(page_pool, fork_prompts)
