@@ -215,44 +215,75 @@ def plot_passk(rows: list[dict], ks: Sequence[int], path: str) -> str:
 # ----------------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
-    args = parse_args(argv)
-    hf_logging.disable_progress_bar()  # NOTE: per-checkpoint loading bars would break up the sweep's bar
-    accelerator = make_accelerator()
-    rank, world, main_process = accelerator.process_index, accelerator.num_processes, accelerator.is_main_process
-    os.makedirs(args.output_dir, exist_ok=True)
-    csv_path = os.path.join(args.output_dir, "sweep.csv")
-    reward_fn = get_reward(args.reward)
+def find_checkpoints(args, main_process: bool) -> list[str]:
+    """`--checkpoints`, else the GRPO demo's, else the embedded warm start (built here once)."""
+    if args.checkpoints is not None:
+        return args.checkpoints
+    checkpoints = [c for c in CHECKPOINTS if os.path.exists(os.path.join(c, "config.json"))]
+    if checkpoints:
+        return checkpoints
+    fallback = os.path.join(args.output_dir, "warm_start")
+    print(
+        f"NOTE: no GRPO demo checkpoint found at {' or '.join(CHECKPOINTS)} "
+        f"(run `accelerate launch recipes/grpo.py` first); evaluating the embedded "
+        f"warm-started model instead, built into {fallback}"
+    )
+    if main_process and not os.path.exists(os.path.join(fallback, "config.json")):
+        build_warm_start(fallback, seed=args.seed)
+    return [fallback]
 
-    # 1. checkpoints: the given ones, else the GRPO demo's, else a warm start built here
-    checkpoints = args.checkpoints
-    if checkpoints is None:
-        checkpoints = [c for c in CHECKPOINTS if os.path.exists(os.path.join(c, "config.json"))]
-        if not checkpoints:
-            fallback = os.path.join(args.output_dir, "warm_start")
-            print(
-                f"NOTE: no GRPO demo checkpoint found at {' or '.join(CHECKPOINTS)} "
-                f"(run `accelerate launch recipes/grpo.py` first); evaluating the embedded "
-                f"warm-started model instead, built into {fallback}"
-            )
-            if main_process and not os.path.exists(os.path.join(fallback, "config.json")):
-                build_warm_start(fallback, seed=args.seed)
-            checkpoints = [fallback]
 
-    # 2. prompts and references, through `datasets`; this rank's contiguous share
+def this_ranks_rows(args, accelerator) -> tuple[str, list[dict]]:
+    """(the dataset's path, this rank's contiguous share of its first `--num_prompts` rows)."""
     if args.dataset:
         data_path = args.dataset
     else:
         data_path = os.path.join(args.output_dir, "test.jsonl")
-        if main_process:
+        if accelerator.is_main_process:
             write_jsonl(AdditionTask(num_digits=3).sample(args.num_prompts, seed=TEST_SEED), data_path)
     accelerator.wait_for_everyone()
     dataset = load_prompts(
         data_path, args.dataset_split, args.dataset_config, args.prompt_column, args.answer_column
     )
     dataset = dataset.select(range(min(args.num_prompts, len(dataset))))
-    share = np.array_split(np.arange(len(dataset)), world)[rank].tolist()
-    rows = [dict(dataset[i]) for i in share]
+    share = np.array_split(np.arange(len(dataset)), accelerator.num_processes)[accelerator.process_index].tolist()
+    return data_path, [dict(dataset[i]) for i in share]
+
+
+def run_cell(engine, prompts, rows, reward_fn, temperature: float, n: int, args, rank: int):
+    """One (temperature, n) cell on every rank: (all ranks' rewards, all ranks' lengths, the slowest rank's s)."""
+    start = time.perf_counter()
+    batch = engine.generate(
+        prompts,
+        temps=temperature,
+        group_size=n,
+        max_new_tokens=args.max_new_tokens,
+        seed=args.seed + 1_000_003 * rank,
+    ) if rows else None
+    seconds = time.perf_counter() - start
+    local_rewards, local_lengths = [], []
+    if batch is not None:
+        # NOTE: reward functions are called as TRL calls them (by keyword, None allowed)
+        scores, _ = score_completions([reward_fn], rows, batch.completions_text, n)
+        local_rewards = scores.nan_to_num(0.0).tolist()
+        local_lengths = batch.completion_lengths.tolist()
+    return gather_object(local_rewards), gather_object(local_lengths), max(gather_object([seconds]))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    hf_logging.disable_progress_bar()  # NOTE: per-checkpoint loading bars would break up the sweep's bar
+    accelerator = make_accelerator()
+    rank, main_process = accelerator.process_index, accelerator.is_main_process
+    os.makedirs(args.output_dir, exist_ok=True)
+    csv_path = os.path.join(args.output_dir, "sweep.csv")
+    reward_fn = get_reward(args.reward)
+
+    # 1. checkpoints: the given ones, else the GRPO demo's, else a warm start built here
+    checkpoints = find_checkpoints(args, main_process)
+
+    # 2. prompts and references, through `datasets`; this rank's contiguous share
+    data_path, rows = this_ranks_rows(args, accelerator)
     ks = sorted(set(args.ks))
     fields = [*KEY_FIELDS, "prompts", "reward_mean", "response_length", *(f"pass@{k}" for k in ks)]
     fields += ["seconds", "tokens_per_s"]
@@ -280,23 +311,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         prompts = [encode_prompt(tokenizer, r["prompt"], args.chat_template) for r in rows]
         with RolloutEngine(model, tokenizer=tokenizer, config=config) as engine:
             for _, temperature, n in [cell for cell in todo if cell[0] == checkpoint]:
-                start = time.perf_counter()
-                batch = engine.generate(
-                    prompts,
-                    temps=temperature,
-                    group_size=n,
-                    max_new_tokens=args.max_new_tokens,
-                    seed=args.seed + 1_000_003 * rank,
-                ) if rows else None
-                seconds = time.perf_counter() - start
-                local_rewards, local_lengths = [], []
-                if batch is not None:
-                    # NOTE: reward functions are called as TRL calls them (by keyword, None allowed)
-                    scores, _ = score_completions([reward_fn], rows, batch.completions_text, n)
-                    local_rewards = scores.nan_to_num(0.0).tolist()
-                    local_lengths = batch.completion_lengths.tolist()
-                rewards, lengths = gather_object(local_rewards), gather_object(local_lengths)
-                seconds = max(gather_object([seconds]))
+                rewards, lengths, seconds = run_cell(engine, prompts, rows, reward_fn, temperature, n, args, rank)
                 if main_process:
                     row = {"checkpoint": checkpoint, "temperature": temperature, "n": n, **tag}
                     row.update(cell_metrics(rewards, lengths, n, ks))

@@ -14,16 +14,15 @@ from collections.abc import Sequence
 import torch
 from transformers import GenerationConfig
 
-from rollout.attention.backends import attention_memory
 from rollout.attention.backends import create as create_backend
 from rollout.attention.backends import select as select_backend
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.cache_plan import plan_engine_cache
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from rollout.invariant import mode as batch_invariant
 from rollout.kernels.linear import drop_packed
 from rollout.kv.kv_cache import PagedKVCache
-from rollout.kv.memory_plan import KVShape, kv_shape_from_config, plan_cache, step_bytes_per_token
-from rollout.kv.offload import CpuOffloadBuffer, plan_offload
+from rollout.kv.offload import CpuOffloadBuffer
 from rollout.kv.page_pool import PagePool
 from rollout.model.engine_view import make_engine_view
 from rollout.model.model_facts import (
@@ -91,36 +90,18 @@ class EngineCore:
         self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
         # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.engine.tp)
         self.follower = self.tp is not None and not self.tp.leader
-        per_layer = kv_shape_from_config(model.config, self.dtype, tp_size_of(model))
-        shape = KVShape(max(groups.count(g) for g in set(groups)), per_layer.num_kv_heads, per_layer.head_dim, self.dtype)
-        tc = text_config(model)
         attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
                                    type(model).__name__)
         if config.batch_invariant:
             batch_invariant.install(self.view)
-        max_pages = -(-(getattr(tc, "max_position_embeddings", None) or 32768) // config.page_size)
-        attn_memory = attention_memory(attn_name, shape, config.page_size, config.max_batch_tokens,
-                                       bool(getattr(tc, "attn_logit_softcapping", None)), max_pages)
-        num_pages, self.max_batch_tokens = plan_cache(
-            shape, config.page_size, config.num_blocks, config.max_batch_tokens,
-            config.max_memory_percent, self.device,
-            step_bytes_per_token(model.config, self.dtype), config.max_requests_per_batch,
-            cpu_share_set=config.memory_percent_set, attn=attn_memory,
-        )
-        if self.tp is not None:
-            num_pages, self.max_batch_tokens = self.tp.agree_min(num_pages, self.max_batch_tokens)
+        plan = plan_engine_cache(model, config, self.device, self.dtype, groups, attn_name, self.tp)
+        num_pages, self.max_batch_tokens, offload_pages = plan.num_pages, plan.max_batch_tokens, plan.offload_pages
         self.page_size = config.page_size
         self.backend = batch_invariant.engine_backend(attn_name) if config.batch_invariant else create_backend(
             attn_name, self.device, self.dtype, page_size=config.page_size, num_pages=num_pages,
             max_batch_tokens=self.max_batch_tokens)
         self.cache = PagedKVCache(num_pages, config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
-        offload_pages = plan_offload(
-            config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
-            config.page_size * shape.bytes_per_token,
-        )
-        if self.tp is not None:
-            offload_pages = self.tp.agree_min(offload_pages)[0]
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
         self.page_pool = PagePool(num_pages, config.page_size, enable_prefix_caching=sharing)
@@ -146,7 +127,7 @@ class EngineCore:
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
             "attention windows %s, CPU offload %d pages",
-            num_pages, config.page_size, num_pages * config.page_size * shape.bytes_per_token / 2**20,
+            num_pages, config.page_size, num_pages * config.page_size * plan.shape.bytes_per_token / 2**20,
             self.max_batch_tokens, "on" if sharing else "off", self.windows, offload_pages,
         )
 

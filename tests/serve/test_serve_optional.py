@@ -21,7 +21,7 @@ def test_rollout_imports_and_serve_explains_without_fastapi(tmp_path):
         "except SystemExit as e:\n"
         "    print('EXIT', e)\n"
         "import pytest\n"
-        f"rc = pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', {str(REPO / 'tests' / 'test_serve.py')!r}])\n"
+        f"rc = pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', {str(REPO / 'tests' / 'serve' / 'test_serve.py')!r}])\n"
         "print('PYTEST', int(rc))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
