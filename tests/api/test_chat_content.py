@@ -24,6 +24,8 @@ PARTS_TEMPLATES = [
     # Llama-style: the loop runs over a slice of messages, the content through a variable
     "{% set loop_messages = messages[1:] %}{% for message in loop_messages %}{% set c = message['content'] %}"
     "{% for part in c %}{{ part['text'] }}{% endfor %}{% endfor %}",
+    # a chain of variables set in any order (the search does not depend on where a {% set %} sits)
+    "{% for m in b %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endfor %}{% set b = a %}{% set a = messages %}",
 ]
 
 
@@ -48,7 +50,8 @@ def test_list_content_is_joined_or_kept_as_text_parts():
 
 
 @pytest.mark.parametrize("content,where", [
-    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}], r"content\[1\] is a 'image_url'"),
+    ([{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+     r"content\[1\] is a 'image_url'"),
     ([{"type": "text", "text": 3}], r"content\[0\] is a text part without a string 'text'"),
     (["a"], r"content\[0\] must be a content part"),
     ({"type": "text", "text": "a"}, r"messages\[0\]\.content must be a string or a list"),

@@ -63,7 +63,8 @@ def test_list_content_reaches_a_parts_template_as_parts(parts):
     tok = make_parts_tokenizer()
     ids = chat_prompt_ids(parts, PARTS)
     assert tok.decode(ids) == "<|im_start|>user\n<12+><34=><|im_end|>\n<|im_start|>assistant\n"
-    assert tok.decode(chat_prompt_ids(parts, "12+\n34=")) == "<|im_start|>user\n12+\n34=<|im_end|>\n<|im_start|>assistant\n"
+    as_string = tok.decode(chat_prompt_ids(parts, "12+\n34="))  # NOTE: a string is not split into parts
+    assert as_string == "<|im_start|>user\n12+\n34=<|im_end|>\n<|im_start|>assistant\n"
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/tokenize"])
