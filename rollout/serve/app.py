@@ -1,6 +1,10 @@
 """`build_app`: the FastAPI app over one `RolloutEngine`: routes, API-key and body-size guard, errors.
 
 Every error is `{"error": {"message", "type", "param", "code"}}`; bad input is a 400 naming the field.
+
+The API key guards the `/v1/` routes, `/tokenize` / `/detokenize`, the RL control routes and `/openapi.json`.
+Open without it: `/health`, `/ping`, `/version`, and `/metrics` as `vllm serve` leaves it for Prometheus
+scrapers (`metrics_require_api_key=True`, the CLI's `--metrics-require-api-key`, puts it behind the key).
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.api.engine import RolloutEngine
-from rollout.serve import control, openai_routes
+from rollout.serve import control, openai_routes, vllm_routes
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.metrics import make_registry
 from rollout.serve.protocol import APIError, error_body, validation_error
@@ -26,23 +30,24 @@ from rollout.serve.tools import TOOL_CALL_PARSERS
 logger = logging.getLogger("rollout.serve")
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-OPEN_PATHS = ("/health",)
+OPEN_PATHS = frozenset({"/health", "/ping", "/version"})
+METRICS_PATH = "/metrics"
 
 
 class Guard:
-    """ASGI middleware: a Bearer key on every path but /health, and a cap on request body size.
+    """ASGI middleware: a Bearer key on every path but `open_paths`, and a cap on request body size.
 
     The body is read here (up to `max_body_bytes`, else 413) and replayed to the app, so an oversized or
     unauthorised request never reaches a handler."""
 
-    def __init__(self, app, api_key: str | None, max_body_bytes: int) -> None:
-        self.app, self.api_key, self.max_body_bytes = app, api_key, max_body_bytes
+    def __init__(self, app, api_key: str | None, max_body_bytes: int, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        self.app, self.api_key, self.max_body_bytes, self.open_paths = app, api_key, max_body_bytes, open_paths
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers") or ())
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if self.api_key is not None and scope["path"] not in self.open_paths:
             given = headers.get(b"authorization", b"").decode("latin-1")
             if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
                 return await _reply(send, 401, error_body("invalid or missing API key (Authorization: Bearer KEY)",
@@ -106,22 +111,26 @@ async def _reply(send, status: int, body: dict) -> None:
 
 def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "model", api_key: str | None = None,
               max_model_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-              tool_call_parser: str | None = None) -> FastAPI:
+              tool_call_parser: str | None = None, model_root: str | None = None,
+              metrics_require_api_key: bool = False) -> FastAPI:
     """The server app over `engine` (which the caller owns and closes).
 
     Args:
         engine: a running `RolloutEngine`; its generation config's EOS ids end samples unless `ignore_eos`.
         tokenizer: encodes string prompts and chat messages, decodes text (None: token ids only).
         served_model_name: the name `/v1/models` lists and requests must use (or omit).
-        api_key: when set, every route but /health needs `Authorization: Bearer <api_key>`.
+        api_key: when set, every route but /health, /ping, /version and /metrics needs
+            `Authorization: Bearer <api_key>`.
         max_model_len: cap on prompt + max_tokens (None: the model's context).
         max_body_bytes: larger request bodies get a 413.
         tool_call_parser: parse chat outputs into `tool_calls` with this parser ("hermes";
             `rollout.serve.tools`), None to return tool calls as text.
+        model_root: the model's path, `root` of its `/v1/models` entry (None: `served_model_name`).
+        metrics_require_api_key: put `/metrics` behind `api_key` too.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
-    # NOTE: the OpenAPI schema at /openapi.json (behind the key, as every route but /health), as `vllm serve`
+    # NOTE: the OpenAPI schema at /openapi.json (behind the key, as every route but the open ones), as `vllm serve`
     # publishes it, for client generators and API fuzzers; no docs pages.
     app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     bridge = EngineBridge(engine, max_model_len)
@@ -129,9 +138,11 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name
     app.state.tool_call_parser = tool_call_parser
+    app.state.model_root = model_root or served_model_name
     registry = make_registry(bridge)
     app.include_router(openai_routes.router)
     app.include_router(control.router)
+    app.include_router(vllm_routes.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -163,5 +174,6 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
                             status_code=500)
 
     app.add_middleware(VersionHeader, bridge=bridge)
-    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+    open_paths = OPEN_PATHS if metrics_require_api_key else OPEN_PATHS | {METRICS_PATH}
+    app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes, open_paths=open_paths)
     return app

@@ -22,7 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model_path", help="a save_pretrained directory (model and tokenizer)")
     p.add_argument("--host", default="127.0.0.1", help="bind address (a non-loopback one needs an API key)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None, help="Bearer key for every route but /health (or ROLLOUT_API_KEY)")
+    p.add_argument("--api-key", default=None,
+                   help="Bearer key for every route but /health, /ping, /version, /metrics (or ROLLOUT_API_KEY)")
+    p.add_argument("--metrics-require-api-key", action="store_true",
+                   help="put /metrics behind the API key too (open by default, as vllm serve)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the path)")
     p.add_argument("--dtype", default="auto", choices=DTYPES)
     p.add_argument("--max-model-len", type=int, default=None, help="cap on prompt + max_tokens")
@@ -121,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key, args.max_model_len,
-                        args.max_body_bytes, args.tool_call_parser)
+                        args.max_body_bytes, args.tool_call_parser, model_root=args.model_path,
+                        metrics_require_api_key=args.metrics_require_api_key)
         if tp is not None:
             refuse_rank0_only_routes(app)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

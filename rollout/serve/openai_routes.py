@@ -3,6 +3,13 @@
 One handler per route; each turns the request into samples (prompt-major: choice `i * n + j` is sample
 j of prompt i), submits them all, then either collects them or streams them as server-sent events.
 A client that disconnects cancels its samples, and the engine frees their pages.
+
+As `vllm serve`: chat `content` may be a list of text parts (`rollout.api.content`: joined with "\n" for
+string templates, passed as parts to templates that iterate them; any other part type is a 400 naming it);
+`/v1/models` entries carry `max_model_len`, `root` (the model path) and `parent`; streamed responses carry
+`usage` on every chunk with `stream_options: {"include_usage": true, "continuous_usage_stats": true}` (that
+choice's tokens so far; the usage-only chunk still ends the stream), on the last chunk only with
+`include_usage` alone.
 """
 
 from __future__ import annotations
@@ -17,6 +24,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.api.chat import chat_template_ids
+from rollout.api.content import ContentPartError
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from rollout.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
@@ -29,8 +37,10 @@ DISCONNECT_POLL_S = 0.5
 
 @router.get("/v1/models")
 async def models(request: Request) -> dict:
-    name = request.app.state.served_model_name
-    return {"object": "list", "data": [{"id": name, "object": "model", "created": 0, "owned_by": "rollout"}]}
+    state = request.app.state
+    entry = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "rollout",
+             "root": state.model_root, "parent": None, "max_model_len": state.bridge.max_model_len}
+    return {"object": "list", "data": [entry]}
 
 
 @router.post("/v1/completions")
@@ -53,6 +63,8 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     try:
         ids = chat_template_ids(state.tokenizer, req.messages, add_generation_prompt=req.add_generation_prompt,
                                 tools=req.tools, **kwargs)
+    except ContentPartError as e:
+        raise APIError(str(e), "messages") from None
     except Exception as e:  # NOTE: a template error is the caller's input (bad messages or kwargs)
         raise APIError(f"the chat template failed on these messages: {type(e).__name__}: {e}", "messages") from None
     newline = parser is not None and tools_start_newline(state.tokenizer.chat_template, parser)
@@ -171,7 +183,13 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
     obj = "chat.completion.chunk" if chat else "text_completion"
     created = int(time.time())
 
-    def event(choice: dict, **extra) -> str:
+    continuous = req.continuous_usage
+
+    def event(choice: dict, sample: SampleText, **extra) -> str:
+        if continuous:  # NOTE: vLLM's per-chunk usage: this choice's prompt and its tokens so far
+            done = sample.sent_tokens
+            extra["usage"] = {"prompt_tokens": len(sample.prompt_ids), "completion_tokens": done,
+                              "total_tokens": len(sample.prompt_ids) + done}
         return "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model,
                                       "choices": [choice], **extra}) + "\n\n"
 
@@ -180,7 +198,7 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
             for s in samples:
                 first = {"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
-                yield event(first, **({"prompt_token_ids": s.prompt_ids} if req.return_token_ids else {}))
+                yield event(first, s, **({"prompt_token_ids": s.prompt_ids} if req.return_token_ids else {}))
         while not all(s.done for s in samples):
             out = await queue.get()
             s = by_rid[out.request_id]
@@ -214,7 +232,7 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
                 choice["weight_versions"] = s.versions[s.sent_tokens - len(tokens): s.sent_tokens]
                 if not chat and s.sent_tokens == len(tokens):
                     choice["prompt_token_ids"] = s.prompt_ids
-            yield event(choice)
+            yield event(choice, s)
         if req.include_usage:
             prompts = _prompts_of(samples, req.n)
             yield "data: " + json.dumps({"id": rid, "object": obj, "created": created, "model": model, "choices": [],

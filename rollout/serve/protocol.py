@@ -107,6 +107,11 @@ class SamplingRequest(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
+    @property
+    def continuous_usage(self) -> bool:
+        """`usage` on every streamed chunk (vLLM: `continuous_usage_stats`, with `include_usage`)."""
+        return self.include_usage and bool(self.stream_options.get("continuous_usage_stats"))
+
 
 class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
@@ -156,12 +161,7 @@ class ChatCompletionRequest(SamplingRequest):
     @field_validator("messages")
     @classmethod
     def _roles(cls, v: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        for i, m in enumerate(v):
-            if not isinstance(m.get("role"), str):
-                raise ValueError(f"messages[{i}] needs a string 'role'")
-        # NOTE: an assistant turn that only calls tools may omit its content or send null (the OpenAI Agents
-        # SDK does); as vLLM, the template sees "" (templates index m['content'] directly).
-        return [m if m.get("content") is not None else {**m, "content": ""} for m in v]
+        return check_messages(v)
 
     @model_validator(mode="after")
     def _alias(self) -> ChatCompletionRequest:
@@ -176,6 +176,17 @@ class ChatCompletionRequest(SamplingRequest):
     @property
     def num_top_logprobs(self) -> int:
         return (self.top_logprobs or 0) if self.logprobs else 0
+
+
+def check_messages(v: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Chat messages as the chat template sees them: each with a string role; null content as "".
+    Content parts are checked where the template is known (`rollout.api.content`)."""
+    for i, m in enumerate(v):
+        if not isinstance(m.get("role"), str):
+            raise ValueError(f"messages[{i}] needs a string 'role'")
+    # NOTE: an assistant turn that only calls tools may omit its content or send null (the OpenAI Agents
+    # SDK does); as vLLM, the template sees "" (templates index m['content'] directly).
+    return [m if m.get("content") is not None else {**m, "content": ""} for m in v]
 
 
 class UpdateFromDiskRequest(BaseModel):

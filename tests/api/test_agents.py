@@ -186,3 +186,19 @@ def test_sliding_window_models_reuse_earlier_turns_exactly(arch):
         model_tok = batch.loss_mask[r, :n].bool()
         expected = teacher_forced_logprobs(model, prompt, batch.completion_ids[r, :n].tolist())
         assert torch.allclose(batch.logprobs[r, :n][model_tok], expected[model_tok], atol=1e-4)
+
+
+def test_the_bridge_takes_content_parts_as_the_server_does(chat):
+    """An environment's messages with content as text parts render as the joined text (the demo's string
+    template would raise on a list); a non-text part is refused naming it."""
+    from rollout.api.content import ContentPartError
+
+    _, tokenizer = chat
+    bridge = ChatBridge(tokenizer, [tokenizer.eos_token_id])
+    parts = [{"type": "text", "text": "12+"}, {"type": "text", "text": "34="}]
+    assert bridge.first([{"role": "user", "content": parts}]) == bridge.first([{"role": "user", "content": "12+\n34="}])
+    model_ids = tokenizer("7", add_special_tokens=False)["input_ids"]
+    assert (bridge.next([{"role": "tool", "content": parts}], model_ids)
+            == bridge.next([{"role": "tool", "content": "12+\n34="}], model_ids))
+    with pytest.raises(ContentPartError, match=r"messages\[0\]\.content\[1\] is a 'input_audio' part"):
+        bridge.first([{"role": "user", "content": [parts[0], {"type": "input_audio", "input_audio": {}}]}])

@@ -243,3 +243,20 @@ def test_bad_arguments_name_the_field():
         make_rollout_func(group_size=4)
     with pytest.raises(ValueError, match="config"):
         make_rollout_func({"page_size": 4})
+
+
+def test_conversational_prompts_with_content_parts_are_joined_as_the_server_does():
+    """TRL datasets in the OpenAI parts format: on a string template the text parts are joined with "\\n"
+    (the ids a string prompt gives), not rendered as the Python repr of the list."""
+    from support.chat_model import make_chat_tokenizer
+
+    from rollout.integrations.trl import _tokenize
+
+    tokenizer = make_chat_tokenizer()
+    trainer = SimpleNamespace(processing_class=tokenizer, tools=None, chat_template=None, chat_template_kwargs=None)
+    parts = [[{"role": "user", "content": [{"type": "text", "text": "12+"}, {"type": "text", "text": "34"}]}]]
+    joined = [[{"role": "user", "content": "12+\n34"}]]
+    assert _tokenize(trainer, parts) == _tokenize(trainer, joined)
+    assert tokenizer.decode(_tokenize(trainer, parts)[0]) == "<|user|>12+\n34<eos><|assistant|>"
+    with pytest.raises(ValueError, match="'image' part"):
+        _tokenize(trainer, [[{"role": "user", "content": [{"type": "image"}]}]])

@@ -139,14 +139,16 @@ def test_streaming_text_equals_non_streamed(server, client):
 
 
 # ----------------------------------------------------------------------------- 2. security, bad input
-def test_api_key_on_every_route_but_health(server):
+def test_api_key_on_every_route_but_health_ping_version_metrics(server):
     for key in (None, "wrong"):
-        for path in ("/v1/models", "/metrics", "/get_weight_version", "/is_paused"):
+        for path in ("/v1/models", "/openapi.json", "/get_weight_version", "/is_paused"):
             r = httpx.get(server.url + path, headers={"Authorization": f"Bearer {key}"} if key else {})
             assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
         assert post(server, "/v1/completions", {"prompt": "a"}, key=key).status_code == 401
         assert post(server, "/pause", key=key).status_code == 401
-    assert httpx.get(server.url + "/health").status_code == 200
+        assert post(server, "/tokenize", {"prompt": "a"}, key=key).status_code == 401
+    for path in ("/health", "/ping", "/version", "/metrics"):  # NOTE: open, as vllm serve (metrics: a flag guards it)
+        assert httpx.get(server.url + path).status_code == 200, path
     models = httpx.get(server.url + "/v1/models", headers={"Authorization": f"Bearer {server.key}"}).json()
     assert models["object"] == "list" and models["data"][0]["id"] == "tiny"
 

@@ -1,5 +1,6 @@
 """`python -m rollout serve` as a subprocess: the flags are parsed and reach the server and the engine
-(`--max-model-len`, `--dtype`, `--logprobs-mode`, an engine flag `--num-blocks`, `--api-key`)."""
+(`--max-model-len`, `--dtype`, `--logprobs-mode`, an engine flag `--num-blocks`, `--api-key`,
+`--metrics-require-api-key`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def served(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("log") / "serve.log"
     cmd = [sys.executable, "-m", "rollout", "serve", str(model_dir), "--port", str(port), "--api-key", KEY,
            "--max-model-len", "40", "--dtype", "bfloat16", "--logprobs-mode", "raw", "--num-blocks", "48",
-           "--page-size", "16", "--log-level", "warning"]
+           "--page-size", "16", "--log-level", "warning", "--metrics-require-api-key"]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
@@ -64,8 +65,11 @@ def post(url, body):
     return httpx.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
 
 
-def test_api_key_flag_guards_the_routes(served):
+def test_api_key_flag_guards_the_routes(served, model_dir):
     assert httpx.post(served + "/v1/completions", json={"model": "x", "prompt": "a"}, timeout=30).status_code == 401
+    assert httpx.get(served + "/metrics", timeout=30).status_code == 401  # --metrics-require-api-key
+    models = httpx.get(served + "/v1/models", headers={"Authorization": f"Bearer {KEY}"}, timeout=30).json()
+    assert models["data"][0]["root"] == str(model_dir) and models["data"][0]["max_model_len"] == 40
 
 
 def test_engine_flag_sets_the_page_pool(served):

@@ -38,10 +38,27 @@ def make_tokenizer():
     return fast
 
 
-def save_tiny(path: Path, seed: int = 0) -> Path:
-    """Save a tiny Qwen3-architecture model and the tokenizer to `path` (save_pretrained)."""
+PARTS_TEMPLATE = (  # iterates content parts (string content printed as is), each part in <...>
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['content'] is string %}{{ m['content'] }}"
+    "{% else %}{% for part in m['content'] %}<{{ part['text'] }}>{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def make_parts_tokenizer():
+    """`make_tokenizer` with `PARTS_TEMPLATE` and a post-processor that puts <s> first (add_special_tokens)."""
+    from tokenizers import processors
+
+    tok = make_tokenizer()
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 2)])
+    tok.chat_template = PARTS_TEMPLATE
+    return tok
+
+
+def save_tiny(path: Path, seed: int = 0, tokenizer=None) -> Path:
+    """Save a tiny Qwen3-architecture model and the tokenizer (`make_tokenizer` by default) to `path`."""
     make_model("qwen3", seed=seed).save_pretrained(path)
-    make_tokenizer().save_pretrained(path)
+    (tokenizer or make_tokenizer()).save_pretrained(path)
     return path
 
 
