@@ -208,14 +208,28 @@ class RolloutEngine:
         prompt_logprobs: bool = False,
         temps: float | Sequence[float] | None = None,
         progress: bool = False,
+        *,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        min_p: float | Sequence[float] | None = None,
+        repetition_penalty: float | Sequence[float] | None = None,
+        presence_penalty: float | Sequence[float] | None = None,
+        frequency_penalty: float | Sequence[float] | None = None,
+        min_tokens: int | Sequence[int] | None = None,
+        logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
+        bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
+        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
     ) -> ScoreBatch:
         """Teacher-forced logprobs of `completion_ids[i]` after `prompt_ids[i]`, through the paged engine.
 
         Rows sharing a prompt compute it once (the first forks its KV to the others, and prompts in the
         prefix cache are not recomputed); long rows are prefilled in chunks. `prompt_ids` may be a
         `RolloutBatch` (its completions after its prompts, at its temperatures, `ScoreBatch` shaped like it).
-        Logprobs follow the engine's `logprobs_mode`: raw, or processed at `temps` (one, or one per row;
-        default 1.0; 0 means raw). Returns a `ScoreBatch`."""
+        Logprobs follow the engine's `logprobs_mode`: raw, or processed: the logprob `generate` reports for
+        the same token sampled with the same arguments (`temps`: one, or one per row, default 1.0, 0 means
+        raw; `top_k`, `top_p` and the logits processors of `generate`, one value or one per row), each
+        position's processors applied to prompt + the completion before it. Prompt positions
+        (`prompt_logprobs`) are scored as if the prompt ended there. Returns a `ScoreBatch`."""
         self._check_open()
         width = None
         if isinstance(prompt_ids, RolloutBatch):
@@ -236,6 +250,10 @@ class RolloutEngine:
         temps = [float(temps)] * len(prompts) if isinstance(temps, (int, float)) else [float(t) for t in temps]
         if len(temps) != len(prompts) or any(math.isnan(t) or t < 0 for t in temps):
             raise ValueError(f"temps must be one non-negative number or one per row ({len(prompts)}), got {temps}")
+        per_row = _per_prompt(len(prompts), min_p=min_p, repetition_penalty=repetition_penalty,
+                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                              min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
+                              stop_token_ids=stop_token_ids)
         first_of = None
         if prompt_logprobs:  # NOTE: the first row of each distinct prompt scores it; the others fork its KV
             seen: dict[tuple[int, ...], int] = {}
@@ -248,8 +266,8 @@ class RolloutEngine:
             reqs = [
                 core.make_request(
                     p, request_id=f"score{self._calls}_{i}", max_new_tokens=0, temperature=temps[i],
-                    prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
-                    score_from=1 if first_of is not None and first_of[i] == i else len(p),
+                    top_k=top_k, top_p=top_p, prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
+                    score_from=1 if first_of is not None and first_of[i] == i else len(p), **per_row[i],
                 )
                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
             ]

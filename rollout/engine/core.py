@@ -37,7 +37,7 @@ from rollout.prompts import check_token_ids
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.sampling.sampler import Sampler
 from rollout.sampling.sampling_fields import generation_defaults, make_sampling, overrides
-from rollout.sampling.token_logprobs import check_scoring, record_logprobs
+from rollout.sampling.token_logprobs import check_scoring, record_scores
 from rollout.scheduling.scheduler import Scheduler
 from rollout.scheduling.stages import SchedulerOutput
 from rollout.weights.in_place import versioned_tensors, weights_version
@@ -281,9 +281,9 @@ class EngineCore:
             logits, sampled, scores = self.runner.execute(out)
             reqs = [out.scheduled[i].request for i in sampled]
             mode = self.config.logprobs_mode if self.config.return_logprobs else None
+            record_scores(scores, out, self.sampler.processors, self.config.logprobs_mode)
             result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode,
-                                  requests=reqs)
-            record_logprobs(scores, out, logits, reqs, self.config.logprobs_mode)
+                                  requests=reqs, top_mode=self.config.logprobs_mode)
         except Exception as e:  # NOTE: a failing step fails its own requests; the engine keeps serving
             logger.exception("engine step failed; failing its %d requests", len(out.scheduled))
             failed = [s.request for s in out.scheduled]
@@ -293,7 +293,10 @@ class EngineCore:
         self.scheduler.after_step(out)
         news: list[Request] = []
         logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
-        for req, token, logprob in zip(reqs, result.tokens, logprobs, strict=True):
+        tops = [None] * len(reqs) if result.top is None else result.top
+        for req, token, logprob, top in zip(reqs, result.tokens, logprobs, tops, strict=True):
+            if top is not None:
+                req.top.append(top)
             reason = req.append_token(token, logprob, self.policy_version)
             if reason is not None:
                 self._finalize(req, RequestStatus.FINISHED, reason)

@@ -254,8 +254,8 @@ class AgreedSampler:
         self.inner = sampler
         self.group = group
 
-    def __call__(self, logits, params, request_ids, logprobs_mode, requests=None):
-        result = self.inner(logits, params, request_ids, logprobs_mode, requests=requests)
+    def __call__(self, logits, params, request_ids, logprobs_mode, requests=None, top_mode=None):
+        result = self.inner(logits, params, request_ids, logprobs_mode, requests=requests, top_mode=top_mode)
         return self.group.agree_sampled(result, list(request_ids))
 
     def __getattr__(self, name: str):

@@ -6,10 +6,9 @@ rows that use them). Sampling uses the exponential race (argmax of log p - log E
 draws exactly from p. A seeded row draws its noise from its own `torch.Generator`, so its samples do
 not depend on what else is in the batch.
 
-Logprobs: "processed" is log p(token) under the distribution actually sampled from (the logits
-processors, then temperature, top-k, top-p, min-p, renormalised); "raw" is `log_softmax` of the
-unmodified logits. Greedy rows (temperature 0: argmax after the logits processors) report the raw logprob
-in both modes.
+Logprobs, and the top k of a row whose request asks for them, come from one tensor per step,
+`rollout.sampling.log_distribution.log_distribution` ("processed": the distribution actually sampled from, the
+logits processors and the warpers; "raw": `log_softmax` of the unmodified logits; greedy rows raw in both).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.requests import Request, SamplingParams
+from rollout.sampling.log_distribution import log_distribution, top_k, warped_logprobs
 from rollout.sampling.processors import LogitsProcessors
 
 
@@ -28,6 +28,8 @@ from rollout.sampling.processors import LogitsProcessors
 class SamplerOutput:
     tokens: list[int]
     logprobs: list[float] | None
+    # NOTE: per row, (top values, top ids) of a row whose request has top_logprobs > 0, else None
+    top: list[tuple[list[float], list[int]] | None] | None = None
 
 
 class Sampler:
@@ -66,48 +68,51 @@ class Sampler:
         request_ids: list[str],
         logprobs_mode: str | None,  # None: no logprobs; "processed" or "raw"
         requests: Sequence[Request] | None = None,  # the rows' requests: their histories, for the processors
+        top_mode: str | None = None,  # the mode of the rows' top k (default `logprobs_mode`)
     ) -> SamplerOutput:
-        logits = raw = logits.float()
-        num_rows = logits.shape[0]
-        processed = any(p.uses_processors for p in params)
-        if processed:
+        raw = logits.float()  # [R, V]
+        top_mode = top_mode or logprobs_mode
+        wants = [] if requests is None or top_mode is None else [i for i, r in enumerate(requests) if r.top_logprobs]
+        processed = raw
+        uses = any(p.uses_processors for p in params)
+        if uses:
             if requests is None:  # NOTE: never sample without a processor a row asked for
                 raise ValueError("rows with logits processors need their requests (the token histories)")
-            logits = self.processors.apply(raw, requests)  # [R, V], a new tensor
+            processed = self.processors.apply(raw, requests)  # [R, V], a new tensor
         s_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not s_rows and logprobs_mode is None:  # NOTE: the common greedy step: one argmax
-            tokens = logits.argmax(dim=-1)  # [R]
-            if processed:
+        if not s_rows and logprobs_mode is None and not wants:  # NOTE: the common greedy step: one argmax
+            tokens = processed.argmax(dim=-1)  # [R]
+            if uses:
                 self.processors.update(requests, tokens)
             return SamplerOutput(tokens.tolist(), None)
-        tokens = torch.empty(num_rows, dtype=torch.long, device=logits.device)  # [R]
-        chosen_lp = torch.zeros(num_rows, dtype=torch.float32, device=logits.device)  # [R]
+        tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)  # [R]
         g_rows = [i for i, p in enumerate(params) if p.greedy]
         if g_rows:
-            idx, sub = _take(logits, g_rows)
+            idx, sub = _take(processed, g_rows)
             tokens[idx] = sub.argmax(dim=-1)
-
+        warped = None
         if s_rows:
-            idx, rows = _take(logits, s_rows)
+            idx, rows = _take(processed, s_rows)
             sub = [params[i] for i in s_rows]
-            proc_lp = processed_logprobs(rows, sub)  # [S, V]
-            noise = self._noise(proc_lp.shape, [request_ids[i] for i in s_rows], sub)  # [S, V]
-            picked = (proc_lp - noise.log()).argmax(dim=-1)  # [S]
-            tokens[idx] = picked
-            if logprobs_mode == "processed":
-                chosen_lp[idx] = proc_lp.gather(1, picked[:, None])[:, 0]
-        if processed:
+            warped = warped_logprobs(rows, sub)  # [S, V]
+            noise = self._noise(warped.shape, [request_ids[i] for i in s_rows], sub)  # [S, V]
+            tokens[idx] = (warped - noise.log()).argmax(dim=-1)  # [S]
+        if uses:
             self.processors.update(requests, tokens)
-
-        if logprobs_mode is None:
-            return SamplerOutput(tokens.tolist(), None)
-        raw_rows = g_rows if logprobs_mode == "processed" else list(range(num_rows))
-        if raw_rows:
-            # NOTE: log_softmax then gather: on a CPU torch's log_softmax is ~2x faster than its logsumexp
-            # ([64, 32768] fp32: 1.0 vs 2.0 ms at 2 threads), the same value to float rounding.
-            idx, sub = _take(raw, raw_rows)  # [G, V]
-            chosen_lp[idx] = sub.log_softmax(dim=-1).gather(1, tokens[idx][:, None])[:, 0]
-        return SamplerOutput(tokens.tolist(), chosen_lp.tolist())
+        chosen = top = None
+        if logprobs_mode is not None:
+            dist = log_distribution(raw, processed, params, logprobs_mode, warped)  # [R, V]
+            chosen = dist.gather(1, tokens[:, None])[:, 0].tolist()  # [R]
+        if wants:
+            if top_mode != logprobs_mode:
+                dist = log_distribution(raw, processed, params, top_mode, warped)  # [R, V]
+            idx = torch.tensor(wants, device=raw.device)
+            vals, ids = top_k(dist.index_select(0, idx), max(requests[i].top_logprobs for i in wants))
+            top = [None] * raw.shape[0]
+            for j, i in enumerate(wants):
+                k = requests[i].top_logprobs
+                top[i] = (vals[j][:k], ids[j][:k])
+        return SamplerOutput(tokens.tolist(), chosen, top)
 
     def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         """Exp(1) noise [S, V]: one shared draw for unseeded rows, a per-request stream for seeded ones."""
@@ -126,37 +131,3 @@ def _take(logits: torch.Tensor, rows: list[int]) -> tuple[slice | torch.Tensor, 
         return slice(None), logits
     idx = torch.tensor(rows, device=logits.device)
     return idx, logits.index_select(0, idx)
-
-
-def processed_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """log p of the distribution each row samples from: [S, V] fp32, -inf outside top-k / top-p / min-p.
-
-    transformers' warper order: temperature, top-k, top-p, then min-p (tokens whose probability under the
-    renormalised distribution is below `min_p` x the most likely one's)."""
-    temps = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=logits.device)
-    scaled = logits.float() / temps[:, None]  # [S, V]
-    top_k = [p.top_k for p in params]
-    if any(k > 0 for k in top_k):
-        vocab = scaled.shape[-1]
-        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
-        kmax = int(ks.max())
-        top_vals = scaled.topk(kmax, dim=-1).values  # [S, kmax]
-        kth = top_vals.gather(1, (ks - 1)[:, None])  # [S, 1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    top_p = [p.top_p for p in params]
-    if any(p < 1.0 for p in top_p):
-        ps = torch.tensor(top_p, dtype=torch.float32, device=logits.device)
-        sorted_logits, order = scaled.sort(dim=-1, descending=True)  # [S, V]
-        probs = sorted_logits.softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # [S, V]
-        drop_sorted = mass_before >= ps[:, None]
-        drop_sorted[:, 0] = False  # NOTE: always keep the most likely token
-        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    min_p = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_p):
-        probs = scaled.softmax(dim=-1)  # [S, V]
-        ms = torch.tensor(min_p, dtype=torch.float32, device=logits.device)
-        drop = probs < ms[:, None] * probs.amax(dim=-1, keepdim=True)  # NOTE: never the most likely token
-        scaled = scaled.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(scaled, dim=-1)

@@ -2,13 +2,15 @@
 
 A request with `score_from` set (`rollout.requests.Request`) wants the logprob of each given token (prompt,
 then forced) from that index on: the logits at positions `score_from - 1 .. num_given_tokens - 2`. The runner
-keeps those rows beside the sampled ones (`score_rows`), and `record_logprobs` turns them into logprobs, stored
+keeps those rows beside the sampled ones (`score_rows`), and `record_scores` turns them into logprobs, stored
 by position on the request (a recomputation after a preemption overwrites them), plus the top k of every
-scored and every sampled position when the request asks (`top_logprobs`). Kept apart from `rollout.sampling.sampler`:
-the default path (no scoring, k = 0) never comes here.
+scored position when the request asks (`top_logprobs`; a sampled position's top k comes from the sampler).
+Kept apart from `rollout.sampling.sampler`: the default path (no scoring) never comes here.
 
-Semantics follow `logprobs_mode`: "raw" is `log_softmax(logits)`; "processed" the distribution the request
-samples from (temperature, top-k, top-p: `rollout.sampling.sampler.processed_logprobs`); greedy rows are raw in both.
+Semantics follow `logprobs_mode`, through the sampler's own definition (`rollout.sampling.log_distribution`):
+"raw" is `log_softmax(logits)`; "processed" the distribution the request would sample that token from, its
+logits processors applied with the tokens before the position (`LogitsProcessors.apply_at`; a completion's
+tokens count as generated), then the warpers; greedy rows are raw in both.
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from typing import NamedTuple
 import torch
 
 from rollout.prompts import check_token_ids
-from rollout.requests import Request, SamplingParams
-from rollout.sampling.sampler import processed_logprobs
+from rollout.sampling.log_distribution import log_distribution, needs_processors, top_k
+from rollout.sampling.processors import LogitsProcessors, RowHistory
 from rollout.scheduling.stages import SchedulerOutput
 
 MAX_TOP_LOGPROBS = 20
@@ -57,55 +59,28 @@ def score_rows(out: SchedulerOutput) -> tuple[list[int], list[ScoredRows]]:
     return keep, scored
 
 
-def log_distribution(logits: torch.Tensor, params: list[SamplingParams], mode: str) -> torch.Tensor:
-    """[R, V] fp32 logprobs of each row under `mode` ("raw", or "processed" at its sampling params)."""
-    logits = logits.float()
-    if mode == "raw" or all(p.greedy for p in params):
-        return logits.log_softmax(dim=-1)
-    if not any(p.greedy for p in params):
-        return processed_logprobs(logits, params)
-    out = logits.log_softmax(dim=-1)
-    rows = [i for i, p in enumerate(params) if not p.greedy]
-    idx = torch.tensor(rows, device=logits.device)
-    out[idx] = processed_logprobs(logits.index_select(0, idx), [params[i] for i in rows])
-    return out
-
-
-def _top(dist: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    vals, ids = dist.topk(k, dim=-1)  # [R, k]
-    return vals.tolist(), ids.tolist()
-
-
-def record_logprobs(scores: Scores | None, out: SchedulerOutput, logits: torch.Tensor, sampled: list[Request],
-                    mode: str) -> None:
-    """Store the step's scored logprobs on their requests, and the top k of each sampled row that asks
-    (`logits` [R, V], one row per request of `sampled`), before its token is appended."""
-    if scores is not None:
-        reqs = [out.scheduled[r.index].request for r in scores.rows]
-        params = [req.sampling for req, r in zip(reqs, scores.rows, strict=True) for _ in range(r.count)]
-        dist = log_distribution(scores.logits, params, mode)  # [S, V]
-        targets = [t for req, r in zip(reqs, scores.rows, strict=True)
-                   for t in req.token_ids[r.first + 1 : r.first + 1 + r.count]]
-        lp = dist.gather(1, torch.tensor(targets, device=dist.device)[:, None])  # [S, 1]
-        k = max(req.top_logprobs for req in reqs)
-        top_vals, top_ids = _top(dist, k) if k else ([], [])
-        ranks = ((dist > lp).sum(dim=-1) + 1).tolist() if k else []  # NOTE: vLLM's prompt_logprobs report it
-        lp = lp[:, 0].tolist()
-        row = 0
-        for req, r in zip(reqs, scores.rows, strict=True):
-            kk = req.top_logprobs
-            for p in range(r.first, r.first + r.count):
-                top = (top_vals[row][:kk], top_ids[row][:kk], ranks[row]) if kk else ([], [], None)
-                req.scores[p] = (lp[row], *top)
-                row += 1
-    wants = [i for i, req in enumerate(sampled) if req.top_logprobs]
-    if wants:
-        idx = torch.tensor(wants, device=logits.device)
-        dist = log_distribution(logits.index_select(0, idx), [sampled[i].sampling for i in wants], mode)
-        vals, ids = _top(dist, max(sampled[i].top_logprobs for i in wants))
-        for j, i in enumerate(wants):
-            kk = sampled[i].top_logprobs
-            sampled[i].top.append((vals[j][:kk], ids[j][:kk]))
+def record_scores(scores: Scores | None, out: SchedulerOutput, processors: LogitsProcessors, mode: str) -> None:
+    """Store the step's scored logprobs on their requests (and their top k when asked), each position under
+    the distribution the sampler would draw its token from (`processors`: the sampler's, for the n-gram index)."""
+    if scores is None:
+        return
+    reqs = [out.scheduled[r.index].request for r in scores.rows]
+    hists = [RowHistory.at(req, p) for req, r in zip(reqs, scores.rows, strict=True)
+             for p in range(r.first, r.first + r.count)]
+    params = [h.request.sampling for h in hists]
+    raw = scores.logits.float()  # [S, V]
+    processed = processors.apply_at(raw, hists) if needs_processors(params, mode) else raw
+    dist = log_distribution(raw, processed, params, mode)  # [S, V]
+    targets = [h.request.token_ids[h.length] for h in hists]
+    lp = dist.gather(1, torch.tensor(targets, device=dist.device)[:, None])  # [S, 1]
+    k = max(req.top_logprobs for req in reqs)
+    top_vals, top_ids = top_k(dist, k) if k else ([], [])
+    ranks = ((dist > lp).sum(dim=-1) + 1).tolist() if k else []  # NOTE: vLLM's prompt_logprobs report it
+    lp = lp[:, 0].tolist()
+    for row, h in enumerate(hists):
+        kk = h.request.top_logprobs
+        top = (top_vals[row][:kk], top_ids[row][:kk], ranks[row]) if kk else ([], [], None)
+        h.request.scores[h.length - 1] = (lp[row], *top)
 
 
 def check_scoring(forced_ids, score_from: int | None, top_logprobs: int, num_prompt: int, vocab_size: int,

@@ -319,13 +319,13 @@ def test_conversational_prompts_go_through_the_chat_template(tmp_path):
 
 def test_truncation_matches_the_engine_sampler():
     from rollout.requests import SamplingParams
-    from rollout.sampling.sampler import processed_logprobs
+    from rollout.sampling.log_distribution import warped_logprobs
 
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(6, 20, generator=gen) * 3  # [S, V]
     for top_k, top_p in ((5, None), (None, 0.7), (8, 0.6), (1, 0.9)):
         params = [SamplingParams(temperature=0.8, top_k=top_k or 0, top_p=top_p or 1.0) for _ in range(6)]
-        engine = processed_logprobs(logits, params)  # [S, V]
+        engine = warped_logprobs(logits, params)  # [S, V]
         tokens = engine.argmax(-1)  # [S] a kept token
         mine = torch.log_softmax(truncate_logits(logits[None] / 0.8, tokens[None], top_k, top_p), -1)[0]
         assert torch.equal(mine.isinf(), engine.isinf()), (top_k, top_p)
