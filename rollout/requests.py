@@ -135,8 +135,8 @@ class Request:
     # NOTE: pages held in the CPU offload buffer while preempted (empty unless offloading).
     offloaded: list[int] = field(default_factory=list)
     # NOTE: set by a fork whose partial prompt page copied the first `slots` slots of its leader's page:
-    # (logical page, the block copied from in each layer group, slots). The fork holds a reference to those
-    # blocks (nothing writes those slots again) until its pages are released; the decode kernel reads the
+    # (logical page, the page copied from in each layer group, slots). The fork holds a reference to those
+    # pages (nothing writes those slots again) until its pages are released; the decode kernel reads the
     # slots there once for all the forks of one group (`rollout.model.runner`, `rollout/kernels/csrc/decode_attention.cpp`).
     fork_alias: tuple[int, list[int], int] | None = None
     # Scoring: `forced_ids` follow the prompt as given tokens (teacher-forced, never sampled); with

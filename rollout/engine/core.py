@@ -364,19 +364,19 @@ class EngineCore:
         return self.cache.reallocate()
 
     def cache_stats(self) -> dict:
-        bm = self.page_pool
-        return {
-            "num_blocks": bm.num_pages,
-            "free_blocks": bm.num_free_pages,
-            "page_size": bm.page_size,
-            "cached_blocks": len(bm.cached),
+        pool = self.page_pool
+        return {  # NOTE: num_blocks / free_blocks are the seed API's (transformers') names for pages
+            "num_blocks": pool.num_pages,
+            "free_blocks": pool.num_free_pages,
+            "page_size": pool.page_size,
+            "cached_pages": len(pool.cached),
             "preemptions": self.scheduler.num_preemptions,
-            "offloaded_blocks": self.scheduler.num_offloaded_pages,
-            "restored_blocks": self.scheduler.num_restored_pages,
+            "offloaded_pages": self.scheduler.num_offloaded_pages,
+            "restored_pages": self.scheduler.num_restored_pages,
             "offload_fallbacks": self.scheduler.num_offload_fallbacks,
-            "offload_free_blocks": self.cache.offload.num_free if self.cache.offload else 0,
-            "recycled_blocks": self.scheduler.num_recycled_pages,
-            "peak_used_blocks": self.scheduler.peak_used_pages,
+            "offload_free_pages": self.cache.offload.num_free if self.cache.offload else 0,
+            "recycled_pages": self.scheduler.num_recycled_pages,
+            "peak_used_pages": self.scheduler.peak_used_pages,
             "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
             "kv_bytes": self.cache.nbytes,
             "max_batch_tokens": self.max_batch_tokens,

@@ -110,7 +110,7 @@ class TRLRolloutFunc:
         if step != self._step:
             engine.update_weights(self._model)  # zero copy: bumps the version, drops stale prefix KV
             self._step = step
-        ids = _tokenize(trainer, unique)
+        ids = tokenize_prompts(trainer, unique)
         kwargs = self._sampling(trainer)
         self._calls += 1
         start = time.perf_counter()
@@ -211,7 +211,7 @@ def _runs(prompts: Sequence) -> list[tuple[Any, int]]:
     return runs
 
 
-def _tokenize(trainer, prompts: list) -> list[list[int]]:
+def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
     """Prompt ids as TRL's own generation path makes them: the chat template (with the trainer's
     `tools`, `chat_template` and `chat_template_kwargs`) for conversational prompts, else the
     processing class on the text."""

@@ -162,7 +162,7 @@ class PageTables:
                 self.pool.free(live)
         req.page_ids = []
         self._more.pop(req, None)
-        if req.fork_alias is not None:  # NOTE: the blocks its partial page was copied from (Request.fork_alias)
+        if req.fork_alias is not None:  # NOTE: the pages its partial page was copied from (Request.fork_alias)
             self.pool.free(req.fork_alias[1])
             req.fork_alias = None
 

@@ -94,18 +94,18 @@ class ModelRunner:
         return kwargs, sampled
 
     def _fork_aliases(self, requests: list) -> dict[int | None, torch.Tensor] | None:
-        """Per layer group's window, [B, 3] int64 (logical page, block, slots) of each fork whose partial prompt
-        page copies slots of a block it holds a reference to (`Request.fork_alias`; page -1 for the others), or
+        """Per layer group's window, [B, 3] int64 (logical page, source page, slots) of each fork whose partial prompt
+        page copies slots of a page it holds a reference to (`Request.fork_alias`; page -1 for the others), or
         None when no request is such a fork."""
         flat = None  # NOTE: one flat int list per group, through `int_tensor` (512 rows, half forks: 75 us, not 127)
         for b, r in enumerate(requests):
             if r.fork_alias is None:
                 continue
-            page, blocks, slots = r.fork_alias
+            page, sources, slots = r.fork_alias
             if flat is None:
                 flat = [[-1, 0, 0] * len(requests) for _ in self.windows]
-            for g, block in enumerate(blocks):
-                flat[g][3 * b : 3 * b + 3] = page, block, slots
+            for g, source in enumerate(sources):
+                flat[g][3 * b : 3 * b + 3] = page, source, slots
         if flat is None:
             return None
         return {window: int_tensor(flat[g], self.device).view(-1, 3) for g, window in enumerate(self.windows)}

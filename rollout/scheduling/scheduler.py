@@ -58,7 +58,7 @@ class Scheduler:
     ) -> None:
         if policy not in _POLICIES:
             raise ValueError(f"scheduler_type must be one of {tuple(_POLICIES)}, got {policy!r}")
-        self.bm = page_pool
+        self.pool = page_pool
         self.page_size = page_pool.page_size
         self.max_batch_tokens, self.max_requests = max_batch_tokens, max_requests_per_batch or 1 << 30
         self.policy = policy
@@ -113,7 +113,7 @@ class Scheduler:
         scheduled: set[int] = set()
         for phase in _POLICIES[self.policy]:
             budget = phase(self, out, budget, scheduled)
-        self.peak_used_pages = max(self.peak_used_pages, self.bm.num_pages - self.bm.num_free_pages)
+        self.peak_used_pages = max(self.peak_used_pages, self.pool.num_pages - self.pool.num_free_pages)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
@@ -155,7 +155,7 @@ class Scheduler:
             if c >= len(req.page_ids) * ps:
                 crossing.append(req)
         if crossing:
-            if sum(self.tables.growth(r, r.num_computed_tokens + 1) for r in crossing) > self.bm.num_free_pages:
+            if sum(self.tables.growth(r, r.num_computed_tokens + 1) for r in crossing) > self.pool.num_free_pages:
                 return None  # NOTE: someone gets preempted: the general loop decides whom
             for req in crossing:
                 self.tables.grow(req, req.num_computed_tokens + 1)
@@ -198,10 +198,10 @@ class Scheduler:
             # NOTE: every group's live pages (restored ones included), less the prefix hits already
             # held by others; a hit on an unreferenced cached page takes it off the free queue too.
             hit_pages = [key for group in keys for key in group]
-            unreferenced = self.bm.num_unreferenced(hit_pages)
+            unreferenced = self.pool.num_unreferenced(hit_pages)
             take = self.tables.footprint(computed, computed + n) - len(hit_pages)
             held = len(hit_pages) - unreferenced  # hit pages other requests hold
-            free_after = self.bm.num_free_pages - take - unreferenced
+            free_after = self.pool.num_free_pages - take - unreferenced
             if free_after < 0 or (self.running and free_after < self.safety_pages):
                 break  # head-of-line: keep fifo order, wait for pages
             if req.num_preemptions and self.running and self._cannot_catch_up(req, held):
@@ -229,7 +229,7 @@ class Scheduler:
     def _cannot_catch_up(self, req: Request, held: int) -> bool:
         """A preempted request waits until it can get back to where it was and take one more step:
         readmitted earlier, it would only recompute a part and be preempted again (thrashing)."""
-        return self.bm.num_free_pages + held < self.tables.max_pages(req.num_tokens + 1)
+        return self.pool.num_free_pages + held < self.tables.max_pages(req.num_tokens + 1)
 
     def _fork_source(self, req: Request) -> Request | str | None:
         """The running leader whose prompt KV `req` can fork, "wait" if it is still computing it."""
@@ -262,22 +262,22 @@ class Scheduler:
         full, rest = divmod(shared, self.page_size)
         n = min(req.num_tokens - shared, budget)
         pages = self._fork_pages(req, leader)
-        fresh = self.bm.pages_needed(shared + n) - full  # per group
+        fresh = self.pool.pages_needed(shared + n) - full  # per group
         new_pages = self.tables.num_groups * fresh
-        free_after = self.bm.num_free_pages - new_pages
+        free_after = self.pool.num_free_pages - new_pages
         if free_after < 0 or free_after < self.safety_pages:
             return False
         self.waiting.popleft()
         for table, src in zip(self.tables.of(req), pages, strict=True):
             held = [b for b in src[:full] if b != FREED]
-            self.bm.fork(held)
+            self.pool.fork(held)
             table += src[:full]
-            table += self.bm.allocate(fresh)
+            table += self.pool.allocate(fresh)
             if rest:
                 out.copies.append((src[full], table[full], rest))
-        if rest:  # NOTE: the copied-from blocks are held (PageTables.free lets go) for the decode kernel to read
+        if rest:  # NOTE: the copied-from pages are held (PageTables.free lets go) for the decode kernel to read
             req.fork_alias = (full, [src[full] for src in pages], rest)
-            self.bm.fork(req.fork_alias[1])
+            self.pool.fork(req.fork_alias[1])
         req.num_computed_tokens = req.num_cached_tokens = shared
         self.num_cached_prompt_tokens += shared
         req.status = RequestStatus.PREFILLING
@@ -292,7 +292,7 @@ class Scheduler:
         need = self.tables.growth(req, num_tokens)
         if not need:  # NOTE: most decode steps: the last page has room
             return True
-        while need > self.bm.num_free_pages:
+        while need > self.pool.num_free_pages:
             # NOTE: the newest running request not yet scheduled this step, else `req` itself.
             victim = next((r for r in reversed(self.running) if id(r) not in done), req)
             self.preempt(victim)
@@ -342,7 +342,7 @@ class Scheduler:
     # --------------------------------------------------------------- update
     def after_step(self, out: SchedulerOutput) -> None:
         """Advance `num_computed_tokens` of everything that ran and cache newly full pages."""
-        ps, caching, sliding = self.page_size, self.bm.enable_prefix_caching, self.tables.sliding
+        ps, caching, sliding = self.page_size, self.pool.enable_prefix_caching, self.tables.sliding
         if out.decode_only and not sliding:  # NOTE: one token each, already DECODING
             for s in out.scheduled:
                 req = s.request

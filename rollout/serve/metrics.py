@@ -10,7 +10,7 @@ from rollout.serve.bridge import EngineBridge
 
 # cache_stats() keys that only ever grow are counters; the rest are gauges.
 COUNTERS = ("computed_prompt_tokens", "cached_prompt_tokens", "generated_tokens", "recomputed_tokens",
-            "preemptions", "offloaded_blocks", "restored_blocks", "offload_fallbacks", "recycled_blocks")
+            "preemptions", "offloaded_pages", "restored_pages", "offload_fallbacks", "recycled_pages")
 
 
 class EngineCollector:

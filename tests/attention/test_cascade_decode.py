@@ -224,7 +224,7 @@ def test_engine_groups_read_their_prompt_once_and_match_generate(kernels, arch):
     assert max(n for n, _ in extended) == max(grouped), "the groups should read their forks' copied slots once too"
     # NOTE: the leaders (`i-0`, 6 new tokens) finish first; their forks keep the copied-from blocks
     assert max(n for n, gone in extended if gone) >= 1, "after the leaders finished, the copied slots should still be shared"
-    bm = core.scheduler.bm
+    bm = core.scheduler.pool
     bm.check_invariants()
     assert bm.num_free_pages == bm.num_pages, "a page outlived its requests"
     for r in reqs:

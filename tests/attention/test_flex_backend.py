@@ -14,14 +14,14 @@ import torch
 from rollout.attention.backends.flex import FREED, build_flex_metadata, flex_paged_attention
 
 PS = 16
-NUM_BLOCKS = 48
+NUM_PAGES = 48
 H, HKV, D = 4, 2, 16
 
 
 def make_step(g: torch.Generator, specs: list[tuple[int, int]], window: int | None, share: bool):
     """Block tables for requests `(start, n)`: pages drawn without replacement from the pool, the first
     two pages of requests 0 and 1 shared when `share`, pages before the window FREED and handed on."""
-    free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    free = torch.randperm(NUM_PAGES, generator=g).tolist()
     tables = []
     for i, (start, n) in enumerate(specs):
         npages = -(-(start + n) // PS)
@@ -86,8 +86,8 @@ def check_kernel(window, softcap, dtype, atol, device: str, stale_padding: bool 
     (also run on CUDA by tests/model/test_gpu.py). Table rows are padded with FREED, or with `stale_padding`
     with page ids in use this step (and two more columns)."""
     g = torch.Generator().manual_seed(0)
-    k_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
-    v_cache = torch.randn(HKV, NUM_BLOCKS * PS, D, generator=g).to(dtype)
+    k_cache = torch.randn(HKV, NUM_PAGES * PS, D, generator=g).to(dtype)
+    v_cache = torch.randn(HKV, NUM_PAGES * PS, D, generator=g).to(dtype)
     for i, specs in enumerate(STEPS):
         tables = make_step(g, specs, window, share=i == 0)
         width = max(map(len, tables))
@@ -102,7 +102,7 @@ def check_kernel(window, softcap, dtype, atol, device: str, stale_padding: bool 
         lens = torch.tensor([n for _, n in specs], device=device)
         rows = int(lens.sum())
         q = torch.randn(1, H, rows, D, generator=g).to(dtype) * 0.5
-        meta = build_flex_metadata(table, starts, lens, rows, PS, NUM_BLOCKS, window)
+        meta = build_flex_metadata(table, starts, lens, rows, PS, NUM_PAGES, window)
         out = flex_paged_attention(q.to(device), k_cache.to(device), v_cache.to(device), meta, PS, softcap)
         assert out.device.type == device and out.shape == (1, H, rows, D) and out.dtype == dtype
         ref = reference(q, k_cache, v_cache, tables, specs, window, softcap)

@@ -81,7 +81,7 @@ def test_greedy_equals_unsharded_generate_and_logprobs_teacher_forcing(launched,
 def test_preemption_with_cpu_offload(launched):
     (r0, _), *_ = launched
     got, stats = r0["offload"]
-    assert stats["offloaded_blocks"] >= 1 and stats["restored_blocks"] >= 1
+    assert stats["offloaded_pages"] >= 1 and stats["restored_pages"] >= 1
     assert [g[0] for g in got] == [r[0] for r in r0["archs"]["qwen3"]["ref"]]
 
 

@@ -250,13 +250,13 @@ def test_conversational_prompts_with_content_parts_are_joined_as_the_server_does
     (the ids a string prompt gives), not rendered as the Python repr of the list."""
     from support.chat_model import make_chat_tokenizer
 
-    from rollout.integrations.trl import _tokenize
+    from rollout.integrations.trl import tokenize_prompts
 
     tokenizer = make_chat_tokenizer()
     trainer = SimpleNamespace(processing_class=tokenizer, tools=None, chat_template=None, chat_template_kwargs=None)
     parts = [[{"role": "user", "content": [{"type": "text", "text": "12+"}, {"type": "text", "text": "34"}]}]]
     joined = [[{"role": "user", "content": "12+\n34"}]]
-    assert _tokenize(trainer, parts) == _tokenize(trainer, joined)
-    assert tokenizer.decode(_tokenize(trainer, parts)[0]) == "<|user|>12+\n34<eos><|assistant|>"
+    assert tokenize_prompts(trainer, parts) == tokenize_prompts(trainer, joined)
+    assert tokenizer.decode(tokenize_prompts(trainer, parts)[0]) == "<|user|>12+\n34<eos><|assistant|>"
     with pytest.raises(ValueError, match="'image' part"):
-        _tokenize(trainer, [[{"role": "user", "content": [{"type": "image"}]}]])
+        tokenize_prompts(trainer, [[{"role": "user", "content": [{"type": "image"}]}]])

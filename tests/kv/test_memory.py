@@ -70,7 +70,7 @@ def test_preemption_by_recompute_is_exact():
     assert out == ref
     assert stats["preemptions"] > 0
     assert stats["recomputed_tokens"] > 0  # what lay below the high-water mark was computed again
-    assert stats["offloaded_blocks"] == 0
+    assert stats["offloaded_pages"] == 0
     assert stats["free_blocks"] == 24
 
 
@@ -79,14 +79,14 @@ def test_cpu_offload_resumes_without_recompute(backend):
     model, ref = pressure_reference()
     cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=24, cpu_offload_space=0.25, attn_backend=backend)
     out, stats, core = run(model, PRESSURE_PROMPTS, PRESSURE_NEW, cfg)
-    print(f"\noffload: preemptions={stats['preemptions']} offloaded_blocks={stats['offloaded_blocks']} "
-          f"restored_blocks={stats['restored_blocks']}")
+    print(f"\noffload: preemptions={stats['preemptions']} offloaded_pages={stats['offloaded_pages']} "
+          f"restored_pages={stats['restored_pages']}")
     assert out == ref
-    assert stats["preemptions"] > 0 and stats["offloaded_blocks"] > 0
+    assert stats["preemptions"] > 0 and stats["offloaded_pages"] > 0
     assert stats["recomputed_tokens"] == 0 and stats["offload_fallbacks"] == 0
     # every page that went out came back, and every host slot is free again
-    assert stats["restored_blocks"] == stats["offloaded_blocks"]
-    assert stats["offload_free_blocks"] == core.cache.offload.num_pages
+    assert stats["restored_pages"] == stats["offloaded_pages"]
+    assert stats["offload_free_pages"] == core.cache.offload.num_pages
     assert stats["free_blocks"] == 24
 
 
@@ -100,8 +100,8 @@ def test_full_offload_buffer_falls_back_to_recompute():
     assert core.cache.offload.num_pages == 4
     assert out == ref
     assert stats["offload_fallbacks"] > 0 and stats["recomputed_tokens"] > 0
-    assert stats["restored_blocks"] == stats["offloaded_blocks"]
-    assert stats["offload_free_blocks"] == 4
+    assert stats["restored_pages"] == stats["offloaded_pages"]
+    assert stats["offload_free_pages"] == 4
 
 
 # ------------------------------------------------------------------------------ sliding windows
@@ -111,12 +111,12 @@ def test_mistral_sliding_window_generates_300_tokens_on_six_pages():
     model = make_model("mistral", sliding_window=24)
     prompt = random_prompts(1, 40, 40, seed=3)[0]
     out, stats, _ = run(model, [prompt], 300, ContinuousBatchingConfig(page_size=PS, num_blocks=6))
-    print(f"\nmistral: 340 tokens on {stats['peak_used_blocks']} pages at most, "
-          f"{stats['recycled_blocks']} pages recycled")
+    print(f"\nmistral: 340 tokens on {stats['peak_used_pages']} pages at most, "
+          f"{stats['recycled_pages']} pages recycled")
     assert out == [hf_greedy(model, prompt, 300)]
     # window 24 -> a query and its 23 past keys span at most 3 pages of 16
-    assert stats["peak_used_blocks"] <= 3
-    assert stats["recycled_blocks"] >= 340 // PS - 3
+    assert stats["peak_used_pages"] <= 3
+    assert stats["recycled_pages"] >= 340 // PS - 3
     assert stats["preemptions"] == 0 and stats["free_blocks"] == 6
 
 
@@ -133,9 +133,9 @@ def test_gemma2_hybrid_is_exact_and_its_sliding_group_recycles():
     assert core.windows == [None, 16]
     assert out == ref
     assert stats["preemptions"] == 0
-    assert stats["recycled_blocks"] > 0
+    assert stats["recycled_pages"] > 0
     # full layers keep every page, the sliding group at most 2 per request (window 16 spans 2 pages)
-    assert stats["peak_used_blocks"] <= sum(-(-(len(p) + 50) // PS) + 2 for p in prompts)
+    assert stats["peak_used_pages"] <= sum(-(-(len(p) + 50) // PS) + 2 for p in prompts)
 
 
 @pytest.mark.parametrize("offload, backend", [(0.0, "auto"), (0.25, "auto"), (0.25, "sdpa"), (0.25, "flex")])
@@ -147,8 +147,8 @@ def test_gemma2_under_pressure_is_exact(offload, backend):
     assert out == ref
     assert stats["preemptions"] > 0
     if offload:
-        assert stats["offloaded_blocks"] > 0 and stats["recomputed_tokens"] == 0
-        assert stats["restored_blocks"] == stats["offloaded_blocks"]
+        assert stats["offloaded_pages"] > 0 and stats["recomputed_tokens"] == 0
+        assert stats["restored_pages"] == stats["offloaded_pages"]
 
 
 @pytest.mark.parametrize("backend", ["auto", pytest.param("sdpa", marks=pytest.mark.slow),
@@ -161,7 +161,7 @@ def test_mistral_many_requests_with_offload_is_exact(backend):
                                    attn_backend=backend)
     out, stats, _ = run(model, prompts, 40, cfg)
     assert out == ref
-    assert stats["preemptions"] > 0 and stats["offloaded_blocks"] > 0 and stats["recomputed_tokens"] == 0
+    assert stats["preemptions"] > 0 and stats["offloaded_pages"] > 0 and stats["recomputed_tokens"] == 0
 
 
 # ------------------------------------------------------------------------------------- sizing
@@ -214,7 +214,7 @@ def test_sliding_only_bound_is_the_window_not_the_length():
     prompt = torch.randint(1, VOCAB, (100,), generator=torch.Generator().manual_seed(0)).tolist()
     out, stats, _ = run(model, [prompt], 5, ContinuousBatchingConfig(page_size=PS, num_blocks=3))
     assert out == [hf_greedy(model, prompt, 5)]
-    assert stats["peak_used_blocks"] <= 3
+    assert stats["peak_used_pages"] <= 3
 
 
 @pytest.mark.slow
@@ -240,4 +240,4 @@ def test_random_memory_pressure_workloads_are_exact():
         out, stats, _ = run(models[arch], prompts, news, cfg)
         assert out == [hf_greedy(models[arch], p, k) for p, k in zip(prompts, news, strict=True)], (arch, cfg)
         assert stats["free_blocks"] == cfg.num_blocks
-        assert stats["restored_blocks"] == stats["offloaded_blocks"]
+        assert stats["restored_pages"] == stats["offloaded_pages"]

@@ -39,7 +39,7 @@ def step(s: Scheduler):
         if req.append_token(7, None) is not None:  # its stop reason
             s.remove(req)
             req.status = RequestStatus.FINISHED
-    s.bm.check_invariants()
+    s.pool.check_invariants()
     return out
 
 
@@ -92,7 +92,7 @@ def test_scheduler_keeps_one_table_per_group_and_recycles_after_each_step():
     assert s.tables.of(r) == [[0, 1, 2, 6], [FREED, 4, 5, 7]]
     while s.has_work():
         step(s)
-    assert s.bm.num_free_pages == 16 and r.status == RequestStatus.FINISHED
+    assert s.pool.num_free_pages == 16 and r.status == RequestStatus.FINISHED
     assert s.max_pages(20) == 5 + 3
 
 
@@ -114,14 +114,14 @@ def test_a_fork_shares_full_pages_in_every_group_and_recycling_spares_held_pages
     # the fork also holds the pages its partial ones were copied from (the decode kernel reads the copied slots
     # there once for the whole group: Request.fork_alias)
     assert b.fork_alias == (2, [2, 5], 1)
-    assert [s.bm.ref_counts[x] for x in (0, 1, 3, 4, 2, 5, 6, 7)] == [2, 2, 1, 2, 2, 2, 1, 1]
+    assert [s.pool.ref_counts[x] for x in (0, 1, 3, 4, 2, 5, 6, 7)] == [2, 2, 1, 2, 2, 2, 1, 1]
     assert s.tables.of(a) == [[0, 1, 2], [FREED, 4, 5]]
-    assert s.bm.ref_counts[3] == 1 and 3 not in s.bm.free_queue
+    assert s.pool.ref_counts[3] == 1 and 3 not in s.pool.free_queue
     step(s)  # b's window leaves page 3 too: now nobody holds it and it is recycled
-    assert s.tables.of(b)[1][0] == FREED and s.bm.ref_counts[3] == 0 and 3 in s.bm.free_queue
+    assert s.tables.of(b)[1][0] == FREED and s.pool.ref_counts[3] == 0 and 3 in s.pool.free_queue
     while s.has_work():
         step(s)
-    assert s.bm.num_free_pages == 32
+    assert s.pool.num_free_pages == 32
 
 
 def test_a_fork_holds_the_page_it_copied_from_until_its_own_pages_go():
@@ -135,15 +135,15 @@ def test_a_fork_holds_the_page_it_copied_from_until_its_own_pages_go():
         s.add(r)
     step(s)
     step(s)  # the forks copy page 2's first slot (position 8; position 9 is each fork's own)
-    assert [f.fork_alias for f in forks] == [(2, [2], 1)] * 2 and s.bm.ref_counts[2] == 3
+    assert [f.fork_alias for f in forks] == [(2, [2], 1)] * 2 and s.pool.ref_counts[2] == 3
     while a.status is not RequestStatus.FINISHED:
         step(s)
-    assert s.bm.ref_counts[2] == 2 and 2 not in s.bm.free_queue
+    assert s.pool.ref_counts[2] == 2 and 2 not in s.pool.free_queue
     s.preempt(forks[1])
-    assert forks[1].fork_alias is None and s.bm.ref_counts[2] == 1
+    assert forks[1].fork_alias is None and s.pool.ref_counts[2] == 1
     while s.has_work():
         step(s)
-    assert s.bm.ref_counts[2] == 0 and s.bm.num_free_pages == 16
+    assert s.pool.ref_counts[2] == 0 and s.pool.num_free_pages == 16
     assert forks[1].fork_alias is None  # NOTE: recomputed from its tokens, not forked again (the leader is gone)
 
 
@@ -155,7 +155,7 @@ def test_long_sliding_prompt_is_chunked_to_fit_the_pool():
     while s.has_work():
         out = step(s)
         chunks += [x.num_new_tokens for x in out.scheduled]
-        assert s.bm.num_pages - s.bm.num_free_pages <= 3
+        assert s.pool.num_pages - s.pool.num_free_pages <= 3
     # 12 tokens fill the pool; then each step may reach the end of the pages it can hold
     assert chunks[0] == 12 and sum(chunks) == 30 + 1 and len(r.generated) == 2
 
@@ -218,7 +218,7 @@ def test_preempted_request_parks_its_pages_and_resumes_without_recompute():
     while s.has_work():
         step(s)
     assert len(c.generated) == 4 and off.free == [2, 3, 0, 1] and off.held == {}
-    assert s.bm.num_free_pages == 6
+    assert s.pool.num_free_pages == 6
 
 
 def test_full_offload_buffer_falls_back_to_recompute():
@@ -264,7 +264,7 @@ def test_offload_with_two_groups_saves_only_live_pages():
     while s.has_work():
         step(s)
     assert [x[0] for x in off.log] == ["save", "restore"]
-    assert off.held == {} and s.bm.num_free_pages == 12
+    assert off.held == {} and s.pool.num_free_pages == 12
     assert len(a.generated) == len(b.generated) == 12
 
 
@@ -365,7 +365,7 @@ def test_every_page_and_slot_comes_back_after_random_preemptions(windows):
         step(s)
     assert not s.has_work()
     assert all(len(r.generated) == r.max_new_tokens for r in reqs)
-    assert s.bm.num_free_pages == 10 and off.held == {} and len(off.free) == 6
+    assert s.pool.num_free_pages == 10 and off.held == {} and len(off.free) == 6
     assert s.num_preemptions > 0
 
 

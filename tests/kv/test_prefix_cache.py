@@ -72,7 +72,7 @@ def test_every_block_is_free_after_the_run_and_cached_pages_stay_reusable():
     run(core, prompts)
     s = core.cache_stats()
     assert s["free_blocks"] == s["num_blocks"]
-    assert s["cached_blocks"] > 0  # freed, but their hashes are kept for later hits
+    assert s["cached_pages"] > 0  # freed, but their hashes are kept for later hits
     core.page_pool.check_invariants()
 
 
@@ -92,7 +92,7 @@ def test_repeat_hits_every_full_page_and_reset_makes_it_miss():
     assert after["computed_prompt_tokens"] - before["computed_prompt_tokens"] == len(prompt) - hit
 
     assert core.reset_prefix_cache() > 0
-    assert core.cache_stats()["cached_blocks"] == 0
+    assert core.cache_stats()["cached_pages"] == 0
     (third,) = run(core, [prompt], "c")
     last = core.cache_stats()
     assert third == first

@@ -86,7 +86,7 @@ def test_pinned_offload_under_pressure_is_exact(backend):
     reqs = run(core, prompts, 24)
     assert [r.generated for r in reqs] == [hf_greedy(model, p, 24) for p in prompts]
     stats = core.cache_stats()
-    assert stats["offloaded_blocks"] > 0 and stats["recomputed_tokens"] == 0
+    assert stats["offloaded_pages"] > 0 and stats["recomputed_tokens"] == 0
     host = [t for pair in core.cache.offload.host.values() for t in pair]
     assert host and all(t.is_pinned() for t in host)
 

@@ -115,7 +115,7 @@ def test_unknown_policy_is_refused():
 
 def test_safety_margin_holds_back_new_requests_while_others_run():
     # 10 pages, margin 0.5: a new request may not leave fewer than 5 pages free while anything runs
-    s = make_scheduler(num_blocks=10, budget=64, safety_margin=0.5)
+    s = make_scheduler(num_pages=10, budget=64, safety_margin=0.5)
     a = make_request("a", 16, max_new_tokens=3)  # 4 pages, 5 once it decodes
     b = make_request("b", 8, max_new_tokens=1)  # 2 pages
     s.add(a)
@@ -125,14 +125,14 @@ def test_safety_margin_holds_back_new_requests_while_others_run():
 
 
 def test_without_margin_the_same_requests_run_together():
-    s = make_scheduler(num_blocks=10, budget=64, safety_margin=0.0)
+    s = make_scheduler(num_pages=10, budget=64, safety_margin=0.0)
     s.add(make_request("a", 16, max_new_tokens=3))
     s.add(make_request("b", 8, max_new_tokens=1))
     assert run_to_end(s) == [[("a", 16), ("b", 8)], [("a", 1)], [("a", 1)]]
 
 
 def test_safety_margin_is_ignored_when_nothing_runs():
-    s = make_scheduler(num_blocks=10, budget=64, safety_margin=0.5)
+    s = make_scheduler(num_pages=10, budget=64, safety_margin=0.5)
     s.add(make_request("a", 32, max_new_tokens=1))  # 8 of 10 pages
     assert run_to_end(s) == [[("a", 32)]]
 
@@ -142,7 +142,7 @@ def test_safety_margin_is_ignored_when_nothing_runs():
 
 
 def test_newest_running_request_is_preempted_when_the_pool_is_exhausted():
-    s = make_scheduler(num_blocks=6, budget=64, caching=False)
+    s = make_scheduler(num_pages=6, budget=64, caching=False)
     a, b, c = (make_request(rid, 7, max_new_tokens=4) for rid in "abc")
     for r in (a, b, c):
         s.add(r)
@@ -166,7 +166,7 @@ def test_newest_running_request_is_preempted_when_the_pool_is_exhausted():
 
 
 def test_a_request_preempts_itself_when_everything_newer_already_ran_this_step():
-    s = make_scheduler(num_blocks=4, budget=64, caching=False)
+    s = make_scheduler(num_pages=4, budget=64, caching=False)
     a = make_request("a", 6, max_new_tokens=2)  # 2 pages, decodes at position 6: no new page
     b = make_request("b", 8, max_new_tokens=2)  # 2 pages, decodes at position 8: needs a third
     s.add(a)
@@ -180,7 +180,7 @@ def test_a_request_preempts_itself_when_everything_newer_already_ran_this_step()
 
 
 def test_preempted_request_is_readmitted_before_newer_waiting_ones():
-    s = make_scheduler(num_blocks=4, budget=64, caching=False)
+    s = make_scheduler(num_pages=4, budget=64, caching=False)
     a = make_request("a", 6, max_new_tokens=2)
     b = make_request("b", 8, max_new_tokens=2)
     s.add(a)
@@ -198,7 +198,7 @@ def test_preempted_request_is_readmitted_before_newer_waiting_ones():
 
 
 def test_readmission_counts_its_unreferenced_cached_pages_as_taken():
-    s = make_scheduler(num_blocks=4, budget=64, caching=True)
+    s = make_scheduler(num_pages=4, budget=64, caching=True)
     a = make_request("a", 6, max_new_tokens=2)
     b = make_request("b", 8, max_new_tokens=2)
     s.add(a)
@@ -212,13 +212,13 @@ def test_readmission_counts_its_unreferenced_cached_pages_as_taken():
 
 
 def test_new_request_hitting_freed_cached_pages_in_a_nearly_full_pool():
-    s = make_scheduler(num_blocks=6, budget=64, caching=True)
+    s = make_scheduler(num_pages=6, budget=64, caching=True)
     x = make_request("x", 5, max_new_tokens=100)  # holds 2 pages throughout
     a = make_request("a", list(range(10, 18)), max_new_tokens=1)  # 2 full pages, cached, then freed
     s.add(x)
     s.add(a)
     step(s)
-    assert a.status == RequestStatus.FINISHED and s.bm.num_free_pages == 4
+    assert a.status == RequestStatus.FINISHED and s.pool.num_free_pages == 4
     # 17 tokens: 5 pages, 2 of them hits on a's freed pages -> really needs all 4 free pages + 1
     s.add(make_request("b", list(range(10, 18)) + list(range(30, 39)), max_new_tokens=1))
     out, _ = step(s)
@@ -249,7 +249,7 @@ def test_shared_prefix_request_waits_for_the_pages_in_flight_then_hits_them():
     assert chunks(out) == [("a", 1), ("b", 4)]  # b hits the 4 prefix pages = 16 tokens
     assert b.num_cached_tokens == 16 and s.num_cached_prompt_tokens == 16
     assert b.page_ids[:4] == a.page_ids[:4]
-    assert [s.bm.ref_counts[blk] for blk in a.page_ids[:4]] == [2, 2, 2, 2]
+    assert [s.pool.ref_counts[blk] for blk in a.page_ids[:4]] == [2, 2, 2, 2]
     assert b.page_ids[4] not in a.page_ids  # the page with its own suffix is b's alone
     run_to_end(s)
 
@@ -308,7 +308,7 @@ def test_reset_prefix_cache_makes_the_next_identical_prompt_miss():
     prompt = list(range(300, 313))
     s.add(make_request("a", prompt, max_new_tokens=1))
     run_to_end(s)
-    s.bm.reset_prefix_cache()
+    s.pool.reset_prefix_cache()
     s.add(make_request("b", prompt, max_new_tokens=1))
     out, _ = step(s)
     assert chunks(out) == [("b", 13)]
@@ -319,7 +319,7 @@ def test_reset_prefix_cache_makes_the_next_identical_prompt_miss():
 # request used to preempt itself, be re-admitted in the same step and take the whole budget again, so
 # the decode never ran, never freed its pages, and the prompt recomputed from scratch forever.
 def test_prefill_first_finishes_when_a_prompt_cannot_fit_beside_a_running_decode():
-    s = make_scheduler(num_blocks=6, budget=2, caching=False, policy="prefill_first")
+    s = make_scheduler(num_pages=6, budget=2, caching=False, policy="prefill_first")
     s.add(make_request("old", 1, max_new_tokens=6))  # 2 pages at most
     s.add(make_request("long", 13, max_new_tokens=5))  # 5 pages at most: 7 > 6, someone must wait
     run_to_end(s, max_steps=200)
@@ -347,9 +347,9 @@ WORKLOAD = st.lists(
 )
 
 
-def _random_workload(workload, num_blocks, budget, max_requests, policy, margin, caching):
+def _random_workload(workload, num_pages, budget, max_requests, policy, margin, caching):
     s = make_scheduler(
-        num_blocks,
+        num_pages,
         budget,
         caching=caching,
         max_requests_per_batch=max_requests,
@@ -361,7 +361,7 @@ def _random_workload(workload, num_blocks, budget, max_requests, policy, margin,
     for i, (family, extra, max_new, arrive_at) in enumerate(workload):
         prompt = families[family][: 4 * family] + [i * 50 + j for j in range(extra)]
         # NOTE: prompt + max_new must fit in the pool (the engine refuses bigger requests at submission)
-        max_new = min(max_new, num_blocks * PS - len(prompt))
+        max_new = min(max_new, num_pages * PS - len(prompt))
         if max_new < 1:
             continue
         reqs.append((arrive_at, make_request(f"r{i}", prompt, max_new)))
@@ -386,12 +386,12 @@ def _random_workload(workload, num_blocks, budget, max_requests, policy, margin,
             if req.append_token(len(req.token_ids) % 5 + 1, None) is not None:  # its stop reason
                 s.remove(req)
                 req.status = RequestStatus.FINISHED
-        s.bm.check_invariants()
+        s.pool.check_invariants()
         held = [b for r in s.running for b in r.page_ids]
-        assert s.bm.num_free_pages == s.bm.num_pages - len(set(held))
+        assert s.pool.num_free_pages == s.pool.num_pages - len(set(held))
     assert not s.has_work(), "workload did not finish"
     assert all(len(r.generated) == r.max_new_tokens for _, r in reqs)
-    assert s.bm.num_free_pages == num_blocks
+    assert s.pool.num_free_pages == num_pages
 
 
 POLICY_ARGS = dict(
@@ -404,22 +404,22 @@ POLICY_ARGS = dict(
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(num_blocks=st.integers(6, 16), **POLICY_ARGS)
-def test_random_workloads_fifo(workload, num_blocks, budget, max_requests, margin, caching):
+@given(num_pages=st.integers(6, 16), **POLICY_ARGS)
+def test_random_workloads_fifo(workload, num_pages, budget, max_requests, margin, caching):
     """Tight pools: preemption, re-admission, prefix hits on freed pages, deferral, forking."""
-    _random_workload(workload, num_blocks, budget, max_requests, "fifo", margin, caching)
+    _random_workload(workload, num_pages, budget, max_requests, "fifo", margin, caching)
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(num_blocks=st.integers(6, 16), **POLICY_ARGS)
-def test_random_workloads_prefill_first(workload, num_blocks, budget, max_requests, margin, caching):
-    _random_workload(workload, num_blocks, budget, max_requests, "prefill_first", margin, caching)
+@given(num_pages=st.integers(6, 16), **POLICY_ARGS)
+def test_random_workloads_prefill_first(workload, num_pages, budget, max_requests, margin, caching):
+    _random_workload(workload, num_pages, budget, max_requests, "prefill_first", margin, caching)
 
 
 def test_drop_kv_frees_every_page_and_recomputes_prompt_plus_generated():
     """`update_weights(..., recompute_kv=True)`: running requests lose their KV, go back to the front of
     the queue in their order (ahead of a request that was waiting), and recompute every token they hold."""
-    s = make_scheduler(num_blocks=16, budget=64, caching=True)
+    s = make_scheduler(num_pages=16, budget=64, caching=True)
     a, b = make_request("a", 6, max_new_tokens=8), make_request("b", 5, max_new_tokens=8)
     s.add(a)
     s.add(b)
@@ -428,11 +428,11 @@ def test_drop_kv_frees_every_page_and_recomputes_prompt_plus_generated():
     late = make_request("late", 3, max_new_tokens=1)
     s.add(late)
     s.forget_prefixes()  # NOTE: what `EngineCore.reset_prefix_cache` does first on new weights
-    s.bm.reset_prefix_cache()
+    s.pool.reset_prefix_cache()
     assert a.stale_kv and b.stale_kv
     assert s.drop_kv() == 2
     assert s.running == [] and [r.request_id for r in s.waiting] == ["a", "b", "late"]
-    assert s.bm.num_free_pages == s.bm.num_pages and not s.bm.cached  # every page back, none cached
+    assert s.pool.num_free_pages == s.pool.num_pages and not s.pool.cached  # every page back, none cached
     assert (a.num_computed_tokens, b.num_computed_tokens, a.stale_kv, b.stale_kv) == (0, 0, False, False)
     out, _ = step(s)
     assert chunks(out) == [("a", 8), ("b", 7), ("late", 3)]  # prompt + generated, then sample again

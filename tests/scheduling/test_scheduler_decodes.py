@@ -31,8 +31,8 @@ def _requests(workload) -> list[tuple[int, Request]]:
     return out
 
 
-def _trace(fast_path, workload, num_blocks, budget, max_requests, policy, windows, caching):
-    s = Scheduler(PagePool(num_blocks, PS, enable_prefix_caching=caching), budget,
+def _trace(fast_path, workload, num_pages, budget, max_requests, policy, windows, caching):
+    s = Scheduler(PagePool(num_pages, PS, enable_prefix_caching=caching), budget,
                   max_requests_per_batch=max_requests, policy=policy, windows=windows, decode_fast_path=fast_path)
     reqs = _requests(workload)
     trace, fast_steps = [], 0
@@ -49,7 +49,7 @@ def _trace(fast_path, workload, num_blocks, budget, max_requests, policy, window
                 assert x.num_new_tokens == 1 and x.samples and x.request.status == RequestStatus.DECODING
         trace.append((
             [(x.request.request_id, x.num_new_tokens, [list(t) for t in x.tables]) for x in out.scheduled],
-            [r.request_id for r in out.preempted], list(out.copies), s.bm.num_free_pages,
+            [r.request_id for r in out.preempted], list(out.copies), s.pool.num_free_pages,
         ))
         sampled = [x.request for x in out.scheduled if x.samples]
         s.after_step(out)
@@ -57,7 +57,7 @@ def _trace(fast_path, workload, num_blocks, budget, max_requests, policy, window
             if req.append_token(len(req.token_ids) % 5 + 1, None) is not None:
                 s.remove(req)
                 req.status = RequestStatus.FINISHED
-        s.bm.check_invariants()
+        s.pool.check_invariants()
     assert not s.has_work(), "workload did not finish"
     return trace, fast_steps
 
@@ -72,7 +72,7 @@ WORKLOAD = st.lists(
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     workload=WORKLOAD,
-    num_blocks=st.integers(12, 40),
+    num_pages=st.integers(12, 40),
     budget=st.integers(2, 24),
     max_requests=st.sampled_from([None, 2, 5]),
     policy=st.sampled_from(["fifo", "prefill_first"]),
@@ -80,11 +80,11 @@ WORKLOAD = st.lists(
     caching=st.booleans(),
 )
 def test_fast_path_schedules_exactly_what_the_general_loop_does(
-    workload, num_blocks, budget, max_requests, policy, windows, caching
+    workload, num_pages, budget, max_requests, policy, windows, caching
 ):
     caching = caching and windows == (None,)  # NOTE: as the engine: no prefix caching with sliding layers
-    fast, _ = _trace(True, workload, num_blocks, budget, max_requests, policy, windows, caching)
-    general, none = _trace(False, workload, num_blocks, budget, max_requests, policy, windows, caching)
+    fast, _ = _trace(True, workload, num_pages, budget, max_requests, policy, windows, caching)
+    general, none = _trace(False, workload, num_pages, budget, max_requests, policy, windows, caching)
     assert none == 0
     assert fast == general
 
@@ -114,7 +114,7 @@ def test_runner_decode_only_prepare_equals_the_general_one():
     from rollout.engine.core import EngineCore
 
     core = EngineCore(make_model("gemma2"), GenerationConfig(do_sample=False, eos_token_id=None),
-                      ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=64))
+                      ContinuousBatchingConfig(page_size=4, num_pages=256, max_batch_tokens=64))
     assert len(core.runner.windows) == 2
     for i, prompt in enumerate(random_prompts(5, 3, 30, seed=1)):
         core.add(core.make_request(prompt, request_id=f"r{i}", max_new_tokens=24))

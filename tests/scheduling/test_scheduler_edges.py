@@ -1,5 +1,5 @@
 """Scheduler edges that mutmut found untested (tests/README.md): removing a request that is still waiting,
-the bookkeeping `remove` resets, and `peak_used_pages` (logged as `peak_used_blocks`)."""
+the bookkeeping `remove` resets, and `peak_used_pages` (logged as `peak_used_pages`)."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def test_remove_releases_the_pages_and_resets_the_registered_count():
     req = make_request("a", 3 * PS)
     s.add(req)
     step(s)
-    assert req.num_registered_pages > 0 and s.bm.num_free_pages < s.bm.num_pages
+    assert req.num_registered_pages > 0 and s.pool.num_free_pages < s.pool.num_pages
     s.remove(req)
     assert req.num_registered_pages == 0 and req.page_ids == []
-    assert s.bm.num_free_pages == s.bm.num_pages
+    assert s.pool.num_free_pages == s.pool.num_pages
 
 
 def test_peak_used_pages_is_the_most_pages_held_at_once():
@@ -37,7 +37,7 @@ def test_peak_used_pages_is_the_most_pages_held_at_once():
     s.add(a)
     s.add(b)
     step(s)
-    held = s.bm.num_pages - s.bm.num_free_pages
+    held = s.pool.num_pages - s.pool.num_free_pages
     assert held >= 5 and s.peak_used_pages == held
     s.remove(b)
     step(s)

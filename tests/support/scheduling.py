@@ -23,9 +23,9 @@ def make_request(rid: str, prompt: list[int] | int, max_new_tokens: int = 4) -> 
     return Request(rid, list(prompt), max_new_tokens, GREEDY, arrival=next(_arrival))
 
 
-def make_scheduler(num_blocks: int = 64, budget: int = 12, caching: bool = True, **kwargs) -> Scheduler:
+def make_scheduler(num_pages: int = 64, budget: int = 12, caching: bool = True, **kwargs) -> Scheduler:
     kwargs.setdefault("safety_margin", 0.0)
-    return Scheduler(PagePool(num_blocks, PS, enable_prefix_caching=caching), budget, **kwargs)
+    return Scheduler(PagePool(num_pages, PS, enable_prefix_caching=caching), budget, **kwargs)
 
 
 def chunks(out: SchedulerOutput) -> list[tuple[str, int]]:
@@ -49,7 +49,7 @@ def step(s: Scheduler, token: int = 7) -> tuple[SchedulerOutput, list[Request]]:
             s.remove(req)
             req.status = RequestStatus.FINISHED
             finished.append(req)
-    s.bm.check_invariants()
+    s.pool.check_invariants()
     return out, finished
 
 
@@ -59,5 +59,5 @@ def run_to_end(s: Scheduler, max_steps: int = 500) -> list[list[tuple[str, int]]
         out, _ = step(s)
         trace.append(chunks(out))
         assert len(trace) < max_steps, "scheduler made no progress"
-    assert s.bm.num_free_pages == s.bm.num_pages
+    assert s.pool.num_free_pages == s.pool.num_pages
     return trace

@@ -3,10 +3,10 @@
 The whole cache of a layer, `[Hkv, num_slots, D]`, is FlexAttention's key/value sequence (batch 1),
 and the step's packed queries `[1, H, T, D]` its query sequence, prompt chunks and decode rows alike.
 A KV block of the block mask is one page: `FlexMetadata` lists, for each tile of `Q_BLOCK` query rows,
-the pages its requests may read (built from the block tables with tensor ops, no host sync), and the
+the pages its requests may read (built from the page tables with tensor ops, no host sync), and the
 mask mod keeps, inside those pages, the keys of the row's own request at positions
 `lo <= kpos <= pos` (causal; `lo > 0` once a sliding window has moved on). A page's logical position
-comes from `logical[page]`; its owner from the request's block table (`table[req, logical] == page`),
+comes from `logical[page]`; its owner from the request's page table (`table[req, logical] == page`),
 so rows of different requests may share a tile. Gemma 2's logit softcap is a score mod.
 
 The kernel is `torch.compile`d once per static configuration (page size, softcap, head layout,
@@ -36,7 +36,7 @@ from rollout.tensors import int_tensor
 # pages (masked per row), so a small tile keeps decode rows from reading each other's pages.
 Q_BLOCK = 16
 # NOTE: FREED (-1) marks a table entry with no page; it also pads the mask mod's flattened tables.
-# NOTE: smallest static sizes of the mask mod's tables (rows, flattened block tables, pages): a new
+# NOTE: smallest static sizes of the mask mod's tables (rows, flattened page tables, pages): a new
 # size is a new compile, so they start large enough for the default engine (8192 tokens a step).
 ROW_FLOOR, TABLE_FLOOR, PAGE_FLOOR = 8192, 16384, 65536
 
@@ -50,11 +50,11 @@ class FlexMetadata:
     """
 
     kv_num_blocks: torch.Tensor  # [1, 1, NQB] int32: pages each query tile reads
-    kv_indices: torch.Tensor  # [1, 1, NQB, num_blocks] int32: those pages first, in increasing order
-    base: torch.Tensor  # [row_capacity] int32: offset of each query row's block table in `tables`
+    kv_indices: torch.Tensor  # [1, 1, NQB, num_pages] int32: those pages first, in increasing order
+    base: torch.Tensor  # [row_capacity] int32: offset of each query row's page table in `tables`
     pos: torch.Tensor  # [row_capacity] int32: position of each query row (-1 past the step's rows)
     lo: torch.Tensor  # [row_capacity] int32: first position the row may read (its window's start)
-    tables: torch.Tensor  # [table_capacity] int32: the block tables [R, P] flattened, FREED where no page
+    tables: torch.Tensor  # [table_capacity] int32: the page tables [R, P] flattened, FREED where no page
     logical: torch.Tensor  # [page_capacity] int32: logical page index of each page read this step, else -1
     num_rows: int  # T: the step's query rows (max(T, 2) are passed to the kernel)
     q_block: int  # query rows per tile
@@ -66,12 +66,12 @@ def capacity(n: int, floor: int) -> int:
 
 
 def build_flex_metadata(
-    table: torch.Tensor,  # [R, P] int: block tables, FREED (-1) where no page
+    table: torch.Tensor,  # [R, P] int: page tables, FREED (-1) where no page
     starts: torch.Tensor,  # [R] int: first position computed this step
     lens: torch.Tensor,  # [R] int: query tokens this step (>= 1 each)
     num_rows: int,  # T = lens.sum(), known on the host
     page_size: int,
-    num_blocks: int,
+    num_pages: int,
     window: int | None,
     row_capacity: int | None = None,
     q_block: int = Q_BLOCK,
@@ -98,26 +98,26 @@ def build_flex_metadata(
     # pages each row reads: logical j in [lo // ps, pos // ps] of its request's table
     j = torch.arange(p, device=dev)
     reads = (j[None, :] >= (lo // ps)[:, None]) & (j[None, :] <= (pos // ps)[:, None])  # [T, P]
-    pages = torch.where(reads, table.index_select(0, req).long(), num_blocks)  # [T, P], num_blocks = none
+    pages = torch.where(reads, table.index_select(0, req).long(), num_pages)  # [T, P], num_pages = none
     nqb = max(2, -(-rows // q_block))
-    pages = torch.nn.functional.pad(pages, (0, 0, 0, nqb * q_block - num_rows), value=num_blocks)
+    pages = torch.nn.functional.pad(pages, (0, 0, 0, nqb * q_block - num_rows), value=num_pages)
     tile = pages.view(nqb, q_block * p).sort(-1).values  # [NQB, q_block * P]
     dup = torch.zeros_like(tile, dtype=torch.bool)
     dup[:, 1:] = tile[:, 1:] == tile[:, :-1]
-    tile = torch.where(dup, num_blocks, tile).sort(-1).values
-    kv_num_blocks = (tile < num_blocks).sum(-1, dtype=torch.int32)  # [NQB]
-    # NOTE: the CPU kernel wants the dense width (num_blocks columns); unused entries are never read.
-    width = min(tile.shape[1], num_blocks)
-    kv_indices = torch.zeros(nqb, num_blocks, dtype=torch.int32, device=dev)
-    kv_indices[:, :width] = tile[:, :width].clamp(max=num_blocks - 1)
+    tile = torch.where(dup, num_pages, tile).sort(-1).values
+    kv_num_blocks = (tile < num_pages).sum(-1, dtype=torch.int32)  # [NQB]
+    # NOTE: the CPU kernel wants the dense width (num_pages columns); unused entries are never read.
+    width = min(tile.shape[1], num_pages)
+    kv_indices = torch.zeros(nqb, num_pages, dtype=torch.int32, device=dev)
+    kv_indices[:, :width] = tile[:, :width].clamp(max=num_pages - 1)
     # logical index of every page read this step (per request: from its first row's window start)
     first_lo = lo[first]  # [R]
     end = starts + lens  # [R]
     live = (j[None, :] >= (first_lo // ps)[:, None]) & (j[None, :] * ps < end[:, None]) & (table >= 0)  # [R, P]
-    logical = torch.full((capacity(num_blocks + 1, PAGE_FLOOR),), -1, dtype=torch.int32, device=dev)
-    dst = torch.where(live, table.long(), num_blocks).reshape(-1)  # NOTE: slot num_blocks collects the rest
+    logical = torch.full((capacity(num_pages + 1, PAGE_FLOOR),), -1, dtype=torch.int32, device=dev)
+    dst = torch.where(live, table.long(), num_pages).reshape(-1)  # NOTE: slot num_pages collects the rest
     logical.scatter_(0, dst, j.to(torch.int32).expand(r, p).reshape(-1))
-    logical.narrow(0, num_blocks, 1).fill_(-1)  # NOTE: `logical[i] = -1` copies a host scalar: a sync on CUDA
+    logical.narrow(0, num_pages, 1).fill_(-1)  # NOTE: `logical[i] = -1` copies a host scalar: a sync on CUDA
     return FlexMetadata(
         kv_num_blocks=kv_num_blocks[None, None],
         kv_indices=kv_indices[None, None],
@@ -258,7 +258,7 @@ class FlexBackend:
     def attn_memory(cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool,
                     max_pages: int) -> AttnMemory:
         # NOTE: int64 candidate pages [T, P] and its sorted copies; the mask mod's int32 tables; the
-        # int32 kv_indices [T / Q_BLOCK, num_blocks] (a share of the cache's pages).
+        # int32 kv_indices [T / Q_BLOCK, num_pages] (a share of the cache's pages).
         page_bytes = page_size * shape.bytes_per_token
         tokens = max_batch_tokens or 8192
         return AttnMemory(per_query_token=4 * 8 * max_pages, fixed=4 * (3 * ROW_FLOOR + TABLE_FLOOR + PAGE_FLOOR),
