@@ -281,7 +281,7 @@ class EngineCore:
             logits, sampled, scores = self.runner.execute(out)
             reqs = [out.scheduled[i].request for i in sampled]
             mode = self.config.logprobs_mode if self.config.return_logprobs else None
-            record_scores(scores, out, self.sampler.processors, self.config.logprobs_mode)
+            record_scores(scores, self.sampler.processors, self.config.logprobs_mode)
             result = self.sampler(logits, [r.sampling for r in reqs], [r.request_id for r in reqs], mode,
                                   requests=reqs, top_mode=self.config.logprobs_mode)
         except Exception as e:  # NOTE: a failing step fails its own requests; the engine keeps serving

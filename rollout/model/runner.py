@@ -16,7 +16,7 @@ from rollout.attention.backends import AttentionBackend, AttentionMetadata, Step
 from rollout.attention.backends import create as create_backend
 from rollout.kv.device_page_tables import DevicePageTables
 from rollout.kv.kv_cache import PagedKVCache
-from rollout.sampling.token_logprobs import Scores, score_rows
+from rollout.sampling.token_logprobs import ScoredRows, Scores
 from rollout.scheduling.stages import SchedulerOutput
 from rollout.tensors import int_tensor
 
@@ -61,18 +61,20 @@ class ModelRunner:
         """`request` is final: its page-table row is free."""
         self.device_page_tables.release(request)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int]]:
-        """Forward kwargs for the step, and the scheduled indices whose last logits are sampled (the rows a
-        scoring request keeps follow them in `logits_to_keep`: `rollout.sampling.token_logprobs.score_rows`)."""
+    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int], list[ScoredRows]]:
+        """Forward kwargs for the step, the scheduled indices whose last logits are sampled, and the scored
+        rows (those a scoring request keeps follow the sampled ones in `logits_to_keep`: `score_rows`)."""
         requests = [s.request for s in out.scheduled]
         if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
             ids = [r.token_ids[-1] for r in requests]
             starts = [r.num_computed_tokens for r in requests]
             lens = [1] * len(requests)
             keep = sampled = list(range(len(requests)))
+            scored: list[ScoredRows] = []
         else:
             ids, keep, sampled, starts, lens = self._rows(out)
-            keep = keep + score_rows(out)[0]
+            scored_keep, scored = score_rows(out)
+            keep = keep + scored_keep
         dev = self.device
         if len(self.windows) == 1:  # NOTE: group 0's table is the request's own `page_ids`
             tables = [[r.page_ids for r in requests]]
@@ -91,7 +93,7 @@ class ModelRunner:
             "use_cache": False,
             "rollout_meta": AttentionMetadata(cache=self.cache, groups=groups, backend=self.backend),
         }
-        return kwargs, sampled
+        return kwargs, sampled, scored
 
     def _fork_aliases(self, requests: list) -> dict[int | None, torch.Tensor] | None:
         """Per layer group's window, [B, 3] int64 (logical page, source page, slots) of each fork whose partial prompt
@@ -141,8 +143,7 @@ class ModelRunner:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
-        kwargs, sampled = self.prepare(out)
-        scored = score_rows(out)[1]
+        kwargs, sampled, scored = self.prepare(out)
         kept = len(kwargs["logits_to_keep"])
         if not kept:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
@@ -172,3 +173,21 @@ class ModelRunner:
             )
         self.verified = True
 
+
+def score_rows(out: SchedulerOutput) -> tuple[list[int], list[ScoredRows]]:
+    """(packed row indices of this step's scored positions, where they belong); none in a decode-only step."""
+    keep: list[int] = []
+    scored: list[ScoredRows] = []
+    if out.decode_only:
+        return keep, scored
+    offset = 0
+    for s in out.scheduled:
+        req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
+        if req.score_from is not None:
+            lo = max(start, req.score_from - 1)
+            hi = min(start + n, req.num_given_tokens - 1)
+            if hi > lo:
+                scored.append(ScoredRows(req, lo, hi - lo))
+                keep.extend(range(offset + lo - start, offset + hi - start))
+        offset += n
+    return keep, scored

@@ -2,7 +2,7 @@
 
 A request with `score_from` set (`rollout.requests.Request`) wants the logprob of each given token (prompt,
 then forced) from that index on: the logits at positions `score_from - 1 .. num_given_tokens - 2`. The runner
-keeps those rows beside the sampled ones (`score_rows`), and `record_scores` turns them into logprobs, stored
+keeps those rows beside the sampled ones (`rollout.model.runner.score_rows`), and `record_scores` turns them into logprobs, stored
 by position on the request (a recomputation after a preemption overwrites them), plus the top k of every
 scored position when the request asks (`top_logprobs`; a sampled position's top k comes from the sampler).
 Kept apart from `rollout.sampling.sampler`: the default path (no scoring) never comes here.
@@ -21,15 +21,15 @@ from typing import NamedTuple
 import torch
 
 from rollout.prompts import check_token_ids
+from rollout.requests import Request
 from rollout.sampling.log_distribution import log_distribution, needs_processors, top_k
 from rollout.sampling.processors import LogitsProcessors, RowHistory
-from rollout.scheduling.stages import SchedulerOutput
 
 MAX_TOP_LOGPROBS = 20
 
 
 class ScoredRows(NamedTuple):
-    index: int  # into `SchedulerOutput.scheduled`
+    request: Request  # a scoring request of the step
     first: int  # position of the first scored logit row (it predicts token `first + 1`)
     count: int  # consecutive positions scored this step
 
@@ -40,31 +40,12 @@ class Scores:
     rows: list[ScoredRows]
 
 
-def score_rows(out: SchedulerOutput) -> tuple[list[int], list[ScoredRows]]:
-    """(packed row indices of this step's scored positions, where they belong); none in a decode-only step."""
-    keep: list[int] = []
-    scored: list[ScoredRows] = []
-    if out.decode_only:
-        return keep, scored
-    offset = 0
-    for i, s in enumerate(out.scheduled):
-        req, start, n = s.request, s.request.num_computed_tokens, s.num_new_tokens
-        if req.score_from is not None:
-            lo = max(start, req.score_from - 1)
-            hi = min(start + n, req.num_given_tokens - 1)
-            if hi > lo:
-                scored.append(ScoredRows(i, lo, hi - lo))
-                keep.extend(range(offset + lo - start, offset + hi - start))
-        offset += n
-    return keep, scored
-
-
-def record_scores(scores: Scores | None, out: SchedulerOutput, processors: LogitsProcessors, mode: str) -> None:
+def record_scores(scores: Scores | None, processors: LogitsProcessors, mode: str) -> None:
     """Store the step's scored logprobs on their requests (and their top k when asked), each position under
     the distribution the sampler would draw its token from (`processors`: the sampler's, for the n-gram index)."""
     if scores is None:
         return
-    reqs = [out.scheduled[r.index].request for r in scores.rows]
+    reqs = [r.request for r in scores.rows]
     hists = [RowHistory.at(req, p) for req, r in zip(reqs, scores.rows, strict=True)
              for p in range(r.first, r.first + r.count)]
     params = [h.request.sampling for h in hists]

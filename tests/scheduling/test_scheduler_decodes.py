@@ -114,7 +114,7 @@ def test_runner_decode_only_prepare_equals_the_general_one():
     from rollout.engine.core import EngineCore
 
     core = EngineCore(make_model("gemma2"), GenerationConfig(do_sample=False, eos_token_id=None),
-                      ContinuousBatchingConfig(page_size=4, num_pages=256, max_batch_tokens=64))
+                      ContinuousBatchingConfig(page_size=4, num_blocks=256, max_batch_tokens=64))
     assert len(core.runner.windows) == 2
     for i, prompt in enumerate(random_prompts(5, 3, 30, seed=1)):
         core.add(core.make_request(prompt, request_id=f"r{i}", max_new_tokens=24))
@@ -122,10 +122,11 @@ def test_runner_decode_only_prepare_equals_the_general_one():
 
     def checked(out):
         """The engine's own prepare, compared with the general loop's whenever the step is decode-only."""
-        fast, fast_sampled = prepare(out)
+        fast, fast_sampled, fast_scored = prepare(out)
         if out.decode_only:
             seen.append(len(out.scheduled))
-            general, general_sampled = prepare(dataclasses.replace(out, decode_only=False))
+            general, general_sampled, general_scored = prepare(dataclasses.replace(out, decode_only=False))
+            assert fast_scored == general_scored == []
             assert fast_sampled == general_sampled == list(range(len(out.scheduled)))
             for key in ("input_ids", "position_ids", "logits_to_keep"):
                 assert torch.equal(fast[key], general[key]), key
@@ -137,7 +138,7 @@ def test_runner_decode_only_prepare_equals_the_general_one():
                         assert torch.equal(getattr(a.paged, f), getattr(b.paged, f)), f
                 for x, y in zip(a.buckets, b.buckets, strict=True):
                     assert torch.equal(x.rows, y.rows) and torch.equal(x.slots, y.slots)
-        return fast, fast_sampled
+        return fast, fast_sampled, fast_scored
 
     core.runner.prepare = checked
     while core.has_work():

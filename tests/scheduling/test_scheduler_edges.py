@@ -7,7 +7,7 @@ from support.scheduling import PS, make_request, make_scheduler, step
 
 
 def test_removing_a_waiting_request_takes_it_out_of_the_queue():
-    s = make_scheduler(num_blocks=64, budget=8)
+    s = make_scheduler(num_pages=64, budget=8)
     first, second = make_request("a", 8), make_request("b", 8)
     s.add(first)
     s.add(second)
@@ -21,7 +21,7 @@ def test_removing_a_waiting_request_takes_it_out_of_the_queue():
 
 
 def test_remove_releases_the_pages_and_resets_the_registered_count():
-    s = make_scheduler(num_blocks=16, budget=32)
+    s = make_scheduler(num_pages=16, budget=32)
     req = make_request("a", 3 * PS)
     s.add(req)
     step(s)
@@ -32,7 +32,7 @@ def test_remove_releases_the_pages_and_resets_the_registered_count():
 
 
 def test_peak_used_pages_is_the_most_pages_held_at_once():
-    s = make_scheduler(num_blocks=32, budget=64)
+    s = make_scheduler(num_pages=32, budget=64)
     a, b = make_request("a", 2 * PS), make_request("b", 3 * PS)
     s.add(a)
     s.add(b)
@@ -45,7 +45,7 @@ def test_peak_used_pages_is_the_most_pages_held_at_once():
 
 
 def test_preemption_counts_accumulate_and_high_water_keeps_the_most_computed():
-    s = make_scheduler(num_blocks=16, budget=64)
+    s = make_scheduler(num_pages=16, budget=64)
     req = make_request("a", 2 * PS, max_new_tokens=8)
     s.add(req)
     step(s)

@@ -1,8 +1,8 @@
 """The `sdpa` attention backend: gather each request's pages and run torch SDPA (the portable reference).
 
-Owns the gather path end to end: its per-group metadata (`GroupMetadata`: `Segment`s, `DecodeBucket`s,
-`PagedDecode` rows), their builder (`build_gather_group`, from the step's `StepInputs`), its attention
-(`gather_attend`, over `attend_dense`: SDPA, or an explicit fp32 softmax for Gemma 2's logit softcap and
+Owns the gather path end to end: its per-group metadata (`GroupMetadata`: `Segment`s, `DecodeBucket`s),
+their builder (`build_gather_group`, from the step's `StepInputs`), its attention (`gather_attend`, over
+`attend_dense`: SDPA, or an explicit fp32 softmax for Gemma 2's logit softcap and
 gpt-oss's attention sinks, chunked by `SOFTCAP_SCORE_BYTES`) and its memory plan. Runs on any device.
 
 - prompt chunks run one segment at a time against their own KV only (the fresh K/V of the step when
@@ -10,8 +10,8 @@ gpt-oss's attention sinks, chunked by `SOFTCAP_SCORE_BYTES`) and its memory plan
 - decode rows (one query token each) are batched in buckets of similar KV length: their KV is gathered
   by slot index from the head-major cache `[Hkv, slots, D]` into `[B, Hkv, Lmax, D]` and attended with
   a key-padding mask;
-- the `cpu` backend (`rollout.attention.backends.cpu`) sends decode rows to the C++ kernel of
-  `rollout.kernels.cpu_kernels` instead (`PagedDecode`: attended in place over the paged cache).
+- the `cpu` backend (`rollout.attention.backends.cpu`) takes the prompt segments from here and attends the
+  decode rows in place with its C++ kernel instead (`gather_group_rows`, `attend_gathered`).
 
 Layers are grouped by attention window: each group writes and reads through its own page tables, and a
 sliding-window group gathers only the keys still inside the window, so its cost per query is bounded by
@@ -75,19 +75,6 @@ def key_padding_mask(kv_len: torch.Tensor, lmax: int) -> torch.Tensor:
 
 
 @dataclass(slots=True)
-class PagedDecode:
-    """Decode rows attended in place over the paged cache by `rollout.kernels.cpu_kernels.paged_decode_attention`."""
-
-    rows: torch.Tensor  # [n] packed rows of the queries
-    table: torch.Tensor  # [R, P] page tables (int32 or int64)
-    row: torch.Tensor  # [n] row of `table` of each query's request
-    start: torch.Tensor  # [n] first position read (> 0 once a sliding window has moved on)
-    end: torch.Tensor  # [n] one past the last position read (the row's own, just written)
-    all_rows: bool = False  # every packed row, in order (a decode-only step): read and written in place
-    alias: torch.Tensor | None = None  # [n, 3] forks' copied partial pages (`StepInputs.aliases`), or None
-
-
-@dataclass(slots=True)
 class GroupMetadata:
     """Where the layers of one group (full attention, or one sliding window) write and read KV.
 
@@ -98,7 +85,6 @@ class GroupMetadata:
     window: int | None  # the layers' sliding window, None for full attention
     slot_mapping: torch.Tensor  # [T] cache slot of each new token
     buckets: list[DecodeBucket] = field(default_factory=list)
-    paged: PagedDecode | None = None  # decode rows read in place by the paged kernel
     segments: list[Segment] = field(default_factory=list)
     _masks: dict = field(default_factory=dict)
 
@@ -120,22 +106,25 @@ class GroupMetadata:
         return mask
 
 
-def build_gather_group(window: int | None, step: StepInputs, ps: int, paged: bool = False) -> GroupMetadata:
-    """Slots, decode rows (paged kernel when `paged`, else buckets) and prompt segments of one layer group.
+def build_gather_group(window: int | None, step: StepInputs, ps: int) -> GroupMetadata:
+    """Slots, decode buckets and prompt segments of one layer group.
 
     Reads the group's persistent table `step.tables[window]` (rows `step.rows`)."""
+    g, decode = gather_group_rows(GroupMetadata, window, step, ps)
+    add_decode_buckets(g, decode, step, ps)
+    return g
+
+
+def gather_group_rows(cls, window: int | None, step: StepInputs, ps: int) -> tuple[GroupMetadata, list]:
+    """A `cls` (GroupMetadata or an extension of it) with the group's slots and prompt segments, and its decode
+    rows still to place, as (kv_len, request, lo) (the `cpu` backend reads them in place instead)."""
     dev = step.device
     table = step.tables[window]  # [R, P] int32
-    g = GroupMetadata(window, cache_slots(table, step.rows[step.request_of_token], step.positions, ps))
-    # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
-    if step.decode_only and paged:  # NOTE: the common step, no Python loop over the requests
-        lo = torch.zeros_like(step.starts) if window is None else (step.starts - (window - 1)).clamp_min(0)
-        g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1, all_rows=True,
-                              alias=None if step.aliases is None else step.aliases[window])
-        return g
+    g = cls(window, cache_slots(table, step.rows[step.request_of_token], step.positions, ps))
     decode: list[tuple[int, int, int]] = []  # (kv_len, request, lo)
     for b, (start, n) in enumerate(zip(step.starts_list, step.lens_list, strict=True)):
         end = start + n
+        # NOTE: the query at `start` sees keys from start - window + 1 on (HF: j > i - window).
         lo = 0 if window is None else max(0, start - window + 1)
         if n == 1:
             decode.append((end - lo, b, lo))
@@ -144,27 +133,26 @@ def build_gather_group(window: int | None, step: StepInputs, ps: int, paged: boo
         if start > 0:
             kv = cache_slots(table, step.rows[b], torch.arange(lo, end, device=dev), ps)
         g.segments.append(Segment(step.first_row[b], n, lo, end - lo, kv))
-    if decode and paged:
-        reqs = torch.tensor([c[1] for c in decode], device=dev)
-        lo = torch.tensor([c[2] for c in decode], device=dev)
-        g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
-                              table, step.rows[reqs], lo, lo + torch.tensor([c[0] for c in decode], device=dev),
-                              alias=None if step.aliases is None else step.aliases[window][reqs])
-        decode = []
-    if decode:
-        decode.sort(reverse=True)
-        for chunk in _bucket(decode):
-            kv_len = torch.tensor([c[0] for c in chunk], device=dev)  # [Bb]
-            reqs = torch.tensor([c[1] for c in chunk], device=dev)  # [Bb]
-            lo = torch.tensor([c[2] for c in chunk], device=dev)  # [Bb]
-            lmax = chunk[0][0]
-            j = torch.arange(lmax, device=dev)
-            # NOTE: padding repeats the row's last key: a written slot, masked out below.
-            pos = lo[:, None] + torch.minimum(j[None, :], kv_len[:, None] - 1)  # [Bb, Lmax]
-            rows = torch.tensor([step.first_row[c[1]] for c in chunk], device=dev)
-            g.buckets.append(DecodeBucket(rows, cache_slots(table, step.rows[reqs][:, None], pos, ps), kv_len,
-                                          padded=chunk[-1][0] < lmax))
-    return g
+    return g, decode
+
+
+def add_decode_buckets(g: GroupMetadata, decode: list[tuple[int, int, int]], step: StepInputs, ps: int) -> None:
+    """Decode rows as buckets of gathered keys of similar lengths."""
+    if not decode:
+        return
+    dev, table = step.device, step.tables[g.window]
+    decode.sort(reverse=True)
+    for chunk in _bucket(decode):
+        kv_len = torch.tensor([c[0] for c in chunk], device=dev)  # [Bb]
+        reqs = torch.tensor([c[1] for c in chunk], device=dev)  # [Bb]
+        lo = torch.tensor([c[2] for c in chunk], device=dev)  # [Bb]
+        lmax = chunk[0][0]
+        j = torch.arange(lmax, device=dev)
+        # NOTE: padding repeats the row's last key: a written slot, masked out below.
+        pos = lo[:, None] + torch.minimum(j[None, :], kv_len[:, None] - 1)  # [Bb, Lmax]
+        rows = torch.tensor([step.first_row[c[1]] for c in chunk], device=dev)
+        g.buckets.append(DecodeBucket(rows, cache_slots(table, step.rows[reqs][:, None], pos, ps), kv_len,
+                                      padded=chunk[-1][0] < lmax))
 
 
 def _bucket(rows: list[tuple[int, int, int]]) -> list[list[tuple[int, int, int]]]:
@@ -191,28 +179,21 @@ def gather_attend(
     v_cache: torch.Tensor,  # [Hkv, S, D]
     scale: float,
     softcap: float | None,
-    kernel=None,  # rollout.kernels.cpu_kernels.paged_decode_attention, for `group.paged` rows
-    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss); not with kernel rows
+    sinks: torch.Tensor | None = None,  # [H] attention sinks (gpt-oss)
 ) -> torch.Tensor:  # [T, H, D]
-    """The `cpu` and `sdpa` backends' attention: kernel rows, decode buckets, then prompt segments."""
-    num_kv_heads, head_dim = key.shape[1], key.shape[3]
+    """The `sdpa` backend's attention: decode buckets, then prompt segments."""
     q_rows = query[0].transpose(0, 1)  # [T, H, D]
     out = q_rows.new_empty(q_rows.shape)  # [T, H, D], contiguous: HF's reshape after attention is then a view
+    attend_gathered(out, q_rows, group, key, value, k_cache, v_cache, scale, softcap, sinks)
+    return out
+
+
+def attend_gathered(out: torch.Tensor, q_rows: torch.Tensor, group: GroupMetadata, key, value, k_cache, v_cache,
+                    scale: float, softcap: float | None, sinks: torch.Tensor | None = None) -> None:
+    """Writes into `out` [T, H, D] the rows of `group`'s decode buckets and prompt segments (`q_rows` [T, H, D])."""
+    num_kv_heads, head_dim = key.shape[1], key.shape[3]
     # NOTE: CPU SDPA with one query row is ~2x slower in bf16/fp16 than in fp32: decode in fp32.
-    upcast = query.device.type == "cpu" and query.dtype in (torch.bfloat16, torch.float16)
-
-    if group.paged is not None:  # NOTE: half-precision K/V are widened in the kernel
-        if sinks is not None:
-            raise ValueError("rollout's C++ decode kernel does not implement attention sinks")
-        pd = group.paged
-        if pd.all_rows and out.dtype is torch.float32:  # NOTE: a decode-only step: no gather, no scatter
-            _paged(kernel, q_rows.contiguous(), k_cache, v_cache, pd, meta.cache.page_size, scale, softcap, out)
-        else:
-            q = q_rows.index_select(0, pd.rows).float()  # [n, H, D]
-            o = torch.empty_like(q)
-            _paged(kernel, q, k_cache, v_cache, pd, meta.cache.page_size, scale, softcap, o)
-            out.index_copy_(0, pd.rows, o.to(out.dtype))
-
+    upcast = q_rows.device.type == "cpu" and q_rows.dtype in (torch.bfloat16, torch.float16)
     for bucket in group.buckets:
         q = q_rows.index_select(0, bucket.rows)[:, :, None, :]  # [B, H, 1, D]
         b, lmax = bucket.slots.shape
@@ -236,12 +217,6 @@ def gather_attend(
         mask = group.segment_mask(i, seg)
         o = attend_dense(q, k, v, mask, scale, softcap, is_causal=True, sinks=sinks)  # [1, H, q, D]
         out[rows] = o[0].transpose(0, 1)
-    return out
-
-
-def _paged(kernel, q, k_cache, v_cache, pd: PagedDecode, page_size, scale, softcap, out) -> None:
-    """The C++ kernel over `pd`'s rows (both kernels take the forks' aliases, None when the step has none)."""
-    kernel(q, k_cache, v_cache, pd.table, pd.row, pd.start, pd.end, page_size, scale, float(softcap or 0.0), out, pd.alias)
 
 
 def attend_dense(
@@ -311,7 +286,6 @@ class SdpaBackend:
     name = "sdpa"
     supports_sinks = True  # NOTE: gpt-oss sinks in the explicit softmax of `attend_dense`
     reads_unwritten_slots = False  # NOTE: padding of a gather repeats a written slot
-    kernel = None  # NOTE: CpuBackend sets the C++ decode kernel
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, **_) -> SdpaBackend:
@@ -330,9 +304,8 @@ class SdpaBackend:
 
     def build_group(self, window: int | None, tables: list[list[int]], step: StepInputs,
                     page_size: int) -> GroupMetadata:
-        return build_gather_group(window, step, page_size, paged=self.kernel is not None)
+        return build_gather_group(window, step, page_size)
 
     def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
-        return gather_attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, self.kernel,
-                             sinks)
+        return gather_attend(meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap, sinks)
