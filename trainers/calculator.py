@@ -29,6 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from rollout.agents import Action, ChatBridge
+from trainers.tasks import SupervisedSteps, pad_right
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLES = ("<|user|>", "<|assistant|>", "<|tool|>")
@@ -154,37 +155,20 @@ def calculator_warm_start(
         raise ValueError(f"need 0 <= tool_share <= tool_demos <= 1 (and tool_demos < 1 unless tool_share is 1), "
                          f"got tool_share={tool_share}, tool_demos={tool_demos}")
     keep_call = 1.0 if tool_demos == 1.0 else tool_share * (1 - tool_demos) / (tool_demos * (1 - tool_share) or 1.0)
-    device = next(model.parameters()).device
     rng = random.Random(seed)
     bridge = ChatBridge(tokenizer, [tokenizer.eos_token_id])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, min(20, steps // 10))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    recent: list[float] = []
+    sft = SupervisedSteps(model, lr, steps)
     start = time.perf_counter()
-    model.train()
     for step in range(1, steps + 1):
         rows = calculator_problems(batch_size, num_digits, seed=rng.randrange(1 << 30))
         demos = [demo_tokens(tokenizer, bridge, row, rng.random() < tool_demos, rng.random() < keep_call)
                  for row in rows]
-        width = max(len(ids) for ids, _ in demos)
-        input_ids = torch.full((len(demos), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
-        labels = torch.full((len(demos), width), -100, dtype=torch.long)  # [B, L]
-        for i, (ids, lab) in enumerate(demos):
-            input_ids[i, : len(ids)] = torch.tensor(ids)
-            labels[i, : len(lab)] = torch.tensor(lab)
-        # NOTE: right padding under causal attention: no real token sees a pad, so no mask is needed.
-        loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        recent = (recent + [loss.item()])[-10:]
+        input_ids, _, labels = pad_right([ids for ids, _ in demos], [lab for _, lab in demos], tokenizer.pad_token_id)
+        mean = sft(input_ids, labels)
         if progress and (step % 50 == 0 or step == steps):
-            print(f"sft step {step}/{steps} loss {sum(recent) / len(recent):.4f} ({time.perf_counter() - start:.1f}s)")
+            print(f"sft step {step}/{steps} loss {mean:.4f} ({time.perf_counter() - start:.1f}s)")
     model.eval()
-    return sum(recent) / len(recent)
+    return sft.mean_loss
 
 
 def episode_stats(batch, tokenizer) -> dict[str, float]:

@@ -230,8 +230,15 @@ def _sft_batch(
         target_ids = tokenizer(row["answer"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
         seqs.append(prompt_ids + target_ids)
         label_seqs.append([-100] * len(prompt_ids) + target_ids)
+    return pad_right(seqs, label_seqs, tokenizer.pad_token_id)
+
+
+def pad_right(seqs: list[list[int]], label_seqs: list[list[int]], pad_id: int
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``input_ids [B, L]`` (right-padded with `pad_id`), ``attention_mask [B, L]``, ``labels [B, L]`` (-100
+    past each row's labels)."""
     width = max(len(s) for s in seqs)
-    input_ids = torch.full((len(seqs), width), tokenizer.pad_token_id, dtype=torch.long)  # [B, L]
+    input_ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)  # [B, L]
     attention_mask = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, L]
     labels = torch.full((len(seqs), width), -100, dtype=torch.long)  # [B, L]
     for i, (s, lab) in enumerate(zip(seqs, label_seqs, strict=True)):
@@ -239,6 +246,36 @@ def _sft_batch(
         attention_mask[i, : len(s)] = 1
         labels[i, : len(lab)] = torch.tensor(lab)
     return input_ids, attention_mask, labels
+
+
+class SupervisedSteps:
+    """The warm starts' optimisation: AdamW (betas 0.9 / 0.98, no weight decay) at constant `lr` after a short
+    linear warmup, grad-norm clip 1.0, one step per call on a right-padded batch; `mean_loss` is the mean of
+    the last 10 steps' losses."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, steps: int) -> None:
+        self.model, self.device = model, next(model.parameters()).device
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
+        warmup = max(1, min(20, steps // 10))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(1.0, (s + 1) / warmup))
+        self.recent: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> float:  # [B, L] each
+        self.model.train()
+        # NOTE: padding is on the right and attention is causal, so no real token ever sees a pad:
+        # the mask can be left out, which lets sdpa take its faster causal path.
+        loss = self.model(input_ids=input_ids.to(self.device), labels=labels.to(self.device)).loss
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.recent = (self.recent + [loss.item()])[-10:]
+        return self.mean_loss
+
+    @property
+    def mean_loss(self) -> float:
+        return sum(self.recent) / len(self.recent)
 
 
 def sft_warm_start(
@@ -274,37 +311,23 @@ def sft_warm_start(
     """
     if steps < 1 or eval_every < 1:
         raise ValueError(f"steps and eval_every must be >= 1, got {steps} and {eval_every}")
-    device = next(model.parameters()).device
     rng = random.Random(seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.0)
-    warmup = max(1, min(20, steps // 10))
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / warmup))
-    recent: list[float] = []
+    sft = SupervisedSteps(model, lr, steps)
     start = time.perf_counter()
     for step in range(1, steps + 1):
-        model.train()
         input_ids, _, labels = _sft_batch(tokenizer, task.sample(batch_size, rng))
-        # NOTE: padding is on the right and attention is causal, so no real token ever sees a pad:
-        # the mask can be left out, which lets sdpa take its faster causal path.
-        loss = model(input_ids=input_ids.to(device), labels=labels.to(device)).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        scheduler.step()
-        recent = (recent + [loss.item()])[-10:]
+        mean = sft(input_ids, labels)
         exact = None
         if target_exact is not None and step % eval_every == 0:
             exact = greedy_accuracy(model, tokenizer, task, n=256, seed=_STOP_EVAL_SEED)["exact"]
         done = step == steps or (exact is not None and exact >= target_exact)
         if progress and (step % 50 == 0 or done):
             shown = "" if exact is None else f" exact {exact:.2f}"
-            mean = sum(recent) / len(recent)
             print(f"sft step {step}/{steps} loss {mean:.4f}{shown} ({time.perf_counter() - start:.1f}s)")
         if done:
             break
     model.eval()
-    return sum(recent) / len(recent)
+    return sft.mean_loss
 
 
 # -------------------------------------------------------------------------------------------- eval

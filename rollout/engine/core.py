@@ -20,11 +20,10 @@ from rollout.config import ContinuousBatchingConfig
 from rollout.engine.cache_plan import plan_engine_cache
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from rollout.invariant import mode as batch_invariant
-from rollout.kernels.linear import drop_packed
 from rollout.kv.kv_cache import PagedKVCache
 from rollout.kv.offload import CpuOffloadBuffer
 from rollout.kv.page_pool import PagePool
-from rollout.model.engine_view import make_engine_view
+from rollout.model.engine_view import drop_weight_copies, make_engine_view
 from rollout.model.model_facts import (
     eos_ids_of,
     has_attention_sinks,
@@ -345,11 +344,11 @@ class EngineCore:
     # ------------------------------------------------------------- control
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page (and anything that would share KV computed so far), and the
-        packed weight copies of `rollout.kernels.linear` (rebuilt at the next step from the current weights)."""
+        weight copies of the view's routed linears (`drop_weight_copies`, rebuilt at the next step from the current weights)."""
         self.scheduler.forget_prefixes()
         if self.tp is not None:
             self.tp.flushes += 1
-        drop_packed(self.view)
+        drop_weight_copies(self.view)
         self._weights_seen = weights_version(self._weights)
         return self.page_pool.reset_prefix_cache()
 

@@ -15,7 +15,7 @@ import torch
 
 from rollout.attention.interface import ATTN_NAME, register
 from rollout.kernels.fused_layers import use_fused_layers
-from rollout.kernels.linear import use_onednn_linears
+from rollout.kernels.linear import drop_packed, use_onednn_linears
 
 
 def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
@@ -41,6 +41,12 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
         ) from e
     view.eval()
     return view
+
+
+def drop_weight_copies(view: torch.nn.Module) -> int:
+    """Forget the weight copies the view's routed linears keep (oneDNN's packed layout, the small-M panels,
+    the compiled forward's); they are rebuilt from the current weights at the next step. Returns how many."""
+    return drop_packed(view)
 
 
 def _drop_forward_overrides(view: torch.nn.Module) -> None:
