@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping
 import torch
 import torch.distributed as dist
 
+from rollout.in_flight import PAUSE_DEFAULT, UPDATE_DEFAULT, InFlight, check_mode
 from rollout.weights.transfer import free_port, named_tensors, new_group
 
 
@@ -59,8 +60,9 @@ class RolloutClient:
         """POST /v1/completions with token ids back (`return_token_ids`); `fields` are the request's fields."""
         return self._post("/v1/completions", {"prompt": prompt, "return_token_ids": True, **fields})
 
-    def pause(self, mode: str = "abort") -> dict:
-        return self._post("/pause", params={"mode": mode})
+    def pause(self, mode: InFlight = PAUSE_DEFAULT) -> dict:
+        """`POST /pause?mode=`: "abort" (default) | "wait" | "keep" (`rollout.in_flight`)."""
+        return self._post("/pause", params={"mode": check_mode(mode, "mode")})
 
     def resume(self) -> dict:
         return self._post("/resume")
@@ -80,8 +82,11 @@ class RolloutClient:
     def weight_version(self) -> int:
         return int(self._get("/get_weight_version")["weight_version"])
 
-    def update_weights_from_disk(self, model_path: str) -> int:
-        return int(self._post("/update_weights_from_disk", {"model_path": model_path})["weight_version"])
+    def update_weights_from_disk(self, model_path: str, in_flight: InFlight = UPDATE_DEFAULT) -> int:
+        """The server loads `model_path`; `in_flight` (`rollout.in_flight`, default "wait") says what its running
+        requests do meanwhile. Returns the new weight version."""
+        params = {"in_flight": check_mode(in_flight, "in_flight")}
+        return int(self._post("/update_weights_from_disk", {"model_path": model_path}, params)["weight_version"])
 
     # ------------------------------------------------------------ weight push
     def init_weight_transfer(self, master_address: str = "127.0.0.1", master_port: int | None = None,
@@ -105,9 +110,11 @@ class RolloutClient:
             raise answer["e"]
 
     def update_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable,
-                       chunk_bytes: int = 256 * 2**20) -> int:
+                       chunk_bytes: int = 256 * 2**20, in_flight: InFlight = UPDATE_DEFAULT) -> int:
         """Push every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to the server;
-        returns the server's new weight version. A tensor shared by two names (tied weights) goes once."""
+        returns the server's new weight version. A tensor shared by two names (tied weights) goes once.
+        `in_flight` (`rollout.in_flight`, default "wait"): what the server's running requests do meanwhile."""
+        check_mode(in_flight, "in_flight")
         if self.group is None:
             self.init_weight_transfer()
         items = named_tensors(model)
@@ -126,7 +133,7 @@ class RolloutClient:
                 chunk, size = [], 0
         if chunk:
             self._send(chunk)
-        return int(self._post("/finish_weight_update")["weight_version"])
+        return int(self._post("/finish_weight_update", params={"in_flight": in_flight})["weight_version"])
 
     def _send(self, chunk: list[tuple[str, torch.Tensor]]) -> None:
         # NOTE: the server checks the names and shapes and answers before it receives, so a refused chunk

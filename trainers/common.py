@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.sampling.sampling_fields import check_temperature
 from trainers.losses import entropy_from_logits, masked_mean, token_logprobs
 
 # ------------------------------------------------------------------------------------------ config
@@ -140,8 +141,8 @@ class RLConfig:
                     f"prompts_per_step={self.prompts_per_step}"
                 )
         temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
-        if any(math.isnan(t) or t < 0 for t in temps):
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        for t in temps:
+            check_temperature(t, "temperature")
         if self.engine_memory_fraction is not None and not 0 < self.engine_memory_fraction <= 1:
             raise ValueError(f"engine_memory_fraction must be in (0, 1], got {self.engine_memory_fraction}")
         if self.save_total_limit is not None and self.save_total_limit < 1:

@@ -540,7 +540,7 @@ def test_update_in_flight_abort_cancels_partial_outputs(model, new_model):
         assert after.policy_version == version
 
 
-def test_update_in_flight_finish_waits_for_the_running_generate(model, new_model):
+def test_update_in_flight_wait_by_default_waits_for_the_running_generate(model, new_model):
     prompts = random_prompts(3, 5, 12, seed=16)
     with make_engine(copy.deepcopy(model)) as engine:
         start = engine.cache_stats()["generated_tokens"]
