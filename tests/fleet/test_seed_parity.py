@@ -2,8 +2,8 @@
 `/v1/completions` request carrying the same call, and `RolloutPool.generate(..., seed=s)` over 2 `rollout serve`
 child processes give the same token ids and the same logprobs, bit for bit, for several prompts with
 group_size > 1 (`rollout.sampling.seeding`). Both sides run batch-invariant, so what else shares a batch on
-either side changes no bit and only the seed rule is under test. The pool refuses bad temperatures by name
-before it sends anything. The servers bind 127.0.0.1 on free ports and are stopped by the fixture."""
+either side changes no bit and only the seed rule is under test. The pool refuses bad temperatures and unknown
+in-flight modes by name before it sends anything. The servers bind 127.0.0.1 on free ports and are stopped by the fixture."""
 
 from __future__ import annotations
 
@@ -102,3 +102,15 @@ def test_the_pool_refuses_bad_temperatures_by_name_before_sending(setup, bad):
         batch = pool.generate(PROMPTS, temps=0.0, group_size=2, max_new_tokens=4)  # the pool still serves
         assert len(sent) == len(PROMPTS) and len(batch) == len(PROMPTS) * 2
         assert torch.equal(batch.temperatures, torch.zeros(len(PROMPTS) * 2))
+
+
+def test_the_pool_refuses_an_unknown_in_flight_mode_before_sending(setup):
+    _, servers = setup
+    with RolloutPool(servers.urls, api_key=KEY, request_timeout_s=60) as pool:
+        sent = []
+        pool.http.post = lambda *a, **kw: sent.append(a)
+        pool.sync.http.post = lambda *a, **kw: sent.append(a)
+        for mode in ("finish", "later", None):
+            with pytest.raises(ValueError, match="in_flight must be one of 'abort', 'wait', 'keep'"):
+                pool.update_weights({}, in_flight=mode)
+        assert sent == [] and pool.sync.group is None  # no route called, no weight group formed
