@@ -90,7 +90,8 @@ def check_layout(batch: RolloutBatch, prompts, temps, group_size: int, max_new_t
         assert cmask[:k].all() and not cmask[k:].any()  # right padding
         assert (batch.logprobs[row, k:] == 0).all()  # exactly 0 where masked
         assert (batch.logprobs[row, :k] <= 0).all() and torch.isfinite(batch.logprobs[row, :k]).all()
-        assert (k == max_new_tokens) == (batch.finish_reasons[row] == "length")
+        reason = batch.finish_reasons[row]  # NOTE: a full row is "length", or "stop" when its last token is EOS
+        assert (reason == "length") == (k == max_new_tokens) or (reason == "stop" and k == max_new_tokens)
     assert torch.equal(batch.input_ids, torch.cat([batch.prompt_ids, batch.completion_ids], dim=1))
     assert torch.equal(batch.attention_mask, torch.cat([batch.prompt_mask, batch.completion_mask], dim=1))
 

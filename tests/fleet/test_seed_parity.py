@@ -73,7 +73,7 @@ def test_one_seed_gives_the_same_samples_in_process_from_a_server_and_through_a_
     # one request holding the whole call (its prompts are the groups) on either server: the same samples
     for url in servers.urls:
         choices = []
-        for i, prompt in enumerate(PROMPTS):  # NOTE: one temperature per request, so one prompt each ...
+        for i in range(len(PROMPTS)):  # NOTE: one temperature per request, so one request per prompt ...
             r = httpx.post(url + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
                            json={"prompt": PROMPTS[: i + 1], "n": GROUP, "seed": SEED, "temperature": TEMPS[i],
                                  "max_tokens": MAX_NEW, "logprobs": 0, "return_token_ids": True})
