@@ -17,6 +17,7 @@ from torch import Tensor
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.sampling.sampling_fields import check_temperature
+from rollout.sampling.seeding import derive_seed
 from trainers.losses import entropy_from_logits, masked_mean, token_logprobs
 
 # ------------------------------------------------------------------------------------------ config
@@ -211,10 +212,10 @@ class PromptSource:
         return dict(self.dataset[self._order[index]])
 
 
-def rollout_seed(seed: int, step: int, rank: int, world: int, rows: int) -> int:
-    """Base sampling seed of one rank's step; the engine adds `i * group_size + j` per sample,
-    so the `rows` seeds of every (step, rank) are disjoint."""
-    return seed * 1_000_000_007 + (step * world + rank) * rows
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's rollout call at `step`, distinct for every (seed, step, rank); the engine, the
+    server and the pool derive each group's and sample's stream from it (`rollout.sampling.seeding`)."""
+    return derive_seed(derive_seed(seed, step), rank)
 
 
 # ----------------------------------------------------------------------------- teacher forcing
