@@ -141,8 +141,9 @@ def generation_defaults(gc: Any, eos_ids: Iterable[int]) -> dict[str, Any]:
 
 
 def check_temperature(value: Any, field: str = "temperature") -> float:
-    """The one rule for a temperature: a number >= 0 (0 = greedy), never NaN; else a ValueError naming `field`."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or value < 0:
+    """The one rule for a temperature, the server's too: a finite number >= 0 (0 = greedy); else a ValueError
+    naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
         raise ValueError(f"{field} must be a non-negative number (0 = greedy), got {value!r}")
     return float(value)
 
@@ -154,11 +155,11 @@ def temperatures(temps: Any, count: int, field: str = "temps") -> list[float]:
     if isinstance(temps, (int, float)) and not isinstance(temps, bool):
         temps = [temps] * count
     elif isinstance(temps, (str, bytes)) or not isinstance(temps, Iterable):
-        raise ValueError(f"{field} must be a number or one number per prompt, got {temps!r}")
+        raise ValueError(f"{field} must be a non-negative number or one for each prompt, got {temps!r}")
     try:
         values = [float(t) for t in temps]
     except (TypeError, ValueError):
-        raise ValueError(f"{field} must hold numbers, got {temps!r}") from None
+        raise ValueError(f"{field} must be a non-negative number or one for each prompt, got {temps!r}") from None
     if len(values) != count:
         raise ValueError(f"{field} has {len(values)} values; one, or one for each of the {count} prompts or rows")
     return [check_temperature(t, field) for t in values]

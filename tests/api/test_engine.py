@@ -564,6 +564,8 @@ def test_bad_inputs_raise_value_error(model):
             engine.generate([[1, 2]], temps=-0.5)
         with pytest.raises(ValueError, match="temp"):
             engine.generate([[1, 2]], temps=[float("nan")])
+        with pytest.raises(ValueError, match="temps must be a non-negative number"):  # the server's rule too
+            engine.generate([[1, 2]], temps=float("inf"))
         with pytest.raises(ValueError, match="group_size"):
             engine.generate([[1, 2]], group_size=0)
         with pytest.raises(ValueError, match="tokenizer"):

@@ -89,7 +89,7 @@ def test_unseeded_calls_are_not_the_seeded_ones(setup):
     assert [t for t, _ in in_process(model_dir, None)] != [t for t, _ in in_process(model_dir)]
 
 
-@pytest.mark.parametrize("bad", [-0.5, math.nan, [1.0, -1.0, 1.0], [1.0, 1.0, math.nan]])
+@pytest.mark.parametrize("bad", [-0.5, math.nan, math.inf, [1.0, -1.0, 1.0], [1.0, 1.0, math.nan], "hot"])
 def test_the_pool_refuses_bad_temperatures_by_name_before_sending(setup, bad):
     _, servers = setup
     with RolloutPool(servers.urls, api_key=KEY, request_timeout_s=60) as pool:
