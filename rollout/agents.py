@@ -23,7 +23,8 @@ import torch
 
 from rollout.api.batch import RolloutBatch
 from rollout.api.chat import chat_template_ids
-from rollout.sampling.seeding import row_seed
+from rollout.sampling.sampling_fields import temperatures
+from rollout.sampling.seeding import derive_seed
 
 Observation = list[Mapping[str, Any]] | str  # chat messages, or plain text
 
@@ -134,9 +135,9 @@ def run_episodes(
     `completion_ids` hold every turn after the first prompt (model and environment tokens in order),
     `loss_mask [N, T]` 1 on model tokens, `logprobs` on model tokens (0 elsewhere), `rewards [N]` (the
     sum of the environment's rewards) and `num_turns [N]`. `engine` is a `RolloutEngine` with a tokenizer.
-    With `seed`, turn k samples each live episode from the stream `row_seed(row_seed(seed, k), p)`, p its
-    position among the episodes still running at turn k: a call is reproducible, but an episode's stream
-    depends on which others are still running; `top_k` / `top_p` filter every model turn as in
+    With `seed`, turn k is a `generate` call seeded `derive_seed(seed, k)` over the live episodes (one
+    group each, in order; `rollout.sampling.seeding`): a call is reproducible, but an episode's stream
+    depends on its position among the episodes still running at turn k; `top_k` / `top_p` filter every model turn as in
     `RolloutEngine.generate`."""
     if engine.tokenizer is None and bridge is None:
         raise ValueError("run_episodes needs a tokenizer: build the RolloutEngine with tokenizer=")
@@ -144,9 +145,7 @@ def run_episodes(
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-    temps = [float(temps)] * len(rows) if isinstance(temps, (int, float)) else [float(t) for t in temps]
-    if len(temps) != len(rows):
-        raise ValueError(f"temps has {len(temps)} values for {len(rows)} rows")
+    temps = temperatures(temps, len(rows))
     eos = engine.generation_config.eos_token_id
     bridge = bridge or ChatBridge(engine.tokenizer, [eos] if isinstance(eos, int) else list(eos or []))
     episodes = []
@@ -162,7 +161,7 @@ def run_episodes(
                   for e in live]
         out = engine.generate([e.prompt + e.tokens for e in live], temps=[e.temperature for e in live],
                               max_new_tokens=max(1, min(budget)) if max_tokens is not None else max_new_tokens,
-                              seed=None if seed is None else row_seed(seed, turn), top_k=top_k, top_p=top_p)
+                              seed=None if seed is None else derive_seed(seed, turn), top_k=top_k, top_p=top_p)
         for k, e in enumerate(live):
             n = int(out.completion_mask[k].sum())
             ids = out.completion_ids[k, :n].tolist()

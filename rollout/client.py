@@ -18,6 +18,8 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
+from rollout.in_flight import PAUSE_DEFAULT, UPDATE_DEFAULT, InFlight, check_mode
+
 
 class RolloutClient:
     """HTTP client of one rollout server.
@@ -56,8 +58,9 @@ class RolloutClient:
         """POST /v1/completions with token ids back (`return_token_ids`); `fields` are the request's fields."""
         return self._post("/v1/completions", {"prompt": prompt, "return_token_ids": True, **fields})
 
-    def pause(self, mode: str = "abort") -> dict:
-        return self._post("/pause", params={"mode": mode})
+    def pause(self, mode: InFlight = PAUSE_DEFAULT) -> dict:
+        """`POST /pause?mode=`: "abort" (default) | "wait" | "keep" (`rollout.in_flight`)."""
+        return self._post("/pause", params={"mode": check_mode(mode, "mode")})
 
     def resume(self) -> dict:
         return self._post("/resume")
@@ -77,8 +80,11 @@ class RolloutClient:
     def weight_version(self) -> int:
         return int(self._get("/get_weight_version")["weight_version"])
 
-    def update_weights_from_disk(self, model_path: str) -> int:
-        return int(self._post("/update_weights_from_disk", {"model_path": model_path})["weight_version"])
+    def update_weights_from_disk(self, model_path: str, in_flight: InFlight = UPDATE_DEFAULT) -> int:
+        """The server loads `model_path`; `in_flight` (`rollout.in_flight`, default "wait") says what its running
+        requests do meanwhile. Returns the new weight version."""
+        params = {"in_flight": check_mode(in_flight, "in_flight")}
+        return int(self._post("/update_weights_from_disk", {"model_path": model_path}, params)["weight_version"])
 
     # ------------------------------------------------------------ weight push
     def init_weight_transfer(self, master_address: str = "127.0.0.1", timeout_s: float = 120.0) -> None:
@@ -92,10 +98,12 @@ class RolloutClient:
         self.weights.init()
 
     def update_weights(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable,
-                       in_flight: str | None = None) -> int:
+                       in_flight: InFlight = UPDATE_DEFAULT) -> int:
         """Push every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to the server in
         buckets, through the same wire format as a broadcast to many servers (`WeightBroadcaster`: a tensor
-        shared by two names goes once); returns the server's new weight version."""
+        shared by two names goes once); returns the server's new weight version. `in_flight`
+        (`rollout.in_flight`, default "wait"): what the server's running requests do meanwhile."""
+        check_mode(in_flight, "in_flight")
         if self.weights is None:
             self.init_weight_transfer()
         (version,) = self.weights.broadcast(model, in_flight=in_flight)

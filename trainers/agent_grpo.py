@@ -110,8 +110,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             temps=cfg.temperatures(rows),
             max_new_tokens=cfg.max_new_tokens,
             max_tokens=cfg.max_episode_tokens,
-            seed=rollout_seed(cfg.seed, self.step_count, acc.process_index, acc.num_processes,
-                              len(rows) * cfg.group_size),
+            seed=rollout_seed(cfg.seed, self.step_count, acc.process_index),
             top_k=cfg.top_k,
             top_p=cfg.top_p,
         ).to(acc.device)

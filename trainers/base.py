@@ -211,7 +211,7 @@ class RLTrainer(BatchInvariantMixin):
             max_new_tokens=cfg.max_new_tokens,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
-            seed=rollout_seed(cfg.seed, step, acc.process_index, acc.num_processes, len(rows) * cfg.group_size),
+            seed=rollout_seed(cfg.seed, step, acc.process_index),
         ).to(acc.device)
         if sleep:  # NOTE: woken before the sync; counted in time_generate as before
             self.engine.sleep()

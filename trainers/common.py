@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.sampling.sampling_fields import check_temperature
+from rollout.sampling.seeding import derive_seed
 from trainers.losses import entropy_from_logits, masked_mean, token_logprobs
 
 # ------------------------------------------------------------------------------------------ config
@@ -140,8 +142,8 @@ class RLConfig:
                     f"prompts_per_step={self.prompts_per_step}"
                 )
         temps = (self.temperature,) if isinstance(self.temperature, (int, float)) else self.temperature
-        if any(math.isnan(t) or t < 0 for t in temps):
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}")
+        for t in temps:
+            check_temperature(t, "temperature")
         if self.engine_memory_fraction is not None and not 0 < self.engine_memory_fraction <= 1:
             raise ValueError(f"engine_memory_fraction must be in (0, 1], got {self.engine_memory_fraction}")
         if self.save_total_limit is not None and self.save_total_limit < 1:
@@ -210,10 +212,10 @@ class PromptSource:
         return dict(self.dataset[self._order[index]])
 
 
-def rollout_seed(seed: int, step: int, rank: int, world: int, rows: int) -> int:
-    """Base sampling seed of one rank's step; the engine adds `i * group_size + j` per sample,
-    so the `rows` seeds of every (step, rank) are disjoint."""
-    return seed * 1_000_000_007 + (step * world + rank) * rows
+def rollout_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of one rank's rollout call at `step`, distinct for every (seed, step, rank); the engine, the
+    server and the pool derive each group's and sample's stream from it (`rollout.sampling.seeding`)."""
+    return derive_seed(derive_seed(seed, step), rank)
 
 
 # ----------------------------------------------------------------------------- teacher forcing

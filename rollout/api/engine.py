@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
-import math
 import threading
 from collections.abc import Sequence
 
@@ -23,10 +22,12 @@ from rollout.api.score_batch import ScoreBatch, pack_scores
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.collect import collect
 from rollout.engine.manager import ContinuousBatchingManager
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.model.model_facts import eos_ids_of
 from rollout.prompts import check_token_ids
 from rollout.requests import RequestStatus
-from rollout.sampling.seeding import row_seed
+from rollout.sampling.sampling_fields import temperatures
+from rollout.sampling.seeding import call_seeds
 from rollout.weights.in_place import copy_weights
 
 logger = logging.getLogger("rollout")
@@ -127,8 +128,9 @@ class RolloutEngine:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
         `temps` is one temperature for all prompts or one per prompt (0 = greedy). With `seed`, sample
-        j of prompt i draws from its own stream seeded by a hash of (seed, i * group_size + j), so a call
-        is reproducible and two different seeds share no stream. `top_logprobs=k` (<= 20) adds the k most
+        j of prompt i draws from the stream `sample_seed(group_seed(seed, i), j)` (`rollout.sampling.seeding`,
+        the rule `rollout serve` and `RolloutPool` follow too): a call is reproducible, gives the same samples
+        through a pool of servers, and two different seeds share no stream. `top_logprobs=k` (<= 20) adds the k most
         likely tokens of each step (`batch.top_logprobs` / `batch.top_ids` [N, T, k]).
 
         Logits processors (`rollout.sampling.processors`; None = the generation config's): `min_p`,
@@ -142,14 +144,7 @@ class RolloutEngine:
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of prompts, got a single string")
         ids = [self._encode(p, apply_chat_template) for p in prompts]
-        if isinstance(temps, (int, float)):
-            temps = [float(temps)] * len(ids)
-        temps = [float(t) for t in temps]
-        if len(temps) != len(ids):
-            raise ValueError(f"temps has {len(temps)} values for {len(ids)} prompts")
-        for t in temps:
-            if math.isnan(t) or t < 0:
-                raise ValueError(f"temps must be non-negative numbers, got {t}")
+        temps = temperatures(temps, len(ids))
         per_prompt = _per_prompt(len(ids), min_p=min_p, repetition_penalty=repetition_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
@@ -184,11 +179,11 @@ class RolloutEngine:
                 top_logprobs=0) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
         core = self.manager.core
+        seeds = call_seeds(seed, len(ids), group_size)
         reqs = [
             core.make_request(
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
-                temperature=temps[i], top_k=top_k, top_p=top_p,
-                seed=None if seed is None else row_seed(seed, i * group_size + j), prompt_checked=True,
+                temperature=temps[i], top_k=top_k, top_p=top_p, seed=seeds[i * group_size + j], prompt_checked=True,
                 top_logprobs=top_logprobs,
                 **per_prompt[i],
             )
@@ -246,10 +241,7 @@ class RolloutEngine:
         completions = [self._encode_completion(c) for c in completion_ids]
         if len(completions) != len(prompts):
             raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
-        temps = [1.0] * len(prompts) if temps is None else temps
-        temps = [float(temps)] * len(prompts) if isinstance(temps, (int, float)) else [float(t) for t in temps]
-        if len(temps) != len(prompts) or any(math.isnan(t) or t < 0 for t in temps):
-            raise ValueError(f"temps must be one non-negative number or one per row ({len(prompts)}), got {temps}")
+        temps = temperatures(1.0 if temps is None else temps, len(prompts))
         per_row = _per_prompt(len(prompts), min_p=min_p, repetition_penalty=repetition_penalty,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
@@ -290,23 +282,23 @@ class RolloutEngine:
         return check_token_ids(completion, self.manager.core.vocab_size, "completion_ids")
 
     # ---------------------------------------------------------- weight update
-    def update_weights(self, source, in_flight: str = "finish", recompute_kv: bool = False) -> int:
+    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT, recompute_kv: bool = False) -> int:
         """Load new policy weights in place; returns the new `policy_version`.
 
         `source`: an nn.Module (DDP / accelerate / compile wrappers are unwrapped), a state dict, or an
         iterable of (name, tensor). Values are cast to each parameter's dtype and copied into its
         existing storage. Built on the trainer's own module, `update_weights(model)` copies nothing.
-        Every prefix-cache page computed with the old weights is dropped. Requests in flight finish
-        under the old weights first (`in_flight="finish"`) or are aborted with their partial output
-        (`in_flight="abort"`), or stay where they are and go on under the new weights (`in_flight="keep"`):
+        Every prefix-cache page computed with the old weights is dropped. Requests in flight
+        (`rollout.in_flight`) finish under the old weights first (`in_flight="wait"`, the default) or are
+        aborted with their partial output (`"abort"`), or stay where they are and go on under the new
+        weights (`"keep"`):
         on a live engine (a `generate` on another thread, the engine thread) the update lands between two
         steps; paused in "keep" mode, they go on after `resume()`. Their KV computed so far is kept (it
         is their own context, never shared with another request), or with `recompute_kv=True` dropped and
         recomputed under the new weights before their next token. Each token's version is in
         `RolloutBatch.versions`."""
         self._check_open()
-        if in_flight not in ("finish", "abort", "keep"):
-            raise ValueError(f"in_flight must be 'finish', 'abort' or 'keep', got {in_flight!r}")
+        check_mode(in_flight, "in_flight")
         if recompute_kv and in_flight != "keep":
             raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
         if in_flight == "abort":

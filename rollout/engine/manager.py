@@ -33,12 +33,12 @@ from rollout.engine.core import EngineCore
 from rollout.engine.engine_thread import LIVE_MANAGERS, start_engine_thread, wake
 from rollout.engine.inbox import Inbox
 from rollout.engine.outbox import Outbox
+from rollout.in_flight import PAUSE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput, Request
 
 logger = logging.getLogger("rollout")
 
 HARD_STOP_ERROR = "manager stopped with hard_stop=True before the request finished"
-PAUSE_MODES = ("abort", "wait", "keep")
 
 
 class ContinuousBatchingManager:
@@ -49,8 +49,6 @@ class ContinuousBatchingManager:
         generation_config: defaults for requests (max_new_tokens, eos, sampling).
         continuous_batching_config: engine configuration.
     """
-
-    PAUSE_MODES = PAUSE_MODES
 
     def __init__(
         self,
@@ -104,8 +102,8 @@ class ContinuousBatchingManager:
     is_destroyed = property(lambda self: self._destroyed)
 
     @property
-    def pause_mode(self) -> str | None:
-        """The mode of the current pause ("abort", "wait", "keep"), None when not paused."""
+    def pause_mode(self) -> InFlight | None:
+        """The mode of the current pause (`rollout.in_flight`), None when not paused."""
         return self._paused
 
     def is_running(self) -> bool:
@@ -172,13 +170,12 @@ class ContinuousBatchingManager:
             self.core.set_generation_config(generation_config)
 
     # ---------------------------------------------------------------- pausing
-    def pause(self, mode: str = "keep", timeout: float | None = None) -> None:
-        """Hold new requests until `resume()`; what happens to the live ones depends on `mode`:
-        "abort" cancels them (each delivers a final CANCELLED result), "wait" lets them finish,
-        "keep" freezes them where they are (no step runs; they continue on resume). Returns once that
-        state is reached (for "wait", once the running requests have finished)."""
-        if mode not in PAUSE_MODES:
-            raise ValueError(f"mode must be one of {PAUSE_MODES}, got {mode!r}")
+    def pause(self, mode: InFlight = PAUSE_DEFAULT, timeout: float | None = None) -> None:
+        """Hold new requests until `resume()`; what happens to the live ones depends on `mode`
+        (`rollout.in_flight`): "abort" (default) cancels them (each delivers a final CANCELLED result),
+        "wait" lets them finish, "keep" freezes them where they are (no step runs; they continue on resume).
+        Returns once that state is reached (for "wait", once the running requests have finished)."""
+        check_mode(mode, "mode")
         with self._cv:
             self._paused = mode
             self._inbox.push("pause", mode)

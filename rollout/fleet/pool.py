@@ -8,8 +8,9 @@
 Each prompt's group is one `/v1/completions` request (token ids in, `n=group_size`, `return_token_ids`,
 `logprobs=0`: token ids and logprobs out, no retokenisation; the answering weights' version from the
 `X-Weight-Version` header, or per token from `weight_versions` where the server reports them), sent to the live
-server with the fewest groups in flight. Group i of a call seeded `s` is seeded `row_seed(s, i)`, so its samples do not depend on which
-server runs it. Liveness: every request has a deadline (`request_timeout_s`); a request that fails (refused
+server with the fewest groups in flight. Group i of a call seeded `s` goes out seeded `group_seed(s, i)`
+(`rollout.sampling.seeding`), so its samples are the in-process engine's for the same call, whichever server
+runs it. Bad `temps` are refused (ValueError naming `temps`) before any request is sent. Liveness: every request has a deadline (`request_timeout_s`); a request that fails (refused
 connection, timeout, 5xx) makes the pool probe that server's `/health` (`health_timeout_s`); a server that
 does not answer is marked dead with a log line and its groups go to the others, each group at most
 `max_attempts` times; with no server left the call raises. Nothing waits without a deadline.
@@ -31,8 +32,10 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput, RequestStatus
-from rollout.sampling.seeding import row_seed
+from rollout.sampling.sampling_fields import temperatures
+from rollout.sampling.seeding import group_seed
 from rollout.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightBroadcaster
 
 logger = logging.getLogger("rollout.fleet.pool")
@@ -185,13 +188,11 @@ class RolloutPool:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         ids = [self._encode(p) for p in prompts]
-        temps = [float(temps)] * len(ids) if isinstance(temps, (int, float)) else [float(t) for t in temps]
-        if len(temps) != len(ids):
-            raise ValueError(f"temps has {len(temps)} values for {len(ids)} prompts")
+        temps = temperatures(temps, len(ids))  # NOTE: refused here, before any request leaves
         bodies = [{"prompt": p, "n": group_size, "temperature": temps[i], "logprobs": 0, "return_token_ids": True,
                    "top_k": -1 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
                    **({} if max_new_tokens is None else {"max_tokens": int(max_new_tokens)}),
-                   **({} if seed is None else {"seed": row_seed(seed, i)})}
+                   **({} if seed is None else {"seed": group_seed(seed, i)})}
                   for i, p in enumerate(ids)]
         futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
         # NOTE: each future ends within max_attempts x (request deadline + health probe)
@@ -234,13 +235,13 @@ class RolloutPool:
         return outs
 
     # ------------------------------------------------------------------------- weights
-    def update_weights(self, model, in_flight: str | None = None) -> int:
+    def update_weights(self, model, in_flight: InFlight = UPDATE_DEFAULT) -> int:
         """New weights on every live server (one broadcast, or one checkpoint on disk); returns the version.
-        A server found dead meanwhile is dropped from the group and the update retried once. `in_flight="keep"`
-        (async GRPO): requests running on a server go on under the new weights from its next step, KV kept
-        (their tokens' `weight_versions` show the switch); default: they finish under the old ones first."""
-        if in_flight not in (None, "keep", "finish"):
-            raise ValueError(f"in_flight must be 'keep' or 'finish', got {in_flight!r}")
+        A server found dead meanwhile is dropped from the group and the update retried once. `in_flight`
+        (`rollout.in_flight`): "wait" (default) lets requests running on a server finish under the old weights
+        first; "keep" (async GRPO) has them go on under the new weights from its next step, KV kept (their
+        tokens' `weight_versions` show the switch); "abort" cancels them."""
+        check_mode(in_flight, "in_flight")
         if self.sync is None:
             return self._update_from_disk(model, in_flight)
         start = time.perf_counter()
@@ -266,13 +267,13 @@ class RolloutPool:
         logger.info("weights v%d on %d server(s) in %.2fs", self.policy_version, len(live), time.perf_counter() - start)
         return self.policy_version
 
-    def _update_from_disk(self, model, in_flight: str | None = None) -> int:
+    def _update_from_disk(self, model, in_flight: InFlight = UPDATE_DEFAULT) -> int:
         path = self.disk_dir or tempfile.mkdtemp(prefix="rollout-weights-")
         model.save_pretrained(path)
         versions = set()
         for url in self.check_servers():
             r = self.http.post(url + "/update_weights_from_disk", json={"model_path": path},
-                               params={"in_flight": in_flight} if in_flight else None)
+                               params={"in_flight": in_flight})
             if r.status_code != 200:
                 raise RuntimeError(f"{url}/update_weights_from_disk: HTTP {r.status_code}: {r.text[:500]}")
             versions.add(int(r.json()["weight_version"]))

@@ -140,6 +140,31 @@ def generation_defaults(gc: Any, eos_ids: Iterable[int]) -> dict[str, Any]:
     return {k: v for k, v in spec.items() if v is not None}
 
 
+def check_temperature(value: Any, field: str = "temperature") -> float:
+    """The one rule for a temperature, the server's too: a finite number >= 0 (0 = greedy); else a ValueError
+    naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{field} must be a non-negative number (0 = greedy), got {value!r}")
+    return float(value)
+
+
+def temperatures(temps: Any, count: int, field: str = "temps") -> list[float]:
+    """`temps` (one temperature for all `count` prompts or rows, or one each) as `count` checked floats; the
+    check of every call that takes `temps` (`RolloutEngine.generate` / `score`, `RolloutPool.generate`,
+    `run_episodes`), before anything is submitted or sent."""
+    if isinstance(temps, (int, float)) and not isinstance(temps, bool):
+        temps = [temps] * count
+    elif isinstance(temps, (str, bytes)) or not isinstance(temps, Iterable):
+        raise ValueError(f"{field} must be a non-negative number or one for each prompt, got {temps!r}")
+    try:
+        values = [float(t) for t in temps]
+    except (TypeError, ValueError):
+        raise ValueError(f"{field} must be a non-negative number or one for each prompt, got {temps!r}") from None
+    if len(values) != count:
+        raise ValueError(f"{field} has {len(values)} values; one, or one for each of the {count} prompts or rows")
+    return [check_temperature(t, field) for t in values]
+
+
 def _number(name: str, value: Any, low: float = -math.inf, high: float = math.inf, low_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
         raise ValueError(f"{name} must be a finite number, got {value!r}")
@@ -192,9 +217,7 @@ def make_sampling(spec: Mapping[str, Any], seed: int | None, vocab: int) -> Samp
         if name not in SAMPLING_FIELDS:
             raise ValueError(f"unknown sampling field {name!r}; valid: {sorted([*SAMPLING_FIELDS, *ALIASES])}")
     s = {**{k: v for k, v in SAMPLING_FIELDS.items() if v is not None}, **{k: v for k, v in spec.items() if v is not None}}
-    if isinstance(s["temperature"], bool) or not isinstance(s["temperature"], (int, float)) \
-            or math.isnan(s["temperature"]) or s["temperature"] < 0:
-        raise ValueError(f"temperature must be a non-negative number, got {s['temperature']!r}")
+    check_temperature(s["temperature"])
     top_k = s["top_k"]
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
         raise ValueError(f"top_k must be an int >= 0 (0 = off), got {top_k!r}")

@@ -1,12 +1,21 @@
-"""Seeds of the sample streams: one independent stream per (call seed, row), reproducible.
+"""Seeds of the sample streams: the one rule every layer follows, so one seed gives the same samples in
+process (`RolloutEngine.generate`), from one server (`/v1/completions`) and through a pool of servers.
 
-`row_seed(seed, row)` is the seed of sample `row` of a call seeded with `seed` (`RolloutEngine.generate`
-rows, the server's `n` samples): splitmix64 over both, so two seeds share no stream.
+A call seeded `s` (`generate(prompts, group_size=n, seed=s)`, a `/v1/completions` request with `seed=s`,
+`n=n` and a list of prompts) seeds its group i (prompt i's n samples) with `group_seed(s, i)`, and sample j
+of a group seeded g draws from the stream `sample_seed(g, j)`. Group 0 of a call is seeded by the call's own
+seed (`group_seed(s, 0) == s`), so a call of one prompt seeded g IS the group seeded g: a caller that splits
+a call into one request per group (`RolloutPool`, a fleet) sends group i as a one-prompt request seeded
+`group_seed(s, i)` and gets exactly the in-process samples, whichever server runs it.
+
+Both are splitmix64 mixes, never `seed + index`: that makes seed s+1 replay the streams of seed s shifted by
+one index (the same prompt -> the same samples again); groups and samples mix with different salts.
 """
 
 from __future__ import annotations
 
 _MASK64 = (1 << 64) - 1
+_GROUP_SALT = 0x5EED_6A0B_0000_0001  # NOTE: a group's seed is never one of its samples' stream seeds
 
 
 def _mix64(x: int) -> int:
@@ -17,7 +26,24 @@ def _mix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def row_seed(seed: int, row: int) -> int:
-    """The seed of one sample's stream. NOTE: not `seed + row`, which makes seed s+1 replay the
-    streams of seed s shifted by one row (same prompt -> the same samples again)."""
-    return _mix64((_mix64(seed & _MASK64) + row) & _MASK64) >> 1  # >> 1: fits a signed int64
+def derive_seed(seed: int, index: int) -> int:
+    """The seed of the `index`-th of a series seeded from `seed` (a multi-turn run's turns use it)."""
+    return _mix64((_mix64(seed & _MASK64) + index) & _MASK64) >> 1  # >> 1: fits a signed int64
+
+
+def group_seed(seed: int, group: int) -> int:
+    """The seed of group `group` (one prompt's samples) of a call seeded `seed`; `seed` itself for group 0."""
+    return seed if group == 0 else derive_seed(seed ^ _GROUP_SALT, group)
+
+
+def sample_seed(group: int, sample: int) -> int:
+    """The stream seed of sample `sample` of a group seeded `group`."""
+    return derive_seed(group, sample)
+
+
+def call_seeds(seed: int | None, num_groups: int, group_size: int) -> list[int | None]:
+    """The stream seed of every sample of a call, group-major (row i * group_size + j is sample j of
+    group i); all None for an unseeded call."""
+    if seed is None:
+        return [None] * (num_groups * group_size)
+    return [sample_seed(group_seed(seed, i), j) for i in range(num_groups) for j in range(group_size)]

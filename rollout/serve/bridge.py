@@ -18,8 +18,9 @@ import torch
 
 from rollout.api.engine import RolloutEngine
 from rollout.engine.openmp import team_released_after
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput
-from rollout.sampling.seeding import row_seed
+from rollout.sampling.seeding import group_seed, sample_seed
 from rollout.serve.protocol import APIError
 
 
@@ -107,8 +108,9 @@ class EngineBridge:
                 f"({max_tokens}) = {prompt_len + max_tokens}", "max_tokens")
         return max_tokens
 
-    def sampling(self, req, max_new_tokens: int, sample: int) -> Sampling:
-        """Engine parameters of sample `sample` of a request (its own seed stream when seeded)."""
+    def sampling(self, req, max_new_tokens: int, prompt: int, sample: int) -> Sampling:
+        """Engine parameters of sample `sample` of prompt `prompt` of a request; seeded, its stream is the
+        engine's for the same call (`rollout.sampling.seeding`: the request is a call, its prompts the groups)."""
         stops = tuple(sorted(set(req.stop_token_ids or ())))
         self.check_ids(stops, "stop_token_ids")
         if req.min_tokens > max_new_tokens:
@@ -116,7 +118,7 @@ class EngineBridge:
         return Sampling(
             max_new_tokens=max_new_tokens, temperature=float(req.temperature),
             top_k=max(0, req.top_k), top_p=float(req.top_p),
-            seed=None if req.seed is None else row_seed(req.seed, sample),
+            seed=None if req.seed is None else sample_seed(group_seed(req.seed, prompt), sample),
             stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
             score_from=1 if req.scores_prompt else None, top_logprobs=req.num_top_logprobs,
             min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
@@ -195,7 +197,7 @@ class EngineBridge:
                 self.manager.cancel_request(rid)
 
     # ------------------------------------------------------------- control
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: InFlight) -> None:
         with self._control:
             self.user_paused = mode
             self.manager.pause(mode)
@@ -209,14 +211,17 @@ class EngineBridge:
     def is_paused(self) -> bool:
         return self.manager.is_paused()
 
-    def update_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module, in_flight: str | None = None) -> int:
+    def update_weights(self, source: Mapping[str, torch.Tensor] | torch.nn.Module,
+                       in_flight: InFlight = UPDATE_DEFAULT) -> int:
         """Copy new weights in (all or nothing for a mapping); returns the new version. Requests in flight
-        finish first under the old weights (paused with mode=keep, or `in_flight="keep"`: they stay, and go on
-        under the new weights between two engine steps, their KV kept)."""
+        (`rollout.in_flight`): "wait" finishes them first under the old weights, "abort" cancels them, "keep"
+        lands the update between two engine steps and they go on under the new weights, their KV kept.
+        Paused with mode=keep, they are kept whatever `in_flight` says (frozen, they could never finish)."""
+        check_mode(in_flight, "in_flight")
         with self._control, team_released_after():
             if self.manager.pause_mode == "keep" or in_flight == "keep":
                 return self.engine.update_weights(source, in_flight="keep")
-            return self._while_paused(lambda: self.engine.update_weights(source))
+            return self._while_paused(lambda: self.engine.update_weights(source, in_flight), in_flight)
 
     def reset_prefix_cache(self) -> int:
         with self._control:
@@ -247,11 +252,12 @@ class EngineBridge:
             if self.user_paused is None:
                 self.manager.resume()
 
-    def _while_paused(self, fn):
-        """Run `fn` with no step under way and no new request admitted, finishing in-flight work first."""
+    def _while_paused(self, fn, mode: InFlight = "wait"):
+        """Run `fn` with no step under way and no new request admitted, in-flight work first finished
+        ("wait") or cancelled ("abort")."""
         own = self.manager.pause_mode is None
         if own:
-            self.manager.pause("wait")
+            self.manager.pause(mode)
         try:
             return fn()
         finally:

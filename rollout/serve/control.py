@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from fastapi import APIRouter, Request
 
 from rollout.engine.openmp import team_released_after
+from rollout.in_flight import PAUSE_DEFAULT, UPDATE_DEFAULT, check_mode
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
 from rollout.serve.weights import WeightReceiver, check_update, load_checkpoint
@@ -35,9 +36,9 @@ def _releasing(fn):
 
 
 @router.post("/pause")
-async def pause(request: Request, mode: str = "abort") -> dict:
-    if mode not in ("abort", "wait", "keep"):
-        raise APIError(f"mode must be one of abort, wait, keep; got {mode!r}", "mode")
+async def pause(request: Request, mode: str = PAUSE_DEFAULT) -> dict:
+    """vLLM's `POST /pause?mode=abort|wait|keep` (`rollout.in_flight`; default "abort")."""
+    _mode(mode, "mode")
     await asyncio.to_thread(_bridge(request).pause, mode)
     return {"status": "paused", "mode": mode}
 
@@ -82,18 +83,26 @@ async def get_weight_version(request: Request) -> dict:
 
 
 @router.post("/update_weights_from_disk")
-async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request, in_flight: str | None = None) -> dict:
+async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request,
+                                   in_flight: str = UPDATE_DEFAULT) -> dict:
     bridge = _bridge(request)
+    _mode(in_flight, "in_flight")  # NOTE: before the checkpoint is read
     tensors = await asyncio.to_thread(_releasing(load_checkpoint), req.model_path)
     version = await _apply(bridge, tensors, "model_path", in_flight)
     return {"success": True, "weight_version": version, "message": f"loaded {len(tensors)} tensors"}
 
 
-async def _apply(bridge: EngineBridge, tensors, param: str, in_flight: str | None = None) -> int:
-    """`in_flight="keep"` (query parameter of the update routes): running requests stay and go on under the
-    new weights from the next engine step (KV kept); default: they finish under the old weights first."""
-    if in_flight not in (None, "keep", "finish"):
-        raise APIError(f"in_flight must be 'keep' or 'finish', got {in_flight!r}", "in_flight")
+def _mode(mode: str, param: str) -> None:
+    try:
+        check_mode(mode, param)
+    except ValueError as e:
+        raise APIError(str(e), param) from None
+
+
+async def _apply(bridge: EngineBridge, tensors, param: str, in_flight: str = UPDATE_DEFAULT) -> int:
+    """`in_flight` (query parameter of the update routes, `rollout.in_flight`): "wait" (default) finishes the
+    running requests under the old weights first, "abort" cancels them, "keep" lands the weights between two
+    engine steps and they go on under the new ones (KV kept); checked by the routes before they read anything."""
     try:
         return await asyncio.to_thread(bridge.update_weights, tensors, in_flight)
     except ValueError as e:  # NOTE: names or shapes that do not match; nothing was copied
@@ -188,7 +197,8 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
 
 
 @router.post("/finish_weight_update")
-async def finish_weight_update(request: Request, in_flight: str | None = None) -> dict:
+async def finish_weight_update(request: Request, in_flight: str = UPDATE_DEFAULT) -> dict:
+    _mode(in_flight, "in_flight")  # NOTE: refused before the staged tensors are taken; a retry can apply them
     t = _transfer(request)
     if t["receiver"] is None:
         raise APIError("call /init_weight_transfer_engine first", None, 409)

@@ -99,7 +99,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
             samples.append(SampleText(i * req.n + j, ids, state.tokenizer, req.stop_strings, req.skip_special_tokens))
             if texts is not None and isinstance(texts[i], str):
                 samples[-1].prompt_text = texts[i]  # NOTE: echo returns the prompt as sent
-            plan.append((ids, bridge.sampling(req, budget, j)))
+            plan.append((ids, bridge.sampling(req, budget, i, j)))
     queue: asyncio.Queue = asyncio.Queue()
     streaming = req.stream or bool(req.stop_strings)
     by_rid = dict(zip(bridge.submit(plan, streaming, queue), samples, strict=True))

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.weights.transfer import buckets, free_port, named_tensors, new_group
 
 logger = logging.getLogger("rollout.weights.broadcast")
@@ -140,10 +141,12 @@ class WeightBroadcaster:
 
     # ------------------------------------------------------------------------ broadcast
     def broadcast(self, model: torch.nn.Module | Mapping[str, torch.Tensor] | Iterable,
-                  in_flight: str | None = None) -> list[int]:
+                  in_flight: InFlight = UPDATE_DEFAULT) -> list[int]:
         """Send every tensor of `model` (a module, a state dict, or (name, tensor) pairs) to every member in
-        buckets; returns each member's new weight version (rank order). `in_flight="keep"`: each member
-        applies the weights between two engine steps, its running requests kept (else they finish first)."""
+        buckets; returns each member's new weight version (rank order). `in_flight` (`rollout.in_flight`):
+        what each member's running requests do ("wait", the default: they finish under the old weights first;
+        "keep": the weights land between two engine steps, the requests kept; "abort")."""
+        check_mode(in_flight, "in_flight")
         if self.group is None:
             self.init()
         items = named_tensors(model)
@@ -159,7 +162,7 @@ class WeightBroadcaster:
             flat = self._flat([t for _, t in bucket])
             self.group.broadcast(flat, 0).wait()
             sent += flat.numel() * flat.element_size()
-        finish = "/finish_weight_update" + (f"?in_flight={in_flight}" if in_flight else "")
+        finish = f"/finish_weight_update?in_flight={in_flight}"
         answers = self._all(lambda u: self._post(u, finish))
         versions = [int(a["weight_version"]) for a in answers]
         logger.info("weights broadcast to %d server(s): %.1f MB, versions %s", len(self.members), sent / 2**20,

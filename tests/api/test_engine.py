@@ -90,7 +90,8 @@ def check_layout(batch: RolloutBatch, prompts, temps, group_size: int, max_new_t
         assert cmask[:k].all() and not cmask[k:].any()  # right padding
         assert (batch.logprobs[row, k:] == 0).all()  # exactly 0 where masked
         assert (batch.logprobs[row, :k] <= 0).all() and torch.isfinite(batch.logprobs[row, :k]).all()
-        assert (k == max_new_tokens) == (batch.finish_reasons[row] == "length")
+        reason = batch.finish_reasons[row]  # NOTE: a full row is "length", or "stop" when its last token is EOS
+        assert (reason == "length") == (k == max_new_tokens) or (reason == "stop" and k == max_new_tokens)
     assert torch.equal(batch.input_ids, torch.cat([batch.prompt_ids, batch.completion_ids], dim=1))
     assert torch.equal(batch.attention_mask, torch.cat([batch.prompt_mask, batch.completion_mask], dim=1))
 
@@ -540,7 +541,7 @@ def test_update_in_flight_abort_cancels_partial_outputs(model, new_model):
         assert after.policy_version == version
 
 
-def test_update_in_flight_finish_waits_for_the_running_generate(model, new_model):
+def test_update_in_flight_wait_by_default_waits_for_the_running_generate(model, new_model):
     prompts = random_prompts(3, 5, 12, seed=16)
     with make_engine(copy.deepcopy(model)) as engine:
         start = engine.cache_stats()["generated_tokens"]
@@ -563,6 +564,8 @@ def test_bad_inputs_raise_value_error(model):
             engine.generate([[1, 2]], temps=-0.5)
         with pytest.raises(ValueError, match="temp"):
             engine.generate([[1, 2]], temps=[float("nan")])
+        with pytest.raises(ValueError, match="temps must be a non-negative number"):  # the server's rule too
+            engine.generate([[1, 2]], temps=float("inf"))
         with pytest.raises(ValueError, match="group_size"):
             engine.generate([[1, 2]], group_size=0)
         with pytest.raises(ValueError, match="tokenizer"):

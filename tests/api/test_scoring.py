@@ -125,7 +125,10 @@ def test_score_a_rollout_batch_with_prompt_logprobs_from_the_cache():
                                 seed=0)
         out = engine.score(batch, prompt_logprobs=True)
     assert out.logprobs.shape == batch.logprobs.shape
-    torch.testing.assert_close(out.logprobs, batch.logprobs, atol=ATOL, rtol=RTOL)  # raw mode: the same numbers
+    # raw mode: the same numbers, up to two paths' fp32 rounding. NOTE: decode vs teacher-forced prefill, measured:
+    # <= 7e-6 on most samples, 2.0e-5 on one (decode 1.6e-5 from an HF fp64 reference, scoring 4.4e-6); each path
+    # against the reference stays under ATOL/RTOL below
+    torch.testing.assert_close(out.logprobs, batch.logprobs, atol=3 * ATOL, rtol=RTOL)
     assert torch.equal(out.mask, batch.completion_mask)
     for i in range(len(batch)):
         p = batch.prompt_ids[i][batch.prompt_mask[i].bool()].tolist()

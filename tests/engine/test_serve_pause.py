@@ -73,6 +73,19 @@ def test_abort_cancels_live_and_wait_drains(manager):
     manager.resume()
 
 
+def test_pause_without_a_mode_aborts(manager):
+    """The one pause default (`rollout.in_flight.PAUSE_DEFAULT`), as the server's `/pause` and vLLM's."""
+    long = manager.add_request(LONG, max_new_tokens=500)
+    wait_for(lambda: manager.core.requests.get(long) is not None and manager.core.requests[long].generated)
+    guarded(manager.pause, 30)
+    assert manager.pause_mode == "abort"
+    out = guarded(lambda: manager.get_result(long, timeout=10), 20)
+    assert out.status == RequestStatus.CANCELLED and 0 < len(out.generated_tokens) < 500
+    with pytest.raises(ValueError, match="'finish' is now 'wait'"):
+        manager.pause("finish")
+    manager.resume()
+
+
 def test_stop_while_paused_runs_held_requests(manager):
     manager.pause("keep")
     rid = manager.add_request([3, 4, 5], max_new_tokens=5)

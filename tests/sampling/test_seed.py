@@ -8,8 +8,9 @@ import torch
 from support.tiny_models import VOCAB, make_model
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, generate_batch
+from rollout import ContinuousBatchingConfig, RolloutEngine, generate_batch
 from rollout.engine.core import EngineCore
+from rollout.sampling.seeding import call_seeds, group_seed, sample_seed
 
 MAX_NEW = 12
 GC = GenerationConfig(do_sample=True, eos_token_id=None, max_new_tokens=MAX_NEW)
@@ -90,3 +91,29 @@ def test_generate_batch_seed_kwarg():
     tokens = [o.generated_tokens for o in a.values()]
     assert tokens == [o.generated_tokens for o in b.values()]
     assert tokens[0] == tokens[1] == tokens[2]  # same prompt, same seed
+
+
+def test_the_seed_rule_a_call_is_its_groups():
+    """`rollout.sampling.seeding`: group i of a call seeded s is seeded group_seed(s, i), group 0 by s itself, so
+    a call split into one-prompt calls (what RolloutPool sends) draws the same streams."""
+    s, groups, size = 11, 3, 4
+    seeds = call_seeds(s, groups, size)
+    assert group_seed(s, 0) == s
+    for i in range(groups):
+        assert seeds[i * size : (i + 1) * size] == call_seeds(group_seed(s, i), 1, size)
+        assert seeds[i * size : (i + 1) * size] == [sample_seed(group_seed(s, i), j) for j in range(size)]
+    assert len(set(seeds)) == groups * size
+    assert not set(seeds) & {group_seed(s, i) for i in range(groups)}  # a group seed is no sample's stream
+    assert not set(call_seeds(s + 1, groups, size)) & set(seeds)  # seed s+1 does not replay seed s shifted
+    assert call_seeds(s, groups, 2) == [seeds[i * size + j] for i in range(groups) for j in range(2)]  # G-free
+    assert all(0 <= x < 2**63 for x in seeds) and call_seeds(None, 2, 2) == [None] * 4
+
+
+def test_engine_generate_follows_the_seed_rule():
+    model, prompts = setup()
+    config = ContinuousBatchingConfig(page_size=16, num_blocks=128)
+    with RolloutEngine(model, config=config, generation_config=GC) as engine:
+        call = engine.generate(prompts[:3], temps=1.5, group_size=3, seed=5)
+        split = [engine.generate([p], temps=1.5, group_size=3, seed=group_seed(5, i)) for i, p in enumerate(prompts[:3])]
+    assert call.completion_ids.tolist() == [row for b in split for row in b.completion_ids.tolist()]
+    assert len({tuple(r) for r in call.completion_ids.tolist()}) == 9

@@ -151,6 +151,36 @@ def test_update_weights_from_disk_serves_new_policy(server, tmp_path):
     assert version(server) == v0 + 1 and tokens(greedy(server)) == want  # the new weights keep serving
 
 
+def test_pause_defaults_to_abort_and_updates_take_the_same_modes(server, tmp_path):
+    """`rollout.in_flight`: /pause without a mode aborts (vLLM's default); the update routes take abort | wait |
+    keep too: in_flight=abort cancels the running request and the new weights serve; an old or unknown spelling
+    is a 400 naming in_flight and the accepted modes, and nothing changes."""
+    running, box = in_thread(lambda: greedy(server, [4] * 10, n=600))
+    wait_until_running(server, running, "the 600-token request")
+    r = call(server, "POST", "/pause")
+    assert r.status_code == 200 and r.json()["mode"] == "abort"
+    running.join(30)
+    assert box["out"]["choices"][0]["finish_reason"] == "abort" and len(tokens(box["out"])) < 600
+    call(server, "POST", "/resume")
+
+    model = make_model("qwen3", seed=6)
+    model.save_pretrained(tmp_path / "m6")
+    v0 = version(server)
+    for bad in ("finish", "later"):
+        r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "m6")}, in_flight=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "in_flight"
+        assert "'abort', 'wait', 'keep'" in r.json()["error"]["message"]
+    assert version(server) == v0
+    running, box = in_thread(lambda: greedy(server, [4] * 10, n=600))
+    wait_until_running(server, running, "the 600-token request")
+    r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "m6")}, in_flight="abort")
+    assert r.status_code == 200 and r.json()["weight_version"] == v0 + 1
+    running.join(30)
+    assert box["out"]["choices"][0]["finish_reason"] == "abort" and len(tokens(box["out"])) < 600
+    assert not server.engine.manager.is_paused()  # the update's own pause was lifted
+    assert tokens(greedy(server)) == hf_greedy(model, PROMPT, 8)
+
+
 def test_update_while_paused_keep_applies_to_held_requests(server, tmp_path):
     model = make_model("qwen3", seed=4)
     model.save_pretrained(tmp_path / "m4")
