@@ -124,24 +124,8 @@ class MetricsFile(TrainerCallback):
         self.bar.close()
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    accelerator = make_accelerator()  # NOTE: cpu=True on a CPU machine, so a 2-process launch runs 2 real ranks
-    os.makedirs(args.output_dir, exist_ok=True)
-    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process and os.path.exists(metrics_path):
-        os.remove(metrics_path)
-    start = time.perf_counter()
-
-    # 1. the policy and the prompts (recipes/grpo.py's warm start and dataset)
-    model_path, tokenizer, model, dataset, warm_start_s = load_policy_and_prompts(
-        accelerator, args, TRAIN_PROMPTS, sft_seed=args.sft_seed
-    )
-    heldout = {}
-    if not args.dataset and accelerator.is_main_process:
-        heldout["greedy_before"] = greedy_accuracy(model, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
-
-    # 2. TRL's GRPOTrainer with rollout generating
+def trl_config(args) -> tuple[trl.GRPOConfig, int]:
+    """TRL's config for the run, and the optimizer steps per rollout batch."""
     rows = args.prompts_per_step * args.group_size  # per process and rollout batch
     if rows % args.steps_per_generation:
         raise ValueError(f"prompts_per_step x group_size ({rows}) must divide into {args.steps_per_generation} minibatches")
@@ -167,6 +151,53 @@ def main(argv: list[str] | None = None) -> dict:
         report_to=[],
         seed=args.seed,
     )
+    return config, every
+
+
+def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: list, heldout: dict) -> None:
+    """Rank 0: the final checkpoint, the reward plot, summary.json and the summary lines."""
+    if not accelerator.is_main_process:
+        return
+    wall, warm_start_s = summary["wall_time_s"], summary["warm_start_s"]
+    final = os.path.join(args.output_dir, "final")
+    policy.save_pretrained(final)
+    tokenizer.save_pretrained(final)
+    first, last = summary["reward_first5"], summary["reward_last5"]
+    title = f"TRL GRPOTrainer + rollout, {accelerator.num_processes} process(es): reward {first:.3f} -> {last:.3f}"
+    plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
+    write_json(summary, os.path.join(args.output_dir, "summary.json"))
+    print(
+        f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in {summary['steps']} rollout "
+        f"batches on {accelerator.num_processes} process(es), {wall:.0f}s (warm start {warm_start_s:.0f}s, "
+        f"generation {summary['time_generate_s']:.0f}s); logprob gap max {summary['logprob_gap_max']}; "
+        f"outputs in {args.output_dir}"
+    )
+    for i, r in enumerate(summary["ranks"]):
+        print(f"rank {i}: its engine at policy version {r['engine_policy_version']}, parameter sum {r['param_sum']:.6f}")
+    if heldout:
+        before, after = heldout["greedy_before"], heldout["greedy_after"]
+        print(f"held-out greedy exact match {before['exact']:.3f} -> {after['exact']:.3f} ({HELDOUT} problems)")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    accelerator = make_accelerator()  # NOTE: cpu=True on a CPU machine, so a 2-process launch runs 2 real ranks
+    os.makedirs(args.output_dir, exist_ok=True)
+    metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
+    if accelerator.is_main_process and os.path.exists(metrics_path):
+        os.remove(metrics_path)
+    start = time.perf_counter()
+
+    # 1. the policy and the prompts (recipes/grpo.py's warm start and dataset)
+    model_path, tokenizer, model, dataset, warm_start_s = load_policy_and_prompts(
+        accelerator, args, TRAIN_PROMPTS, sft_seed=args.sft_seed
+    )
+    heldout = {}
+    if not args.dataset and accelerator.is_main_process:
+        heldout["greedy_before"] = greedy_accuracy(model, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
+
+    # 2. TRL's GRPOTrainer with rollout generating
+    config, every = trl_config(args)
     rollout_func = make_rollout_func(None if args.model else EMBEDDED_ENGINE, logprob_probe=not args.no_probe)
     trainer = trl.GRPOTrainer(
         model=model,
@@ -198,25 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
                         model=model_path, backend="rollout (TRL rollout_func)",
                         logprob_gap_max=max(gaps) if gaps else None,
                         ranks=[{"engine_policy_version": int(v), "param_sum": w} for v, w in ranks], **heldout)
-    if accelerator.is_main_process:
-        final = os.path.join(args.output_dir, "final")
-        policy.save_pretrained(final)
-        tokenizer.save_pretrained(final)
-        first, last = summary["reward_first5"], summary["reward_last5"]
-        title = f"TRL GRPOTrainer + rollout, {accelerator.num_processes} process(es): reward {first:.3f} -> {last:.3f}"
-        plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
-        write_json(summary, os.path.join(args.output_dir, "summary.json"))
-        print(
-            f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in {summary['steps']} rollout "
-            f"batches on {accelerator.num_processes} process(es), {wall:.0f}s (warm start {warm_start_s:.0f}s, "
-            f"generation {summary['time_generate_s']:.0f}s); logprob gap max {summary['logprob_gap_max']}; "
-            f"outputs in {args.output_dir}"
-        )
-        for i, r in enumerate(summary["ranks"]):
-            print(f"rank {i}: its engine at policy version {r['engine_policy_version']}, parameter sum {r['param_sum']:.6f}")
-        if heldout:
-            before, after = heldout["greedy_before"], heldout["greedy_after"]
-            print(f"held-out greedy exact match {before['exact']:.3f} -> {after['exact']:.3f} ({HELDOUT} problems)")
+    write_outputs(args, accelerator, policy, tokenizer, summary, history, heldout)
     return summary
 
 
