@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
 import pytest
+import torch
 
 
 @pytest.fixture(autouse=True)
@@ -23,3 +27,13 @@ def _reset_accelerate() -> None:
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
+
+
+@pytest.fixture
+def keep_rng():
+    """For tests of code that seeds the global RNGs (the recipes): leave them as the other tests found them."""
+    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
+    yield
+    random.setstate(state[0])
+    np.random.set_state(state[1])
+    torch.set_rng_state(state[2])

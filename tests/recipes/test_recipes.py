@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import sys
 from math import comb
 from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from datasets import Dataset, DatasetDict
 from support.training import save_tiny_addition_checkpoint
 
@@ -31,16 +29,6 @@ common = load_recipe("_common")
 sweep = load_recipe("eval_sweep")
 
 ROWS = [{"prompt": f"00{i}+001=", "answer": str(i + 1)} for i in range(6)]
-
-
-@pytest.fixture
-def keep_rng():
-    """The recipes seed the global RNGs; leave them as the other tests found them."""
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
 
 
 # ------------------------------------------------------------------------------ pass@k

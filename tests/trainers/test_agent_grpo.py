@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import random
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
 
 from rollout.agents import Action, ChatBridge
 from trainers.agent_grpo import AgentGRPOConfig
@@ -82,16 +79,6 @@ def test_agent_config_refuses_bad_values():
         AgentGRPOConfig(max_episode_tokens=0)
     with pytest.raises(ValueError, match="overlong_buffer"):
         AgentGRPOConfig(overlong_buffer=4)
-
-
-@pytest.fixture
-def keep_rng():
-    """The recipe seeds the global RNGs; leave them as the other tests found them."""
-    state = random.getstate(), np.random.get_state(), torch.get_rng_state()
-    yield
-    random.setstate(state[0])
-    np.random.set_state(state[1])
-    torch.set_rng_state(state[2])
 
 
 @pytest.mark.timeout(180)

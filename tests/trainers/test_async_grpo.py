@@ -17,19 +17,9 @@ from support.training import digit_share, trained_state
 from rollout import ContinuousBatchingConfig
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.async_rollout import stale_correction
-from trainers.tasks import AdditionTask, addition_reward, build_tiny_model, make_addition_tokenizer
+from trainers.tasks import addition_reward, build_tiny_model
 
 pytestmark = pytest.mark.timeout(180)
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_addition_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return AdditionTask(num_digits=3, seed=0).to_dataset(64)
 
 
 def make_trainer(tokenizer, dataset, tmp_path, **overrides) -> GRPOTrainer:

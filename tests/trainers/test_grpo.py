@@ -15,7 +15,7 @@ from trainers.common import lr_factor, scored_logprobs, truncate_logits
 from trainers.grpo import overlong_penalty
 from trainers.losses import clipped_policy_loss, group_advantages
 from trainers.rollouts import encode_prompt
-from trainers.tasks import AdditionTask, addition_reward, build_tiny_model, make_addition_tokenizer
+from trainers.tasks import addition_reward, build_tiny_model, make_addition_tokenizer
 
 STEP_FIELDS = (
     "step",
@@ -36,16 +36,6 @@ STEP_FIELDS = (
     "lr",
 )
 FIXED_PROMPT = "123+456="
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_addition_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def dataset():
-    return AdditionTask(num_digits=3, seed=0).to_dataset(64)
 
 
 def make_trainer(tokenizer, dataset, tmp_path, **overrides) -> GRPOTrainer:

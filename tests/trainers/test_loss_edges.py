@@ -13,6 +13,8 @@ import math
 
 import pytest
 import torch
+from support import numerics
+from support.numerics import F64, t
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainers.losses import (
@@ -27,15 +29,11 @@ from trainers.losses import (
     value_loss,
 )
 
-F64 = torch.float64
+ATOL = 1e-9  # this file's default closeness
 
 
-def t(values, dtype=F64, **kwargs) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, **kwargs)
-
-
-def close(actual, expected, atol: float = 1e-9) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), t(expected), atol=atol, rtol=0)
+def close(actual, expected, atol: float = ATOL) -> None:
+    numerics.close(actual, expected, atol)
 
 
 # --------------------------------------------------------------------------- reductions

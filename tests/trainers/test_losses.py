@@ -9,6 +9,8 @@ import sys
 
 import pytest
 import torch
+from support import numerics
+from support.numerics import F64, t
 
 from trainers.algorithms import ALGORITHMS, Algorithm, get_algorithm, nonconstant_group_mask
 from trainers.losses import (
@@ -24,15 +26,11 @@ from trainers.losses import (
     value_loss,
 )
 
-F64 = torch.float64
+ATOL = 1e-5  # this file's default closeness
 
 
-def t(values, dtype=F64, **kwargs) -> torch.Tensor:
-    return torch.tensor(values, dtype=dtype, **kwargs)
-
-
-def close(actual, expected, atol: float = 1e-5) -> None:
-    torch.testing.assert_close(torch.as_tensor(actual, dtype=F64), t(expected), atol=atol, rtol=0)
+def close(actual, expected, atol: float = ATOL) -> None:
+    numerics.close(actual, expected, atol)
 
 
 # --------------------------------------------------------------------------- masked reductions

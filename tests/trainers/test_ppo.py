@@ -9,12 +9,7 @@ from support.training import digit_share
 from rollout import ContinuousBatchingConfig
 from trainers import PolicyWithValue, PPOConfig, PPOTrainer
 from trainers.ppo import whiten
-from trainers.tasks import AdditionTask, build_tiny_model, make_addition_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_addition_tokenizer()
+from trainers.tasks import AdditionTask, build_tiny_model
 
 
 def seeded_value_model(tokenizer, seed: int = 0) -> PolicyWithValue:

@@ -11,16 +11,9 @@ from trainers.tasks import (
     addition_reward,
     build_tiny_model,
     greedy_accuracy,
-    make_addition_tokenizer,
     score_answer,
     sft_warm_start,
 )
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_addition_tokenizer()
-
 
 # ------------------------------------------------------------------------------------------- task
 

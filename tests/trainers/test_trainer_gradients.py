@@ -18,7 +18,7 @@ from support.training import digit_share, trained_state
 from rollout import ContinuousBatchingConfig
 from trainers import GRPOConfig, GRPOTrainer, PPOConfig, PPOTrainer
 from trainers.common import completion_forward
-from trainers.tasks import AdditionTask, build_tiny_model, make_addition_tokenizer
+from trainers.tasks import AdditionTask, build_tiny_model
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -26,11 +26,6 @@ ENGINE = ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=
 TEMPERATURE = 0.8
 MAX_NEW = 6
 TOP_K = 5
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    return make_addition_tokenizer()
 
 
 def common_settings(tmp_path, **overrides) -> dict:
