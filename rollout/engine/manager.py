@@ -225,25 +225,15 @@ class ContinuousBatchingManager:
         self._outbox.listeners.append(fn)
 
     # ------------------------------------------------------------- submission
-    def add_request(
-        self,
-        input_ids: Sequence[int] | torch.Tensor,
-        request_id: str | None = None,
-        max_new_tokens: int | None = None,
-        streaming: bool = False,
-        temperature: float | None = None,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        seed: int | None = None,
-        eos_token_ids: Sequence[int] | None = None,
-        ignore_eos: bool = False,
-        **processors,
-    ) -> str | None:
+    def add_request(self, input_ids: Sequence[int] | torch.Tensor, request_id: str | None = None,
+                    max_new_tokens: int | None = None, streaming: bool = False, **fields) -> str | None:
         """Queue one request; returns its id, or None (with a warning) if the manager is not running.
 
-        `input_ids` is one prompt: a flat sequence of token ids (a 1-D tensor is fine). Stop tokens are
-        the engine's EOS ids (none with `ignore_eos`) plus `eos_token_ids`. `processors` override the
-        generation config's sampling fields (`rollout.sampling.sampling_fields.SAMPLING_FIELDS`) for this request.
+        `input_ids` is one prompt: a flat sequence of token ids (a 1-D tensor is fine). `fields` are
+        `EngineCore.make_request`'s, the one list of a submission's fields: the seed API's `temperature`,
+        `top_k`, `top_p`, `seed`, then `eos_token_ids` (stop tokens beside the engine's EOS ids, none of
+        those with `ignore_eos`) and the generation config's sampling fields
+        (`rollout.sampling.sampling_fields.SAMPLING_FIELDS`) for this request.
         Raises ValueError naming the field for bad input; nothing is queued then."""
         if not self._accepting or self._destroyed:
             logger.warning("add_request refused: the manager is stopped (call start() first)")
@@ -251,10 +241,7 @@ class ContinuousBatchingManager:
         if request_id is not None and request_id in self._outbox.live and not self.core.follower:
             raise ValueError(f"request_id {request_id!r} is already in use by a live request")
         # NOTE: validated outside the lock: a round takes it between steps.
-        req = self.core.make_request(
-            input_ids, request_id, max_new_tokens, streaming, temperature, top_k, top_p, seed, eos_token_ids,
-            ignore_eos, **processors,
-        )
+        req = self.core.make_request(input_ids, request_id, max_new_tokens, streaming, **fields)
         return req.request_id if self.submit([req]) else None
 
     def add_requests(self, inputs: Sequence[Sequence[int]], **kwargs) -> list[str]:
