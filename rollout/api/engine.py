@@ -99,6 +99,11 @@ class RolloutEngine:
         """Whether `sleep()` released the KV cache (the next `generate` or `wake()` takes it back)."""
         return self._asleep
 
+    @property
+    def tensor_parallel(self):
+        """The tensor-parallel group this engine steps in lockstep with (`rollout.engine.tp`), None without TP."""
+        return self.manager.core.tp
+
     def cache_stats(self) -> dict:
         return self.manager.cache_stats()
 

@@ -76,6 +76,11 @@ class EngineBridge:
         self.counters = {"requests": 0, "samples": 0, "failed": 0}
         self.manager.add_listener(self._take)
 
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer the engine runs, by name (tied names each listed): what a weight push fills."""
+        view = self.manager.core.view
+        return {**dict(view.named_parameters(remove_duplicate=False)), **dict(view.named_buffers(remove_duplicate=False))}
+
     # ------------------------------------------------------------ requests
     def _take(self, out: GenerationOutput) -> bool:
         sink = self._sinks.get(out.request_id)

@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, gc = load(args.model_path, args.dtype, args.tensor_parallel_size)
     engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
     release_thread_team()  # NOTE: loading ran torch work here; the engine thread steps from now on
-    tp = engine.manager.core.tp
+    tp = engine.tensor_parallel
     if tp is not None and not tp.leader:
         follow(engine)  # NOTE: rollout.serve.tp: the other ranks follow rank 0's rounds
         return 0

@@ -182,9 +182,7 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
     receiver: WeightReceiver | None = t["receiver"]
     if receiver is None or receiver.staged is None:
         raise APIError("call /init_weight_transfer_engine and /start_weight_update first", None, 409)
-    view = _bridge(request).manager.core.view
-    targets = dict(view.named_parameters(remove_duplicate=False))
-    targets.update(dict(view.named_buffers(remove_duplicate=False)))
+    targets = _bridge(request).weight_targets()
     info = req.update_info
     items = check_update(targets, info.get("names"), info.get("dtype_names"), info.get("shapes"))
     packed = bool(info.get("packed", False))  # NOTE: vLLM's name: the chunk comes as one flat buffer

@@ -21,7 +21,7 @@ RANK0_ONLY_ROUTES = frozenset({
 
 def follow(engine) -> None:
     """A rank other than 0: step rank 0's rounds on the engine's thread until rank 0 stops, then close."""
-    engine.manager.core.tp.replay_flushes = True
+    engine.tensor_parallel.replay_flushes = True
     try:
         thread = engine.manager.thread
         if thread is not None:
