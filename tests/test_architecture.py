@@ -138,3 +138,19 @@ def test_the_private_name_check_sees_each_kind_of_use(tmp_path):
                      "    monkeypatch.setattr(m, '_lock', None)\n")
     found = private_uses(_python_files("rollout") + [probe])
     assert sorted(f.rsplit(": ", 1)[1] for f in found) == ["_destroyed", "_lock", "_weight_copy"], found
+
+
+def test_the_folders_are_the_layers():
+    """rollout/ is sub-packages by layer: a short top level (entry points and the base every layer uses), and
+    every sub-package named in the import-linter layers contract, so no folder escapes the check."""
+    import tomllib
+
+    top = sorted(p.name for p in (ROOT / "rollout").glob("*.py"))
+    packages = sorted(p.name for p in (ROOT / "rollout").iterdir() if (p / "__init__.py").exists())
+    assert len(top) <= 12, top
+    assert len(packages) >= 6, packages
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["id"] == "rollout-layers"]
+    named = {name.strip() for layer in layers for name in layer.replace(":", "|").split("|")}
+    assert set(packages) <= named, f"folders outside the layers contract: {sorted(set(packages) - named)}"
+    assert {p.removesuffix(".py") for p in top} - {"__init__"} <= named, "a top-level module outside the contract"
