@@ -60,7 +60,7 @@ def test_client_and_broadcaster_refuse_an_unknown_mode_before_any_request():
                  lambda: client.update_weights_from_disk("/tmp/x", in_flight="later")):
         with pytest.raises(ValueError, match="'abort', 'wait', 'keep'"):
             call()
-    assert client.group is None  # no weight group was formed either
+    assert client.weights is None  # no weight group was formed either
     sync = WeightBroadcaster([NOWHERE], timeout_s=2)
     with pytest.raises(ValueError, match="in_flight must be one of"):
         sync.broadcast({}, in_flight="finish")
