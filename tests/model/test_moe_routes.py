@@ -1,0 +1,104 @@
+"""Routed experts recorded in the engine step (`generate(..., return_routed_experts=True)`, `score` likewise) on
+the four MoE architectures (Qwen3-MoE, Mixtral, OLMoE, gpt-oss with sinks and a sliding layer): every token that
+ran has HF's top-k of its teacher-forced router logits, through forks, prefix-cache hits, chunked prompts,
+preemption (recomputed and offloaded); greedy equals HF `generate`; what is refused is refused by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.routes import assert_row_routes, batch_rows
+from support.tiny_models import MOE_ARCHS, hf_greedy, make_model, random_prompts
+from transformers import GenerationConfig
+
+from rollout import ContinuousBatchingConfig, RolloutEngine
+
+GC = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)
+MAX_NEW = 6
+
+
+def engine(model, **cfg) -> RolloutEngine:
+    config = dict(page_size=16, num_blocks=64, max_batch_tokens=32) | cfg
+    return RolloutEngine(model, config=ContinuousBatchingConfig(**config), generation_config=GC)
+
+
+def prompts() -> list[list[int]]:
+    """Unrelated prompts (3..40 tokens, chunked by the 32-token budget) and three sharing a 33-token prefix."""
+    return random_prompts(5, 3, 40, seed=3, shared_prefix=33, n_shared=3)
+
+
+def check_batch(model, batch) -> int:
+    pad = ~batch.attention_mask.bool()
+    assert batch.routed_experts.dtype == torch.int16
+    assert batch.routed_experts.shape[:2] == batch.input_ids.shape
+    assert (batch.routed_experts[pad] == -1).all(), "padding must be -1"
+    return sum(assert_row_routes(model, tokens, routes) for tokens, routes in batch_rows(batch))
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_routes_equal_hf_top_k_with_forks_and_prefix_hits(arch):
+    model = make_model(arch)
+    with engine(model) as eng:
+        first = eng.generate(prompts(), temps=0.0, group_size=2, max_new_tokens=MAX_NEW,
+                             return_routed_experts=True)
+        again = eng.generate(prompts(), temps=0.0, group_size=1, max_new_tokens=MAX_NEW,
+                             return_routed_experts=True)  # NOTE: the prompts' full pages now come from the cache
+        stats = eng.cache_stats()
+    assert stats["cached_prompt_tokens"] >= 2 * 16 * 3, stats  # forks, then hits on every shared prefix page
+    ties = check_batch(model, first) + check_batch(model, again)
+    assert ties <= 2
+    for i, p in enumerate(prompts()):
+        want = hf_greedy(model, p, MAX_NEW)
+        assert first.completion_ids[2 * i].tolist() == want and again.completion_ids[i].tolist() == want, (arch, i)
+
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+@pytest.mark.parametrize("offload", [False, True], ids=["recompute", "offload"])
+def test_routes_survive_preemption(arch, offload):
+    model = make_model(arch)
+    many = random_prompts(6, 20, 40, seed=5)
+    cfg = dict(num_blocks=9, max_batch_tokens=64) | ({"cpu_offload_space": 1e-3} if offload else {})
+    with engine(model, **cfg) as eng:
+        batch = eng.generate(many, temps=0.0, max_new_tokens=24, return_routed_experts=True)
+        stats = eng.cache_stats()
+    assert stats["preemptions"] > 0, stats
+    if offload:
+        assert stats["restored_blocks"] > 0, stats
+    assert check_batch(model, batch) <= 2
+
+
+def test_score_returns_the_routes_of_prompt_and_completion():
+    model = make_model("qwen3_moe")
+    ps = random_prompts(3, 5, 20, seed=7)
+    cs = random_prompts(3, 2, 9, seed=8)
+    with engine(model) as eng:
+        scored = eng.score(ps, cs, return_routed_experts=True)
+    p_len = max(map(len, ps))
+    for i, (p, c) in enumerate(zip(ps, cs, strict=True)):
+        row = scored.routed_experts[i]
+        routes = torch.cat([row[p_len - len(p) : p_len], row[p_len : p_len + len(c)]])
+        # NOTE: a scoring request runs every given token, the last one too: append a never-run slot for the helper
+        assert_row_routes(model, p + c + [0], torch.cat([routes, torch.full_like(routes[:1], -1)]))
+
+
+def test_routes_off_leave_the_batch_and_the_engine_alone():
+    model = make_model("mixtral")
+    with engine(model) as eng:
+        batch = eng.generate(prompts()[:2], temps=0.0, max_new_tokens=3)
+        assert batch.routed_experts is None
+        assert eng.manager.core.runner.routes is None  # NOTE: no hook, no route pages
+        assert not any(m._forward_hooks for m in eng.manager.core.routers)
+
+
+def test_refusals_name_the_flag():
+    with engine(make_model("qwen3")) as eng, pytest.raises(ValueError, match="return_routed_experts.*no mixture"):
+        eng.generate([[1, 2, 3]], return_routed_experts=True)
+    with engine(make_model("qwen3_moe"), default_compile_level=1) as eng, \
+            pytest.raises(ValueError, match="return_routed_experts.*default_compile_level"):
+        eng.generate([[1, 2, 3]], return_routed_experts=True)
+
+
+def test_batch_invariant_mode_refuses_moe_by_name():
+    with pytest.raises(ValueError, match="batch_invariant=True does not support mixture-of-experts"):
+        engine(make_model("olmoe"), batch_invariant=True)
