@@ -62,10 +62,28 @@ def test_routes_survive_preemption(arch, offload):
     with engine(model, **cfg) as eng:
         batch = eng.generate(many, temps=0.0, max_new_tokens=24, return_routed_experts=True)
         stats = eng.cache_stats()
+        # NOTE: the same prompts again, newest first: their cached pages (restored ones too) are hits
+        again = eng.generate(many[::-1], temps=0.0, max_new_tokens=2, return_routed_experts=True)
+        hits = eng.cache_stats()["cached_prompt_tokens"] - stats["cached_prompt_tokens"]
     assert stats["preemptions"] > 0, stats
     if offload:
         assert stats["restored_blocks"] > 0, stats
-    assert check_batch(model, batch) <= 2
+    assert hits > 0
+    assert check_batch(model, batch) + check_batch(model, again) <= 2
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])
+def test_pages_cached_before_routes_were_asked_for_are_not_served_without_routes(arch):
+    model = make_model(arch)
+    with engine(model) as eng:
+        eng.generate(prompts(), temps=0.0, max_new_tokens=2)  # NOTE: fills the prefix cache, recording off
+        batch = eng.generate(prompts(), temps=0.0, max_new_tokens=MAX_NEW, return_routed_experts=True)
+        later = eng.generate(prompts(), temps=0.0, max_new_tokens=MAX_NEW)  # recording stays on: pages keep routes
+        hits = eng.cache_stats()["cached_prompt_tokens"]
+        again = eng.generate(prompts(), temps=0.0, max_new_tokens=MAX_NEW, return_routed_experts=True)
+        assert eng.cache_stats()["cached_prompt_tokens"] > hits
+    assert torch.equal(later.completion_ids, batch.completion_ids)
+    assert check_batch(model, batch) + check_batch(model, again) <= 2
 
 
 def test_score_returns_the_routes_of_prompt_and_completion():
@@ -102,3 +120,34 @@ def test_refusals_name_the_flag():
 def test_batch_invariant_mode_refuses_moe_by_name():
     with pytest.raises(ValueError, match="batch_invariant=True does not support mixture-of-experts"):
         engine(make_model("olmoe"), batch_invariant=True)
+
+
+def test_offloaded_pages_park_their_routes_beside_their_kv():
+    from rollout.model.routers import moe_routers
+    from rollout.model.routes import RoutedOffloader, RouteRecorder
+
+    class Buffer:  # NOTE: the KV side of the offload buffer: hands out host slots
+        def __init__(self):
+            self.free = [0, 1, 2]
+
+        def save(self, pages):
+            return [self.free.pop(0) for _ in pages]
+
+        def restore(self, slots, pages):
+            self.free += slots
+
+        def discard(self, slots):
+            self.free += slots
+
+    recorder = RouteRecorder(moe_routers(make_model("mixtral")), num_slots=4 * 16, page_size=16, device=torch.device("cpu"))
+    try:
+        recorder.pages.copy_(torch.arange(recorder.pages.numel()).view_as(recorder.pages) % 8)
+        page1 = recorder.pages[16:32].clone()
+        offloader = RoutedOffloader(Buffer(), recorder)
+        slots = offloader.save([1])
+        recorder.pages[16:32] = 5  # NOTE: page 1 reused by another request
+        offloader.restore(slots, [3])
+        assert torch.equal(recorder.pages[48:64], page1)
+        assert offloader.free == [1, 2, 0] and not offloader.parked
+    finally:
+        recorder.close()
