@@ -151,3 +151,16 @@ def test_offloaded_pages_park_their_routes_beside_their_kv():
         assert offloader.free == [1, 2, 0] and not offloader.parked
     finally:
         recorder.close()
+
+
+@pytest.mark.parametrize("arch", MOE_ARCHS)
+def test_gate_formula_given_the_routers_own_experts_is_its_own_gate_bitwise(arch):
+    from rollout.model.routers import gate_weights, moe_routers
+
+    model = make_model(arch)
+    hidden = torch.randn(37, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    for router in moe_routers(model):
+        logits, weights, experts = router(hidden)
+        assert torch.equal(gate_weights(router, logits, experts), weights)
+        swapped = experts.flip(-1)  # NOTE: the same experts in the other order: the weights follow them
+        assert torch.equal(gate_weights(router, logits, swapped), weights.flip(-1))
