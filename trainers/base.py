@@ -38,11 +38,11 @@ from trainers.common import (
     scored_logprobs,
 )
 from trainers.invariant import BatchInvariantMixin
-from trainers.routing_replay import RoutingReplayMixin
 from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
 from trainers.rollouts import completion_id_lists, encode_prompt
+from trainers.routing_replay import RoutingReplayMixin
 
 STATE_FILE = "trainer_state.json"
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 # NOTE: how to tell one value for all prompts from one value per prompt: a per-prompt list holds values
 # of the field's own kind (a list of dicts for logit_bias, of id lists for stop_token_ids, ...).
 LIST_DEPTH = {"logit_bias": None, "bad_words_ids": 2, "stop_token_ids": 1}

@@ -7,7 +7,7 @@ The recording itself is `rollout.model.routes`; the routers are `rollout.model.r
 from __future__ import annotations
 
 from rollout.model.routers import route_shape
-from rollout.model.routes import RequestRoutes, RouteRecorder, RoutedOffloader
+from rollout.model.routes import RequestRoutes, RoutedOffloader, RouteRecorder
 
 
 def request_routes(core, capacity: int) -> RequestRoutes:

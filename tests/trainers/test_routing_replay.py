@@ -16,8 +16,8 @@ from rollout import ContinuousBatchingConfig, RolloutEngine
 from rollout.model.routers import moe_routers
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.common import completion_forward
-from trainers.routing_replay import RoutingReplay
 from trainers.rollouts import batch_tensors
+from trainers.routing_replay import RoutingReplay
 from trainers.tasks import AdditionTask, addition_reward, make_addition_tokenizer
 
 CFG = ContinuousBatchingConfig(page_size=4, num_blocks=128, max_batch_tokens=256)
