@@ -91,8 +91,6 @@ def _gpt_oss() -> GptOssConfig:
                         max_position_embeddings=1024, **COMMON)
 
 
-MOE_ARCHS = ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"]
-
 CONFIGS = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -101,18 +99,18 @@ CONFIGS = {
     "gpt2": _gpt2,
     "gpt_neox": _gpt_neox,
     "phi3": _phi3,
-    "qwen3_moe": _qwen3_moe,
-    "mixtral": _mixtral,
-    "olmoe": _olmoe,
-    "gpt_oss": _gpt_oss,
 }
+# NOTE: apart from CONFIGS, whose matrices (batch-invariant mode...) do not all take MoE models
+MOE_CONFIGS = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "olmoe": _olmoe, "gpt_oss": _gpt_oss}
+MOE_ARCHS = list(MOE_CONFIGS)
 
 
 def make_model(arch: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A tiny random model in eval mode; Gemma 2 and gpt-oss use eager attention (no sdpa path), and gpt-oss's
     sinks are drawn so that they matter (they start at 0)."""
     torch.manual_seed(seed)
-    config = CONFIGS[arch](**overrides) if overrides else CONFIGS[arch]()
+    make = CONFIGS.get(arch) or MOE_CONFIGS[arch]
+    config = make(**overrides)
     attn = "eager" if arch in ("gemma2", "gpt_oss") else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
     if arch == "gpt_oss":
