@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +46,9 @@ class GenerationOutput:
     score_ranks: list[int] | None = None  # [G - score_from] 1-based rank of each given token (with k > 0)
     top_logprobs: list[list[float]] | None = None  # [num generated, k]
     top_ids: list[list[int]] | None = None  # [num generated, k]
+    # NOTE: with return_routed_experts, an int16 tensor [prompt + forced + generated, L, k]: the experts each MoE
+    # layer chose at every position that ran through the model, -1 where none ran (the last sampled token).
+    routed_experts: Any = None
 
     def is_finished(self) -> bool:
         return self.status.is_final
@@ -148,6 +152,7 @@ class Request:
     top_logprobs: int = 0
     scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top values, top ids, rank)
     top: list[tuple[list[float], list[int]]] = field(default_factory=list)  # per generated token
+    routes: Any = None  # NOTE: its `rollout.model.routes.RequestRoutes` when it asked for routed experts
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.forced_ids)
@@ -210,6 +215,8 @@ class Request:
                 out.score_ranks = [r[3] for r in rows]
         if self.top_logprobs:
             out.top_logprobs, out.top_ids = [t[0] for t in self.top], [t[1] for t in self.top]
+        if self.routes is not None and self.status.is_final:
+            out.routed_experts = self.routes.tensor(self.num_tokens)
         return out
 
     def _output(self) -> GenerationOutput:

@@ -42,11 +42,12 @@ from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
 from trainers.rollouts import completion_id_lists, encode_prompt
+from trainers.routing_replay import RoutingReplayMixin
 
 STATE_FILE = "trainer_state.json"
 
 
-class RLTrainer(BatchInvariantMixin):
+class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
     """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
 
     config: RLConfig
@@ -94,14 +95,8 @@ class RLTrainer(BatchInvariantMixin):
         if self.sleeps is None:  # NOTE: colocated on one GPU: the update needs the cache's memory
             self.sleeps = self.engine.device.type == "cuda" and self.engine.device == acc.device
         self.ref_model = self.build_reference(ref_model)
-        self.prompts = PromptSource(
-            train_dataset,
-            config.prompts_per_step,
-            acc.process_index,
-            acc.num_processes,
-            config.seed,
-            config.shuffle,
-        )
+        self.prompts = PromptSource(train_dataset, config.prompts_per_step, acc.process_index, acc.num_processes,
+                                    config.seed, config.shuffle)
         self.metrics_logger = MetricsLogger(
             acc,
             config.output_dir,
@@ -134,7 +129,8 @@ class RLTrainer(BatchInvariantMixin):
 
     def forward(self, model: torch.nn.Module, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced `(logits [n, T+1, V], values [n, T] or None)` of a micro-batch."""
-        return completion_forward(self.compute_model(model), micro).logits, None
+        with self.routing.forcing(model, micro.get("routed_experts")):  # NOTE: routing replay, when on
+            return completion_forward(self.compute_model(model), micro).logits, None
 
     @property
     def truncation(self) -> dict[str, float | int | None]:
@@ -212,6 +208,7 @@ class RLTrainer(BatchInvariantMixin):
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             seed=rollout_seed(cfg.seed, step, acc.process_index),
+            return_routed_experts=cfg.routing_replay,
         ).to(acc.device)
         if sleep:  # NOTE: woken before the sync; counted in time_generate as before
             self.engine.sleep()
@@ -276,7 +273,8 @@ class RLTrainer(BatchInvariantMixin):
         """`recompute`, stored as the update's `old_logprobs` (and, with `tis_cap`, `tis_weights`), with
         the rollout parity probe and the entropy added to `metrics`; returns the recomputation."""
         mask = data["completion_mask"]  # [N, T]
-        own = self.recompute(data)
+        with self.routing.measure(metrics):  # NOTE: routing_mismatch_fraction under the rollout's weights
+            own = self.recompute(data)
         data["old_logprobs"] = own["logprobs"]  # [N, T]
         metrics.update(logprob_mismatch(data["rollout_logprobs"], own["logprobs"], mask))
         metrics["entropy"] = masked_mean(own["entropy"], mask).item()

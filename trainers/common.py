@@ -69,6 +69,8 @@ class RLConfig:
         log_stdout, progress: a compact line per step / a tqdm bar (main process only).
         batch_invariant: the engine's batch-invariant mode, and the trainer's logprob passes through the same
             ops on the engine's dtype (`trainers.invariant`): `logprob_mismatch_max` is exactly 0.0.
+        routing_replay: MoE policies: the trainer's passes take the experts the engine chose (R3,
+            `trainers.routing_replay`); logs `routing_mismatch_fraction`.
     """
 
     output_dir: str = "outputs"
@@ -106,6 +108,7 @@ class RLConfig:
     log_stdout: bool = True
     progress: bool = True
     batch_invariant: bool = False
+    routing_replay: bool = False
 
     def __post_init__(self) -> None:
         if self.batch_invariant:  # NOTE: the engine must run the same invariant ops

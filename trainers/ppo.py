@@ -127,7 +127,8 @@ class PPOTrainer(EngineReferenceMixin, RLTrainer):
         return self.config.kl_coef > 0
 
     def forward(self, model: nn.Module, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-        logits, values = completion_forward(self.compute_model(model), micro)  # [n, T+1, V], [n, T+1]
+        with self.routing.forcing(model, micro.get("routed_experts")):
+            logits, values = completion_forward(self.compute_model(model), micro)  # [n, T+1, V], [n, T+1]
         # NOTE: the value at the position that predicts token t is V(s_t), the state before it.
         return logits, values[:, :-1]
 

@@ -55,6 +55,9 @@ def merge_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         completions_text=None if any(x is None for x in texts) else [s for x in texts for s in x],
         **{name: _cat_optional([getattr(b, name) for b in batches], width) for name, width in
            (("loss_mask", t), ("rewards", None), ("num_turns", None), ("versions", t))},
+        routed_experts=None if any(b.routed_experts is None for b in batches) else torch.cat([
+            torch.nn.functional.pad(b.routed_experts, (0, 0, 0, 0, p - b.prompt_ids.shape[1],
+                                                       t - b.completion_ids.shape[1]), value=-1) for b in batches]),
     )
 
 
@@ -83,7 +86,7 @@ def take_rows(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
         policy_version=batch.policy_version,
         completions_text=None if batch.completions_text is None else [batch.completions_text[i] for i in rows],
         **{name: None if getattr(batch, name) is None else getattr(batch, name)[index]
-           for name in ("loss_mask", "rewards", "num_turns", "versions")},
+           for name in ("loss_mask", "rewards", "num_turns", "versions", "routed_experts")},
     )
 
 
@@ -97,6 +100,7 @@ def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
         "rollout_logprobs": batch.logprobs,  # [N, T]
         "temperatures": batch.temperatures,  # [N]
         **({} if batch.versions is None else {"versions": batch.versions}),  # [N, T] policy version per token
+        **({} if batch.routed_experts is None else {"routed_experts": batch.routed_experts}),  # [N, P+T, L, k]
     }
 
 

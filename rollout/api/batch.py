@@ -40,6 +40,9 @@ class RolloutBatch:
     top_ids: torch.Tensor | None = None  # [N, T, k] int64
     # NOTE: a request that spans an in-flight weight update holds tokens of two (or more) versions
     versions: torch.Tensor | None = None  # [N, T] int64 policy_version that sampled each token, 0 where masked
+    # NOTE: with return_routed_experts (an MoE policy): aligned with `input_ids`, the experts each of the L MoE
+    # layers chose for the token there; -1 at padding and at the last sampled token (never an input).
+    routed_experts: torch.Tensor | None = None  # [N, P + T, L, k] int16
 
     @property
     def input_ids(self) -> torch.Tensor:  # [N, P + T]
@@ -67,7 +70,7 @@ class RolloutBatch:
 
 def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOutput], temps: Sequence[float],
                group_size: int, pad: int, policy_version: int, device: torch.device, tokenizer=None,
-               top_logprobs: int = 0) -> RolloutBatch:
+               top_logprobs: int = 0, routed_experts: bool = False) -> RolloutBatch:
     """A `RolloutBatch` of `outputs` (row `i * group_size + j` answers `prompts[i]`): prompts left-padded,
     completions right-padded with `pad`; `policy_version` is the oldest output's (this one when empty);
     completions decoded when a tokenizer is given."""
@@ -116,5 +119,20 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
         top_logprobs=top_lp,
         top_ids=top_ids,
         versions=versions,
+        routed_experts=pack_routes([prompts[r // group_size] for r in range(n)], outputs, p_len, t_len)
+        if routed_experts else None,
     )
     return batch.to(device)
+
+
+def pack_routes(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOutput], p_len: int,
+                t_len: int) -> torch.Tensor:
+    """`[N, p_len + t_len, L, k]` int16 of the outputs' `routed_experts` (row i's tokens: `prompts[i]`, then the
+    rest), laid out as `input_ids`: the prompt left-padded to `p_len`, the rest right-padded; -1 at padding."""
+    shape = next((o.routed_experts.shape[1:] for o in outputs if o.routed_experts is not None), (0, 0))
+    out = torch.full((len(outputs), p_len + t_len, *shape), -1, dtype=torch.int16)
+    for row, (p, o) in enumerate(zip(prompts, outputs, strict=True)):
+        routes = o.routed_experts  # [len(p) + rest, L, k]
+        out[row, p_len - len(p) : p_len] = routes[: len(p)]
+        out[row, p_len : p_len + len(routes) - len(p)] = routes[len(p) :]
+    return out

@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.chat import chat_template_ids
+from rollout.api.per_prompt import per_prompt
 from rollout.api.score_batch import ScoreBatch, pack_scores
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.collect import collect
@@ -129,6 +130,7 @@ class RolloutEngine:
         logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
         bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_routed_experts: bool = False,
     ) -> RolloutBatch:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
@@ -142,7 +144,8 @@ class RolloutEngine:
         `repetition_penalty` (prompt + generated tokens), `presence_penalty` / `frequency_penalty`
         (generated tokens, as vLLM), `min_tokens` (stop ids masked until then), `logit_bias` (token id ->
         bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
-        Each is one value for all prompts or a list with one value per prompt."""
+        Each is one value for all prompts or a list with one value per prompt. `return_routed_experts` (an MoE
+        policy) adds `batch.routed_experts` [N, P + T, L, k] (`rollout.model.routes`)."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -150,7 +153,7 @@ class RolloutEngine:
             raise ValueError("prompts must be a list of prompts, got a single string")
         ids = [self._encode(p, apply_chat_template) for p in prompts]
         temps = temperatures(temps, len(ids))
-        per_prompt = _per_prompt(len(ids), min_p=min_p, repetition_penalty=repetition_penalty,
+        processors = per_prompt(len(ids), min_p=min_p, repetition_penalty=repetition_penalty,
                                  presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                                  min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
                                  stop_token_ids=stop_token_ids)
@@ -159,14 +162,14 @@ class RolloutEngine:
                 self.wake()
             self._calls += 1
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
-                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt,
-                                    top_logprobs)
+                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
+                                    top_logprobs, return_routed_experts)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")
         return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
-                          self.tokenizer, top_logprobs)
+                          self.tokenizer, top_logprobs, return_routed_experts)
 
     def _encode(self, prompt, apply_chat_template: bool) -> list[int]:
         core = self.manager.core
@@ -180,8 +183,8 @@ class RolloutEngine:
             return core.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
         return core.check_prompt(prompt)
 
-    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, per_prompt,
-                top_logprobs=0) -> list[str]:
+    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
+                top_logprobs=0, routes=False) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
         core = self.manager.core
         seeds = call_seeds(seed, len(ids), group_size)
@@ -189,8 +192,7 @@ class RolloutEngine:
             core.make_request(
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
                 temperature=temps[i], top_k=top_k, top_p=top_p, seed=seeds[i * group_size + j], prompt_checked=True,
-                top_logprobs=top_logprobs,
-                **per_prompt[i],
+                top_logprobs=top_logprobs, return_routed_experts=routes, **processors[i],
             )
             for i, prompt in enumerate(ids)
             for j in range(group_size)
@@ -219,6 +221,7 @@ class RolloutEngine:
         logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
         bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        return_routed_experts: bool = False,
     ) -> ScoreBatch:
         """Teacher-forced logprobs of `completion_ids[i]` after `prompt_ids[i]`, through the paged engine.
 
@@ -229,7 +232,8 @@ class RolloutEngine:
         the same token sampled with the same arguments (`temps`: one, or one per row, default 1.0, 0 means
         raw; `top_k`, `top_p` and the logits processors of `generate`, one value or one per row), each
         position's processors applied to prompt + the completion before it. Prompt positions
-        (`prompt_logprobs`) are scored as if the prompt ended there. Returns a `ScoreBatch`."""
+        (`prompt_logprobs`) are scored as if the prompt ended there. Returns a `ScoreBatch`
+        (`return_routed_experts`: with `routed_experts` [N, P + T, L, k], prompt and completion tokens)."""
         self._check_open()
         width = None
         if isinstance(prompt_ids, RolloutBatch):
@@ -247,7 +251,7 @@ class RolloutEngine:
         if len(completions) != len(prompts):
             raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
         temps = temperatures(1.0 if temps is None else temps, len(prompts))
-        per_row = _per_prompt(len(prompts), min_p=min_p, repetition_penalty=repetition_penalty,
+        per_row = per_prompt(len(prompts), min_p=min_p, repetition_penalty=repetition_penalty,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
                               stop_token_ids=stop_token_ids)
@@ -264,7 +268,8 @@ class RolloutEngine:
                 core.make_request(
                     p, request_id=f"score{self._calls}_{i}", max_new_tokens=0, temperature=temps[i],
                     top_k=top_k, top_p=top_p, prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
-                    score_from=1 if first_of is not None and first_of[i] == i else len(p), **per_row[i],
+                    score_from=1 if first_of is not None and first_of[i] == i else len(p),
+                    return_routed_experts=return_routed_experts, **per_row[i],
                 )
                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
             ]
@@ -275,7 +280,8 @@ class RolloutEngine:
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} scoring rows failed; first error: {failed[0].error}")
-        return pack_scores(prompts, completions, outputs, top_logprobs, first_of, width, self.device)
+        return pack_scores(prompts, completions, outputs, top_logprobs, first_of, width, self.device,
+                           return_routed_experts)
 
     def _encode_completion(self, completion) -> list[int]:
         if isinstance(completion, str):
@@ -357,38 +363,3 @@ class RolloutEngine:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-# NOTE: how to tell one value for all prompts from one value per prompt: a per-prompt list holds values
-# of the field's own kind (a list of dicts for logit_bias, of id lists for stop_token_ids, ...).
-_LIST_DEPTH = {"logit_bias": None, "bad_words_ids": 2, "stop_token_ids": 1}
-
-
-def _per_prompt(n: int, **fields) -> list[dict]:
-    """The processor keywords of each prompt (`make_request`'s names); ValueError naming a field whose
-    per-prompt list has the wrong length."""
-    out: list[dict] = [{} for _ in range(n)]
-    for name, value in fields.items():
-        if value is None:
-            continue
-        key = "eos_token_ids" if name == "stop_token_ids" else name
-        depth = _LIST_DEPTH.get(name, 0)
-        if depth is None:
-            each = isinstance(value, (list, tuple))
-        else:
-            each = isinstance(value, (list, tuple)) and _depth(value) == depth + 1
-        if each and len(value) != n:
-            raise ValueError(f"{name} has {len(value)} values for {n} prompts")
-        for i in range(n):
-            out[i][key] = value[i] if each else value
-    return out
-
-
-def _depth(value) -> int:
-    """Nesting depth of lists: 0 for a scalar, 1 for [1, 2], 2 for [[1], [2]]."""
-    d = 0
-    while isinstance(value, (list, tuple)):
-        if not value:
-            return d + 1
-        value, d = value[0], d + 1
-    return d

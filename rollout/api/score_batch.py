@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from rollout.api.batch import pack_routes
 from rollout.requests import GenerationOutput
 
 
@@ -30,6 +31,9 @@ class ScoreBatch:
     top_ids: torch.Tensor | None = None  # [N, T, k] int64
     prompt_logprobs: torch.Tensor | None = None  # [N, P] fp32 (when prompt_logprobs=True)
     prompt_mask: torch.Tensor | None = None  # [N, P] 1 on prompt tokens that have a logprob
+    # NOTE: return_routed_experts: the experts of each prompt and completion token, laid out as `RolloutBatch.input_ids`
+    # (prompts left-padded to P, completions right-padded to T), -1 at padding.
+    routed_experts: torch.Tensor | None = None  # [N, P + T, L, k] int16
 
     def __len__(self) -> int:
         return self.logprobs.shape[0]
@@ -41,7 +45,7 @@ class ScoreBatch:
 
 def pack_scores(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]],
                 outputs: Sequence[GenerationOutput], top_logprobs: int, first_of: Sequence[int] | None,
-                width: int | None, device: torch.device) -> ScoreBatch:
+                width: int | None, device: torch.device, routed_experts: bool = False) -> ScoreBatch:
     """Pad the outputs of one scoring call. Row i scored `completions[i]` after `prompts[i]`; with prompt
     logprobs, `first_of[i]` is the row whose output holds them (it scored from token 1). `width` is the
     completion width T (default the longest completion)."""
@@ -68,5 +72,6 @@ def pack_scores(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
             prompt_lp[row, p_len - len(p) + 1 :] = torch.tensor(src.scores[: len(p) - 1], dtype=torch.float32)
             prompt_mask[row, p_len - len(p) + 1 :] = 1
     batch = ScoreBatch(logprobs=logprobs, mask=mask, top_logprobs=top_lp, top_ids=top_ids,
-                       prompt_logprobs=prompt_lp, prompt_mask=prompt_mask)
+                       prompt_logprobs=prompt_lp, prompt_mask=prompt_mask,
+                       routed_experts=pack_routes(prompts, outputs, p_len, t_len) if routed_experts else None)
     return batch.to(device)

@@ -18,6 +18,7 @@ from rollout.attention.backends import create as create_backend
 from rollout.attention.backends import select as select_backend
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.cache_plan import plan_engine_cache
+from rollout.engine.routed_experts import request_routes, start_recording
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from rollout.invariant import mode as batch_invariant
 from rollout.kv.kv_cache import PagedKVCache
@@ -31,6 +32,7 @@ from rollout.model.model_facts import (
     layer_windows,
     text_config,
 )
+from rollout.model.routers import moe_routers
 from rollout.model.runner import ModelRunner
 from rollout.prompts import check_token_ids
 from rollout.requests import Request, RequestStatus, SamplingParams
@@ -79,12 +81,13 @@ class EngineCore:
             logger.warning("default_compile_level=%d has no effect on %s: rollout compiles its forward on a CPU only",
                            config.default_compile_level, self.device)
         self.view = make_engine_view(model)
+        self.routers = moe_routers(self.view)  # NOTE: the view's MoE routers, in layer order (rollout.model.routers)
         self.windows, groups = layer_groups(layer_windows(model))
         sharing = config.allow_block_sharing
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
         if config.batch_invariant:  # NOTE: one reduction order per token (rollout.invariant.mode); before any group
             batch_invariant.check(self.device, self.dtype, has_attention_sinks(model), type(model).__name__,
-                                  tp_size_of(model))
+                                  tp_size_of(model), moe=bool(self.routers))
         # NOTE: under tensor parallelism each rank holds its own KV heads only (rollout.engine.tp)
         self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
         # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.engine.tp)
@@ -173,6 +176,7 @@ class EngineCore:
         forced_ids: Sequence[int] | torch.Tensor | None = None,
         score_from: int | None = None,
         top_logprobs: int = 0,
+        return_routed_experts: bool = False,
         **processors,
     ) -> Request:
         """Validate a submission (ValueError naming the field) and build its `Request`.
@@ -185,7 +189,8 @@ class EngineCore:
         request's own `eos_token_ids`. `prompt_checked=True` says `input_ids` is the list `check_prompt`
         returned (a group's samples share one check). Scoring (`rollout.sampling.token_logprobs`): `forced_ids` follow
         the prompt teacher-forced, `score_from` the first given token whose logprob is recorded (then
-        `max_new_tokens` may be 0), `top_logprobs` k <= 20 the top k of each scored and generated token."""
+        `max_new_tokens` may be 0), `top_logprobs` k <= 20 the top k of each scored and generated token.
+        `return_routed_experts`: record the experts of every token run (`GenerationOutput.routed_experts`)."""
         if request_id is None:
             request_id = f"req_{next(self._arrival)}"
         if not isinstance(request_id, str) or not request_id:
@@ -219,6 +224,7 @@ class EngineCore:
                 f"{self.page_pool.num_pages} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
             )
         sampling = self._sampling(temperature, top_k, top_p, seed, processors)
+        routes = request_routes(self, total) if return_routed_experts else None
         eos = frozenset() if ignore_eos else self.eos_ids
         if eos_token_ids is not None:
             eos = eos | _int_set(eos_token_ids, "eos_token_ids")
@@ -226,6 +232,7 @@ class EngineCore:
             request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,
             arrival=next(self._arrival), forced_ids=forced, score_from=score_from, top_logprobs=top_logprobs,
+            routes=routes,
         )
 
     def _sampling(self, temperature, top_k, top_p, seed, processors: dict) -> SamplingParams:
@@ -237,6 +244,8 @@ class EngineCore:
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use by a live request")
+        if request.routes is not None:
+            start_recording(self)  # NOTE: between steps (the stepping thread adds requests)
         self.requests[request.request_id] = request
         self.scheduler.add(request)
 

@@ -24,8 +24,15 @@ from rollout.kernels.fused_layers import drop_fused_layers
 
 
 def check(device: torch.device, dtype: torch.dtype, has_sinks: bool, model: str = "the model",
-          tp_size: int = 1) -> None:
+          tp_size: int = 1, moe: bool = False) -> None:
     """Refuse what the mode cannot honour on this model and machine (ValueError naming `batch_invariant`)."""
+    if moe:
+        raise ValueError(
+            f"batch_invariant=True does not support mixture-of-experts models yet ({model}): its routers and "
+            "experts call F.linear on their own weights (not nn.Linear, so the tiled linears never reach them), "
+            "each expert over however many of the step's tokens were routed to it, so a token's bits would "
+            "depend on the batch's composition"
+        )
     if tp_size > 1:
         raise ValueError(f"batch_invariant=True does not support tensor parallelism yet ({model} is sharded with "
                          f"tp_size={tp_size}: its all-reduces sum the shards' partial products in another order)")

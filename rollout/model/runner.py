@@ -3,7 +3,7 @@
 Owns `ModelRunner`: the step's `StepInputs`, each layer group's metadata from the backend's
 `build_group`, the forward, and the first-step check that our attention ran in every layer. Which
 attention backend runs is the backend's business (`rollout.attention.backends`): the runner never asks. It never
-mutates a request. The model it runs is the engine view of the user's model (`rollout.model.engine_view`).
+mutates a request (the route recorder, `rollout.model.routes`, writes the routes of those that asked). The model it runs is the engine view of the user's model (`rollout.model.engine_view`).
 """
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class ModelRunner:
         self.device = cache.device
         self.page_size = cache.page_size
         self.device_page_tables = DevicePageTables(len(self.windows), self.device)  # NOTE: persistent, synced each step
+        self.routes = None  # NOTE: a `rollout.model.routes.RouteRecorder` once a request asked for routed experts
 
     def release(self, request) -> None:
         """`request` is final: its page-table row is free."""
@@ -150,7 +151,11 @@ class ModelRunner:
         meta = kwargs["rollout_meta"]
         if not self.verified:
             meta.layers_seen = set()
+        if self.routes is not None:
+            self.routes.begin()
         logits = self.forward(**kwargs).logits[0]  # [R + S, V]
+        if self.routes is not None:
+            self.routes.record(out)
         if not self.verified:
             self._verify(meta.layers_seen)
         if not kept:

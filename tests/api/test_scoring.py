@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from support.tiny_models import CONFIGS, VOCAB, hf_greedy, make_model, teacher_forced_logits
+from support.tiny_models import CONFIGS, MOE_ARCHS, VOCAB, hf_greedy, make_model, teacher_forced_logits
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
@@ -54,7 +54,7 @@ def reference(model, prompt, completion, temperature: float = 1.0):
     return full[len(prompt) - 1 :], dist[len(prompt) - 1 : -1], full[: len(prompt) - 1]
 
 
-@pytest.mark.parametrize("arch", list(CONFIGS))
+@pytest.mark.parametrize("arch", list(CONFIGS) + MOE_ARCHS)
 def test_score_is_exact_on_every_architecture(arch):
     """Chunked prompts (40-90 tokens, 48-token steps), groups of 3 sharing a prompt, top-5 and prompt
     logprobs: all within 1e-5 of one teacher-forced forward per row."""

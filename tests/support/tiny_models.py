@@ -12,10 +12,14 @@ from transformers import (
     Gemma2Config,
     GPT2Config,
     GPTNeoXConfig,
+    GptOssConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
+    OlmoeConfig,
     Phi3Config,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 VOCAB = 128
@@ -60,6 +64,33 @@ def _phi3() -> Phi3Config:
                       eos_token_id=2, **COMMON)
 
 
+# NOTE: mixture-of-experts models: 8 (gpt-oss 4) experts, 2 per token, every layer sparse; gpt-oss with its
+# sinks and a sliding layer. Routers are initialised like the other weights (peaked, no near-ties).
+def _qwen3_moe() -> Qwen3MoeConfig:
+    return Qwen3MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                          num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=1024, **COMMON)
+
+
+def _mixtral() -> MixtralConfig:
+    return MixtralConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=1024, **COMMON)
+
+
+def _olmoe() -> OlmoeConfig:
+    return OlmoeConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024,
+                       eos_token_id=2, pad_token_id=1, **COMMON)
+
+
+def _gpt_oss() -> GptOssConfig:
+    return GptOssConfig(hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                        sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                        max_position_embeddings=1024, **COMMON)
+
+
 CONFIGS = {
     "llama": _llama,
     "qwen3": _qwen3,
@@ -69,14 +100,23 @@ CONFIGS = {
     "gpt_neox": _gpt_neox,
     "phi3": _phi3,
 }
+# NOTE: apart from CONFIGS, whose matrices (batch-invariant mode...) do not all take MoE models
+MOE_CONFIGS = {"qwen3_moe": _qwen3_moe, "mixtral": _mixtral, "olmoe": _olmoe, "gpt_oss": _gpt_oss}
+MOE_ARCHS = list(MOE_CONFIGS)
 
 
 def make_model(arch: str = "qwen3", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
-    """A tiny random model in eval mode; Gemma 2 uses eager attention (it has no sdpa path)."""
+    """A tiny random model in eval mode; Gemma 2 and gpt-oss use eager attention (no sdpa path), and gpt-oss's
+    sinks are drawn so that they matter (they start at 0)."""
     torch.manual_seed(seed)
-    config = CONFIGS[arch](**overrides) if overrides else CONFIGS[arch]()
-    attn = "eager" if arch == "gemma2" else "sdpa"
+    make = CONFIGS.get(arch) or MOE_CONFIGS[arch]
+    config = make(**overrides)
+    attn = "eager" if arch in ("gemma2", "gpt_oss") else "sdpa"
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn, dtype=dtype)
+    if arch == "gpt_oss":
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.sinks.normal_(0.0, 2.0)
     return model.eval()
 
 
