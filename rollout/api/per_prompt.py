@@ -15,11 +15,11 @@ def per_prompt(n: int, **fields) -> list[dict]:
         if value is None:
             continue
         key = "eos_token_ids" if name == "stop_token_ids" else name
-        depth = LIST_DEPTH.get(name, 0)
-        if depth is None:
+        levels = LIST_DEPTH.get(name, 0)
+        if levels is None:
             each = isinstance(value, (list, tuple))
         else:
-            each = isinstance(value, (list, tuple)) and depth(value) == depth + 1
+            each = isinstance(value, (list, tuple)) and depth(value) == levels + 1
         if each and len(value) != n:
             raise ValueError(f"{name} has {len(value)} values for {n} prompts")
         for i in range(n):
