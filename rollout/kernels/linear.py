@@ -67,6 +67,21 @@ def onednn_available() -> bool:
         return False
 
 
+@functools.cache
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes oneDNN packs on this CPU: fp32 wherever oneDNN runs, bf16 only where the CPU has the
+    instructions its bf16 path needs (AVX512-BF16 / AVX-NE-CONVERT or AVX512BW+VL+DQ; without them torch raises
+    at the first pack, so such weights keep torch's linear)."""
+    if not onednn_available():
+        return ()
+    try:
+        with torch.inference_mode():
+            torch.ops.mkldnn._reorder_linear_weight(torch.ones(3, 4, dtype=torch.bfloat16), PACK_ROWS)
+        return DTYPES
+    except Exception:  # noqa: BLE001 - e.g. "bf16 path needs the cpu support avx_ne_convert or avx512bw, ..."
+        return (torch.float32,)
+
+
 # NOTE: up to this many rows an fp32 linear runs on rollout's small-M kernel (rollout/kernels/csrc/small_gemm.cpp),
 # which streams the weights while it computes; above, oneDNN's packed GEMM is faster (measured on the 100M
 # model's 84 layer linears + head at 2 threads, oneDNN -> ours: 1 row 11.8 -> 8.7 ms, 16 rows 14.9 -> 10.5,
@@ -109,8 +124,8 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # `device` objects, the weight's shape read once at routing: `_rollout_k`, `_rollout_n`)
     w, b = self.weight, self.bias
     k, numel = self._rollout_k, x.numel()
-    if x.dtype is w.dtype and x.is_cpu and w.is_cpu and (b is None or b.dtype is w.dtype) and w.dtype in DTYPES \
-            and (self._rollout_always or numel >= MIN_ROWS * k) \
+    if x.dtype is w.dtype and x.is_cpu and w.is_cpu and (b is None or b.dtype is w.dtype) \
+            and w.dtype in self._rollout_dtypes and (self._rollout_always or numel >= MIN_ROWS * k) \
             and not torch.is_autocast_enabled("cpu"):  # NOTE: under autocast, torch's linear keeps its semantics
         if self._rollout_small is not None and numel <= SMALL_ROWS * k and w.dtype is torch.float32:
             held = self._rollout_panels  # NOTE: `panel_weight`'s check, inlined (0.6 us a call: 85 calls a step)
@@ -174,18 +189,20 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
     if not (enabled() and onednn_available()):
         return 0
     min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
+    dtypes = onednn_dtypes()
     small, looked = None, False  # NOTE: the kernels are built only when a CPU weight is routed (never on a GPU)
     n = nbytes = 0
     for module in view.modules():
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
             continue
         w = module.weight
-        if w.device.type != "cpu" or w.dtype not in DTYPES or w.numel() < min_elements:
+        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() < min_elements:
             continue
         if not looked:
             small, looked = (cpu_kernels.small_linear() if small_enabled() else None), True
         module.forward = types.MethodType(_onednn_forward, module)
         module._rollout_packed = module._rollout_panels = None
+        module._rollout_dtypes = dtypes  # NOTE: a module cast later (`.bfloat16()`) repacks only where it can
         module._rollout_small = small if w.dtype is torch.float32 else None
         module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
         module._rollout_n, module._rollout_k = w.shape
