@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,10 @@ from trainers.verifiers import math_reward
 # (seed 0: ~step 450; seed 1: past 1000), so `--seed` varies the RL run on one fixed, partly trained
 # policy. See trainers.tasks.sft_warm_start.
 GRPO_WARM_START = dict(target_exact=0.3, max_sft_steps=1000, seed=0)
+# NOTE: warm starts are built once per machine and settings, here, and copied to each run's OUTPUT_DIR/init
+# (the first recipe run pays the ~40-90 s; every later one, whatever its --output_dir, reuses it)
+WARM_START_CACHE = "~/.cache/rollout/warm_starts"  # NOTE: ROLLOUT_WARM_START_CACHE moves it
+WARM_START_BAND = 0.05  # the warm start lands within target_exact +- this (trainers.tasks.sft_warm_start)
 # NOTE: the embedded sequences are ~15 tokens: small pages, and a cache sized to the batch, not to memory.
 GRPO_EMBEDDED_ENGINE = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=2048)
 
@@ -225,6 +230,7 @@ def build_warm_start(
     max_sft_steps: int = 1000,
     hidden_size: int = 128,
     num_layers: int = 3,
+    band: float = WARM_START_BAND,
 ) -> str:
     """Build the embedded addition model from scratch, warm-start it by SFT until greedy exact
     match reaches `target_exact` (a partly trained policy leaves RL room to improve), and
@@ -232,32 +238,47 @@ def build_warm_start(
     tokenizer = make_addition_tokenizer()
     task = AdditionTask(num_digits=3, seed=seed)
     model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
-    sft_warm_start(model, tokenizer, task, steps=max_sft_steps, seed=seed, target_exact=target_exact)
+    sft_warm_start(model, tokenizer, task, steps=max_sft_steps, seed=seed, target_exact=target_exact, band=band)
     accuracy = greedy_accuracy(model, tokenizer, task)
     print(f"warm start: greedy exact {accuracy['exact']:.3f}, reward {accuracy['reward']:.3f} -> {path}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    settings = dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps)
+    settings = dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps, band=band)
     with open(os.path.join(path, WARM_START_FILE), "w") as f:
         json.dump({**settings, "hidden_size": hidden_size, "num_layers": num_layers, **accuracy}, f)
     return path
 
 
+def warm_start_cache_dir(seed: int, target_exact: float, max_sft_steps: int, band: float = WARM_START_BAND) -> str:
+    """Where the shared cache keeps the embedded addition model warm-started with these settings."""
+    root = os.path.expanduser(os.environ.get("ROLLOUT_WARM_START_CACHE", WARM_START_CACHE))
+    return os.path.join(root, f"addition3_seed{seed}_target{target_exact:g}_steps{max_sft_steps}_band{band:g}")
+
+
 def prepare_embedded_model(accelerator: Accelerator, path: str, **warm_start) -> str:
-    """Rank 0 builds and saves the warm-started model at `path` (a checkpoint already there,
-    built with the same settings, is reused); then every rank may load it from disk."""
+    """Rank 0 puts the warm-started model at `path`: a checkpoint already there built with the same settings is
+    kept, else one from the shared cache (`warm_start_cache_dir`, built there first when missing) is copied in;
+    then every rank may load it from disk."""
     if accelerator.is_main_process:
-        record = os.path.join(path, WARM_START_FILE)
-        saved = {}
-        if os.path.exists(record):
-            with open(record) as f:
-                saved = json.load(f)
-        if saved and all(saved.get(k) == v for k, v in warm_start.items()):
-            print(f"warm start: reusing {path} (greedy exact {saved['exact']:.3f})")
+        warm_start.setdefault("band", WARM_START_BAND)
+        if saved_settings_match(path, warm_start):
+            print(f"warm start: reusing {path}")
         else:
-            build_warm_start(path, **warm_start)
+            cached = warm_start_cache_dir(**warm_start)
+            if saved_settings_match(cached, warm_start):
+                print(f"warm start: reusing the cached {cached}")
+            else:
+                build_warm_start(cached, **warm_start)
+            shutil.copytree(cached, path, dirs_exist_ok=True)
     accelerator.wait_for_everyone()
     return path
+
+
+def saved_settings_match(path: str, warm_start: dict) -> bool:
+    """Whether `path` holds a warm start saved with `warm_start`'s settings."""
+    record = os.path.join(path, WARM_START_FILE)
+    saved = json.load(open(record)) if os.path.exists(record) else {}  # noqa: SIM115 - a small file, read once
+    return bool(saved) and all(saved.get(k) == v for k, v in warm_start.items())
 
 
 def load_policy_and_prompts(

@@ -17,8 +17,8 @@ With no arguments this is the embedded CPU demo, offline:
      OUTPUT_DIR/summary.json (curves, wall time of each run, first step at >= 90% of the teacher).
 
 Launch:
-    accelerate launch recipes/distill.py
-    accelerate launch recipes/distill.py --teacher runs/grpo/final --student runs/grpo/init --steps 40
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/distill.py
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/distill.py --teacher runs/grpo/final --student runs/grpo/init --steps 40
 """
 
 # ruff: noqa: E402

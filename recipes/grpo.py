@@ -18,8 +18,8 @@ With no arguments this is the embedded CPU demo, end to end and offline:
      tokens/s, greedy exact match on 512 held-out problems before and after).
 
 Launch (a tqdm bar shows the reward; the default took 175-190 s on 2 CPU cores, clean clone, 2026-12-02):
-    accelerate launch recipes/grpo.py
-    accelerate launch recipes/grpo.py --async_rollout --max_staleness 1   # generation overlaps training
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --async_rollout --max_staleness 1   # generation overlaps training
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/grpo.py      # 2 CPU ranks
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \\
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match \\

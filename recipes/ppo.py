@@ -15,7 +15,7 @@ Writes OUTPUT_DIR/metrics.jsonl, reward.png, final/ (the policy via save_pretrai
 value_head.pt) and summary.json.
 
 Launch:
-    accelerate launch recipes/ppo.py
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/ppo.py
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/ppo.py
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/ppo.py \\
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match --lr 1e-6

@@ -20,7 +20,7 @@ With no arguments this is the embedded CPU demo of recipes/grpo.py, trained by T
 
 Launch (the default, 60 rollout batches, took 5 min 7 s on 2 shared CPU cores, plus the warm start the
 first time: 1-2.5 min; reward 0.552 -> 0.681 first 5 -> last 5 batches; 2 ranks: 5 min 44 s, 0.554 -> 0.742):
-    accelerate launch recipes/trl_grpo.py
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/trl_grpo.py
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/trl_grpo.py   # 2 CPU ranks
     accelerate launch --multi_gpu --num_processes 2 recipes/trl_grpo.py                # the same, inline
 `--model`, `--dataset`, `--reward` as in recipes/grpo.py; a dataset whose `prompt` column holds chat

@@ -9,6 +9,15 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _warm_start_cache(tmp_path_factory):
+    """The recipes' shared warm-start cache (recipes/_common.py) in a temporary folder, not the user's home."""
+    import os
+
+    os.environ["ROLLOUT_WARM_START_CACHE"] = str(tmp_path_factory.mktemp("warm_starts"))
+    yield
+
+
 @pytest.fixture(autouse=True)
 def _fresh_accelerate_state():
     """Each test starts and ends with no accelerate singleton state (also none left by a module fixture).

@@ -39,6 +39,7 @@ def plan_engine_cache(model: torch.nn.Module, config: ContinuousBatchingConfig, 
         shape, config.page_size, config.num_blocks, config.max_batch_tokens, config.max_memory_percent, device,
         step_bytes_per_token(model.config, dtype), config.max_requests_per_batch,
         cpu_share_set=config.memory_percent_set, attn=attn_memory,
+        context_pages=max_pages if getattr(tc, "max_position_embeddings", None) else None,
     )
     offload_pages = plan_offload(config.cpu_offload_space, config.cpu_offload_space_safety_threshold,
                                  config.page_size * shape.bytes_per_token)

@@ -20,6 +20,8 @@ GiB = 1 << 30
 # 5% of the available RAM and never more than 1 GiB (that still holds ~250k tokens of a 5M model).
 CPU_CACHE_FRACTION = 0.05
 CPU_CACHE_CAP_BYTES = 1 * GiB
+# NOTE: the sequences a default-sized cache is made to hold at the model's full context (vLLM's max_num_seqs)
+DEFAULT_CONCURRENCY = 256
 DEFAULT_MAX_BATCH_TOKENS = 8192
 MIN_MAX_BATCH_TOKENS = 256
 
@@ -95,6 +97,7 @@ def plan_cache(
     max_requests: int | None = None,
     cpu_share_set: bool = False,
     attn: AttnMemory = AttnMemory(),
+    context_pages: int | None = None,
 ) -> tuple[int, int]:
     """Returns `(num_pages, max_batch_tokens)`.
 
@@ -111,7 +114,10 @@ def plan_cache(
     square. The attention backend's temporaries (`attn`) count too: per query token (in the step),
     fixed, and in proportion to the cache (what a gather may copy out of it in one layer). On CUDA
     the step memory is then taken out of the budget; on a CPU the step is transient. The rest, less
-    the fixed temporaries, is the cache and its gathers: `num_pages` is what that holds, at least 1.
+    the fixed temporaries, is the cache and its gathers: `num_pages` is what that holds, at least 1, and
+    no more than `DEFAULT_CONCURRENCY` (or `max_requests`) sequences of the model's whole context need
+    (`context_pages` a sequence), twice over for the prefix cache: a model with a 128-token context gets a
+    cache of a few MiB, not the budget's GiB.
     """
     per_token = shape.bytes_per_token
     if device.type == "cuda":
@@ -134,4 +140,6 @@ def plan_cache(
         # NOTE: the backend's fixed temporaries never shrink the step: they come out of the cache's share
         cache_budget = budget - attn.fixed - (step_memory(max_batch_tokens) if device.type == "cuda" else 0)
         num_pages = max(1, int(cache_budget / (per_token * page_size * (1 + attn.per_cache_byte))))
+        if context_pages:
+            num_pages = min(num_pages, 2 * context_pages * (max_requests or DEFAULT_CONCURRENCY))
     return num_pages, max_batch_tokens

@@ -404,3 +404,13 @@ def test_an_engine_sizes_its_cpu_cache_from_an_explicit_max_memory_percent(monke
     shape = memory_plan.kv_shape_from_config(model.config, torch.float32)
     fixed = attention_memory(small.backend.name, shape, 16, None, False, 1024 // 16).fixed
     assert small.page_pool.num_pages == (int(64 * GiB * 0.001) - fixed) // page_bytes
+
+
+def test_a_default_cache_is_no_larger_than_the_context_needs():
+    cpu = torch.device("cpu")
+    budget_pages, _ = plan_cache(SHAPE, 16, None, None, 0.8, cpu)
+    pages, _ = plan_cache(SHAPE, 16, None, None, 0.8, cpu, context_pages=4)  # NOTE: a 64-token context
+    assert pages == 2 * 4 * memory_plan.DEFAULT_CONCURRENCY < budget_pages
+    assert plan_cache(SHAPE, 16, None, None, 0.8, cpu, max_requests=4, context_pages=8)[0] == 2 * 8 * 4
+    assert plan_cache(SHAPE, 16, 7, None, 0.8, cpu, context_pages=1)[0] == 7  # explicit wins
+    assert plan_cache(SHAPE, 16, None, None, 0.8, cpu, context_pages=10**9)[0] == budget_pages
