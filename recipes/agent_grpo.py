@@ -132,6 +132,7 @@ def plot(history: list[dict], path: str, title: str) -> str:
         ax.plot(steps, values, "o", color=color, alpha=0.35, markersize=3)
         ax.plot(steps, smooth(values), color=color, linewidth=2, label=label)
     ax.set_xlabel("RL step")
+    ax.set_ylabel("mean reward / tool-use rate")
     ax.set_ylim(-0.02, 1.02)
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)

@@ -73,6 +73,7 @@ from _common import (
     write_json,
 )
 from _grpo_args import TRAIN_PROMPTS, add_grpo_args, grpo_config_kwargs
+from _mode import mode_line, mode_name, mode_numbers
 from accelerate.utils import set_seed
 
 from trainers import GRPOConfig, GRPOTrainer
@@ -125,7 +126,8 @@ def write_outputs(args, accelerator, trainer, tokenizer, summary: dict, history:
     trainer.policy.save_pretrained(final)
     tokenizer.save_pretrained(final)
     first, last = summary["reward_first5"], summary["reward_last5"]
-    title = f"{args.algorithm} on {summary['model']}, T={args.temperature}: reward {first:.3f} -> {last:.3f}"
+    title = (f"{args.algorithm}, {mode_name(args)}, on {summary['model']}, T={args.temperature}: reward {first:.3f} -> "
+             f"{last:.3f}")
     plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
     write_json(summary, os.path.join(args.output_dir, "summary.json"))
     print(
@@ -134,6 +136,7 @@ def write_outputs(args, accelerator, trainer, tokenizer, summary: dict, history:
         f"(warm start {summary['warm_start_s']:.0f}s), {summary['rollout_tokens_per_s']:.0f} rollout tok/s; "
         f"outputs in {args.output_dir}"
     )
+    print(mode_line(args, history))
     if heldout:
         before, after = heldout["greedy_before"], heldout["greedy_after"]
         print(
@@ -184,6 +187,8 @@ def main(argv: list[str] | None = None) -> dict:
         num_processes=accelerator.num_processes,
         model=model_path,
         algorithm=args.algorithm,
+        mode=mode_name(args),
+        **mode_numbers(history),
         **heldout,
     )
     write_outputs(args, accelerator, trainer, tokenizer, summary, history, heldout)

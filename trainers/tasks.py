@@ -321,28 +321,29 @@ def sft_warm_start(
         raise ValueError(f"steps and eval_every must be >= 1, got {steps} and {eval_every}")
     rng = random.Random(seed)
     sft = SupervisedSteps(model, lr, steps)
-    start, fine, before = time.perf_counter(), False, None  # NOTE: before: (exact, weights) at the last step
+    start, fine, before = time.perf_counter(), False, None  # NOTE: before: (exact, weights, fine) at the last check
     for step in range(1, steps + 1):
         input_ids, _, labels = _sft_batch(tokenizer, task.sample(batch_size, rng))
         mean = sft(input_ids, labels)
         exact, done = None, step == steps
         if target_exact is not None and (fine or step % eval_every == 0):
-            # NOTE: 512 problems once the transition has begun: sd ~0.02 at 0.3 (256 gave stops 0.06 off held-out)
+            # NOTE: 512 problems once the transition has begun: sd ~0.02 at 0.3 (256 stopped 0.06 off held-out)
             exact = greedy_accuracy(model, tokenizer, task, n=512 if fine else 256, seed=_STOP_EVAL_SEED)["exact"]
+            if not fine and exact >= target_exact / 4:
+                fine, exact = True, greedy_accuracy(model, tokenizer, task, n=512, seed=_STOP_EVAL_SEED)["exact"]
             if exact > target_exact + band and before is not None:
                 model.load_state_dict(before[1])
                 if before[0] >= target_exact - band:
                     exact, done = before[0], True
                 else:  # NOTE: retrace from the last evaluation checking every step, then at half the rate
-                    if fine:
+                    if before[2]:
                         sft.scale_lr(0.5)
                     if progress:
                         print(f"sft step {step}: exact {exact:.3f} jumped past {target_exact}+-{band}; back to the "
-                              f"last evaluation ({before[0]:.3f}){', half the learning rate' if fine else ''}")
-                    exact, fine = before[0], True
-            fine = fine or exact >= target_exact / 4
+                              f"last evaluation ({before[0]:.3f}){', half the learning rate' if before[2] else ''}")
+                    exact = before[0]
             done = done or exact >= target_exact
-            before = (exact, {k: v.detach().clone() for k, v in model.state_dict().items()})
+            before = (exact, {k: v.detach().clone() for k, v in model.state_dict().items()}, fine)
         if progress and (step % 50 == 0 or done):
             shown = "" if exact is None else f" exact {exact:.2f}"
             print(f"sft step {step}/{steps} loss {mean:.4f}{shown} ({time.perf_counter() - start:.1f}s)")

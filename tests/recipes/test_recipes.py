@@ -170,16 +170,21 @@ def test_grpo_short_run_writes_outputs(tmp_path, keep_rng):
     assert (out / "reward.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "summary.json").read_text())["steps"] == 2 == summary["steps"]
     assert (out / "final" / "config.json").exists() and (out / "init" / "warm_start.json").exists()
+    assert summary["mode"] == "sync" and "staleness_mean" not in summary
 
 
 def test_grpo_recipe_async_rollout_flags(tmp_path, keep_rng):
     grpo = load_recipe("grpo")
     out = tmp_path / "grpo_async"
     args = ["--steps", "3", "--sft_steps", "3", "--prompts_per_step", "4", "--group_size", "4"]
-    grpo.main([*args, "--async_rollout", "--max_staleness", "1", "--output_dir", str(out)])
+    summary = grpo.main([*args, "--async_rollout", "--max_staleness", "1", "--output_dir", str(out)])
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert all(r["staleness_max"] <= 1 and "time_generate_exposed" in r for r in records)
+    # NOTE: the plot and summary name the mode and carry its numbers
+    assert summary["mode"] == "async (max_staleness 1)"
+    assert summary["staleness_max"] == max(r["staleness_max"] for r in records)
+    assert summary["staleness_mean"] == pytest.approx(sum(r["staleness_mean"] for r in records) / 3)
 
 
 def test_grpo_recipe_on_a_chat_model_and_a_gsm8k_file_resumes(tmp_path, keep_rng, monkeypatch):
