@@ -76,10 +76,11 @@ def _lora_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         if not r:
             continue
         a, b = stack.a[slot, :r], stack.b[slot, :, :r]  # [r, in], [out, r]
+        # NOTE: PEFT's order, `y + (x @ A.T @ B.T) * scale`, so the sums round as the PeftModel's do
         if isinstance(rows, slice):
-            y2[rows].addmm_(x2[rows] @ a.T, b.T, alpha=stack.scales[slot])
+            y2[rows] += (x2[rows] @ a.T) @ b.T * stack.scales[slot]
         else:
-            y2.index_add_(0, rows, (x2.index_select(0, rows) @ a.T) @ b.T, alpha=stack.scales[slot])
+            y2.index_add_(0, rows, (x2.index_select(0, rows) @ a.T) @ b.T * stack.scales[slot])
     return y
 
 
