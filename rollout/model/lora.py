@@ -83,12 +83,17 @@ class EngineLoras:
         return True
 
     def begin(self, out: SchedulerOutput) -> None:
-        """The step's plan from its rows' adapters (none when every row runs the base model)."""
+        """The step's plan from its rows' adapters (none when every row runs the base model). With rows of
+        several adapters, the step's rows are first ordered by adapter (stable: a group's rows stay in order), so
+        each adapter's tokens are one contiguous run: a slice, no gather or scatter."""
         self.follow_policy()
         slots = [s.request.lora_slot for s in out.scheduled]
         if all(slot is None for slot in slots):
             self.ctx.plan = None
             return
+        if len(set(slots)) > 1:
+            out.scheduled.sort(key=lambda s: -1 if s.request.lora_slot is None else s.request.lora_slot)
+            slots = [s.request.lora_slot for s in out.scheduled]
         self.ctx.plan = plan_step(slots, [s.num_new_tokens for s in out.scheduled], self.device)
 
     def end(self) -> None:

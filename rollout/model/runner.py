@@ -145,6 +145,8 @@ class ModelRunner:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
+        if self.lora is not None:  # NOTE: may order the rows by adapter (`EngineLoras.begin`), so before `prepare`
+            self.lora.begin(out)
         kwargs, sampled, scored = self.prepare(out)
         kept = len(kwargs["logits_to_keep"])
         if not kept:
@@ -154,8 +156,6 @@ class ModelRunner:
             meta.layers_seen = set()
         if self.routes is not None:
             self.routes.begin()
-        if self.lora is not None:
-            self.lora.begin(out)
         try:
             logits = self.forward(**kwargs).logits[0]  # [R + S, V]
         finally:

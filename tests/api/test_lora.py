@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.lora import make_peft, redraw
+from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
 from rollout.kernels import linear
-from support.lora import make_peft, redraw
-from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
 
 peft = pytest.importorskip("peft", reason="LoRA tests need peft (the [lora] extra)")
 
