@@ -134,6 +134,17 @@ class LoraMethods:
             raise ValueError("no LoRA adapter is loaded (add_lora first)")
         return loras
 
+    def resolve_lora(self, name: str | None) -> tuple[int | None, bytes]:
+        """(slot, prefix-cache salt) a request under adapter `name` runs with (None: the policy: a PEFT policy's
+        adapter, else the base model); ValueError naming an unknown adapter. For `Request.lora_slot` / `cache_salt`."""
+        name = self._policy_lora if name is None else name
+        if name is None:
+            return None, b""
+        loras = engine_loras(self.manager.core, create=False)
+        if loras is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: no adapter is loaded (add_lora first)")
+        return loras.table.slot(name), loras.table.salts[name]
+
     def _lora_rows(self, lora: LoraChoice, n: int) -> list[tuple[int | None, bytes]] | None:
         """(slot, cache salt) of each of `n` prompts (None: all run the base model); ValueError naming a bad choice."""
         if lora is None and self._policy_lora is None:
@@ -143,13 +154,4 @@ class LoraMethods:
         names = [lora] * n if isinstance(lora, str) else [self._policy_lora if x is None else x for x in lora]
         if len(names) != n:
             raise ValueError(f"lora has {len(names)} entries for {n} prompts (one adapter name or None per prompt)")
-        loras = engine_loras(self.manager.core, create=False)
-        rows = []
-        for name in names:
-            if name is None:
-                rows.append((None, b""))
-                continue
-            if loras is None:
-                raise ValueError(f"unknown LoRA adapter {name!r}: no adapter is loaded (add_lora first)")
-            rows.append((loras.table.slot(name), loras.table.salts[name]))
-        return rows
+        return [self.resolve_lora(name) for name in names]
