@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
+from rollout.engine.tp import tp_size_of
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.model.lora import EngineLoras, strip_peft_layers
 from rollout.weights.lora_adapters import active_adapter, read_adapter
@@ -41,8 +42,17 @@ def engine_loras(core, create: bool = True) -> EngineLoras | None:
 
 
 def policy_config(model, config):
-    """A PEFT policy's engine config: one more slot (the policy's adapter) and a rank that fits it."""
-    rank = read_adapter(model).rank
+    """A PEFT policy's engine config: one more slot (the policy's adapter) and a rank that fits it; None when the
+    adapter cannot run unmerged here (DoRA, modules_to_save, TP, ...: PEFT's own layers then run it, as before)."""
+    try:
+        rank = read_adapter(model).rank
+        for refused, why in ((config.batch_invariant, "batch_invariant=True"), (tp_size_of(model) > 1, "tensor parallelism"),
+                             (config.default_compile_level >= 1, "default_compile_level >= 1")):
+            if refused:
+                raise ValueError(f"unmerged adapters do not run with {why} yet")
+    except ValueError as e:
+        logger.warning("the PeftModel runs through PEFT's own layers, one adapter, every update a full copy: %s", e)
+        return None
     return config.replace(max_loras=config.max_loras + 1, max_lora_rank=max(config.max_lora_rank, rank))
 
 
