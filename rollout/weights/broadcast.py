@@ -155,6 +155,7 @@ class WeightBroadcaster:
         place (`in_flight` as `broadcast`). Returns each member's adapter version (`rollout.serve.lora_routes`)."""
         from rollout.weights.lora_adapters import as_state_dict  # noqa: PLC0415
 
+        check_mode(in_flight, "in_flight")
         state, fields = as_state_dict(adapter, config)
         answers = self._push(list(state.items()), {"lora_name": name, "lora_config": fields}, in_flight)
         return [int(a["lora_version"]) for a in answers]
