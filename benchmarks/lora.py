@@ -12,9 +12,10 @@ greedy, `--new` tokens each, timed in turns (`--runs`, medians):
 
 The 1-adapter rows' tokens are checked against the merged engine's (the same function, rounded otherwise:
 near-ties may differ, reported as a match count). Then a sync: `update_lora` with the adapter's state dict
-(bytes and seconds) against `update_weights` with the whole merged model's state dict.
+(bytes and seconds) against `update_weights` with a whole model's state dict (another model's tensors, as a
+trainer's: a real copy).
 
-    python benchmarks/lora.py [--size 100m] [--rank 16] [--prompts 32] [--new 64] [--runs 3] [--threads 1]
+    python benchmarks/lora.py [--size 100m] [--rank 16] [--prompts 32] [--new 64] [--runs 3] [--threads 1] [--sync_only]
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", default=None)
+    p.add_argument("--sync_only", action="store_true", help="skip the tok/s runs")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     base = make_model(a.size)
@@ -84,6 +86,8 @@ def main() -> None:
         "4 adapters": lambda: engine.generate(prompts, temps=0.0, lora=[names[i % 4] for i in range(len(prompts))]),
         "base": lambda: engine.generate(prompts, temps=0.0),
     }
+    if a.sync_only:
+        runs, a.runs = {k: runs[k] for k in ("merged", "1 adapter")}, 0
     outs = {k: fn() for k, fn in runs.items()}  # NOTE: warm-up (kernels, packed weights)
     same = sum(torch.equal(x, y) for x, y in zip(outs["merged"].completion_ids, outs["1 adapter"].completion_ids,
                                                   strict=True))
@@ -94,18 +98,19 @@ def main() -> None:
             fn()
             times[k].append(time.perf_counter() - t0)
     tokens = a.prompts * a.new
-    tps = {k: tokens / statistics.median(v) for k, v in times.items()}
+    tps = {k: tokens / statistics.median(v) for k, v in times.items() if v}
     load = os.getloadavg()[0]
     print(f"{a.size} fp32, rank {a.rank} on every linear, {a.prompts} prompts x {a.prompt_len} tokens, {a.new} new, "
           f"{a.threads} thread(s), medians of {a.runs}, load {load:.1f}")
     for k, v in tps.items():
-        print(f"  {k:11s} {v:8.1f} tok/s   merged / this: {tps['merged'] / v:.3f}x")
+        print(f"  {k:11s} {v:8.1f} tok/s   this / merged (cost): {tps['merged'] / v:.3f}x")
     print(f"  greedy rows equal to the merged engine's: {same}/{a.prompts} (1 adapter)")
 
     from peft import get_peft_model_state_dict
 
     state, lcfg = get_peft_model_state_dict(adapters[1]), adapters[1].peft_config["default"]
-    full = merged.state_dict()
+    # NOTE: another model's tensors (a trainer's): the merged engine's own state dict would be a zero-copy update
+    full = copy.deepcopy(merged).state_dict()
     sync = {}
     for label, fn, nbytes in (
         ("adapter-only (update_lora)", lambda: engine.update_lora("a0", state, config=lcfg),
