@@ -189,3 +189,22 @@ def test_mixing_adapters_on_a_gpu():
         assert got == hf_greedy(model, prompt, NEW), i
         torch.testing.assert_close(out.logprobs[i].cpu(), teacher_forced_logprobs(model, prompt, got).cpu(),
                                    atol=1e-4, rtol=0)
+
+
+def test_groups_of_forks_under_different_adapters():
+    """GRPO groups (a prompt's samples fork its KV) under different adapters in one call, one prompt shared by all:
+    forks never cross adapters, and rows ordered by adapter keep each group's samples apart."""
+    base = make_model("qwen3")
+    pa, pb = make_peft(base, seed=1, r=4), make_peft(base, seed=2, r=8, targets=["q_proj", "v_proj"])
+    shared = random_prompts(1, 40, 40, seed=7)[0]
+    prompts = [shared, shared, shared, random_prompts(1, 20, 20, seed=8)[0]]
+    choice = ["b", None, "a", "b"]
+    with _engine(base) as engine:
+        engine.add_lora("a", pa)
+        engine.add_lora("b", pb)
+        out = engine.generate(prompts, temps=0.0, group_size=3, lora=choice)
+    oracle = {"a": pa, "b": pb, None: base}
+    for i, (prompt, name) in enumerate(zip(prompts, choice, strict=True)):
+        want = hf_greedy(oracle[name], prompt, NEW)
+        for j in range(3):
+            assert out.completion_ids[3 * i + j].tolist() == want, (i, j, name)
