@@ -318,13 +318,9 @@ def sft_warm_start(
     The stop is needed because this task is learnt through a sudden transition whose step count varies with the seed and the transformers version
     (checked every 25 steps only, one fresh install stopped at 0.463 for a 0.3 target).
 
-    Measured here (2 CPU cores shared with other jobs; hidden 128, 3 layers, batch 64, lr 3e-3,
-    3-digit zero-padded problems; greedy on 1,024 held-out problems): with every default, seed 0
-    stops at step 450, exact match 0.28, mean reward 0.68. Loss plateaus near 1.2 (exact ~1%,
-    reward ~0.35) until a transition at step ~400 for seeds 0 and 2; seed 1 sits on a second
-    plateau (loss ~0.9) and runs all 1000 steps: exact 0.04, reward 0.54. A step costs ~65 ms
-    on 2 idle cores, so the seed-0 default takes ~30 s idle (measured 90-190 s on one thread
-    with load average 6-9). Unpadded operands ("7+45=") moved seed 0's transition to ~650 steps.
+    Measured (hidden 128, 3 layers, batch 64, lr 3e-3, 3-digit zero-padded problems): loss plateaus near
+    1.2 until a transition at step ~400 for seeds 0 and 2 (seed 0 stops at step 450, held-out 0.23 on
+    256 problems); seed 1 sits on a second plateau and runs all 1000 steps. ~65 ms a step on 2 idle cores.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError(f"steps and eval_every must be >= 1, got {steps} and {eval_every}")
