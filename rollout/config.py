@@ -133,6 +133,8 @@ class _ConfigFields:
     auto_switch_to_flash: bool = _compat(True, Bool())
     attn_backend: str = _setting("auto", OneOf(ATTN_BACKENDS))
     batch_invariant: bool = _setting(False, Bool())
+    max_loras: int = _setting(0, Int(0))  # NOTE: LoRA adapter slots (rollout.model.lora); 0: no adapters
+    max_lora_rank: int = _setting(16, Int(1))
     # NOTE: whether `max_memory_percent` was given (the CPU default differs from the GPU one's 0.8); set by
     # ContinuousBatchingConfig.__init__.
     memory_percent_set: bool = field(default=False, init=False, repr=False, compare=False)
@@ -191,6 +193,9 @@ class ContinuousBatchingConfig(_ConfigFields):
         default_compile_level: 0 (default) runs the forward eagerly; 1-3 (all the same here) compile it on
             a CPU as one graph (`rollout.model.compiled`: seconds to a minute once per process and thread count,
             faster steps after); no effect on other devices.
+        max_loras: LoRA adapters the engine holds at once (`add_lora`; 0, the default: none), each served unmerged
+            beside the base linears, many per step (`rollout.model.lora`).
+        max_lora_rank: the largest rank an adapter may have (default 16, as vLLM's).
         cpu_group_timeout: seconds a collective of the tensor-parallel CPU group may block before the rank
             raises (`rollout.engine.tp`); None waits forever.
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,

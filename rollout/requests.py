@@ -153,6 +153,10 @@ class Request:
     scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top values, top ids, rank)
     top: list[tuple[list[float], list[int]]] = field(default_factory=list)  # per generated token
     routes: Any = None  # NOTE: its `rollout.model.routes.RequestRoutes` when it asked for routed experts
+    # NOTE: LoRA (`rollout.model.lora`): the adapter slot it runs under (None: the base model), and the salt of its
+    # prefix-cache keys (the adapter and its version), so KV is shared only between requests of one adapter version
+    lora_slot: int | None = None
+    cache_salt: bytes = b""
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_ids) + list(self.forced_ids)

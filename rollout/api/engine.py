@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.chat import chat_template_ids
+from rollout.api.lora import LoraChoice, LoraMethods
 from rollout.api.per_prompt import per_prompt
 from rollout.api.score_batch import ScoreBatch, pack_scores
 from rollout.config import ContinuousBatchingConfig
@@ -34,8 +35,9 @@ from rollout.weights.in_place import copy_weights
 logger = logging.getLogger("rollout")
 
 
-class RolloutEngine:
-    """Generation for RL: groups, per-prompt temperatures, logprobs, in-place weight swaps.
+class RolloutEngine(LoraMethods):
+    """Generation for RL: groups, per-prompt temperatures, logprobs, in-place weight swaps, LoRA adapters
+    (`rollout.api.lora`).
 
     Args:
         model: the policy (a HF causal LM). Its parameters are shared, never copied: an engine built on
@@ -131,6 +133,7 @@ class RolloutEngine:
         bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         return_routed_experts: bool = False,
+        lora: LoraChoice = None,
     ) -> RolloutBatch:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
@@ -145,7 +148,8 @@ class RolloutEngine:
         (generated tokens, as vLLM), `min_tokens` (stop ids masked until then), `logit_bias` (token id ->
         bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
         Each is one value for all prompts or a list with one value per prompt. `return_routed_experts` (an MoE
-        policy) adds `batch.routed_experts` [N, P + T, L, k] (`rollout.model.routes`)."""
+        policy) adds `batch.routed_experts` [N, P + T, L, k] (`rollout.model.routes`). `lora`: the LoRA adapter
+        (`add_lora`) every prompt runs under, or one name or None (the base model) per prompt."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -161,9 +165,10 @@ class RolloutEngine:
             if self._asleep:
                 self.wake()
             self._calls += 1
+            loras = self._lora_rows(lora, len(ids))
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
                 rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                                    top_logprobs, return_routed_experts)
+                                    top_logprobs, return_routed_experts, loras)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
@@ -184,8 +189,9 @@ class RolloutEngine:
         return core.check_prompt(prompt)
 
     def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                top_logprobs=0, routes=False) -> list[str]:
-        """Queue every sample at once (all or none); prompts are the checked lists of `_encode`."""
+                top_logprobs=0, routes=False, loras=None) -> list[str]:
+        """Queue every sample at once (all or none); prompts are the checked lists of `_encode`; `loras`: each
+        prompt's (adapter slot, cache salt), None for the base model."""
         core = self.manager.core
         seeds = call_seeds(seed, len(ids), group_size)
         reqs = [
@@ -197,6 +203,8 @@ class RolloutEngine:
             for i, prompt in enumerate(ids)
             for j in range(group_size)
         ]
+        for k, r in enumerate(reqs if loras is not None else ()):
+            r.lora_slot, r.cache_salt = loras[k // group_size]
         if not self.manager.submit(reqs):
             raise RuntimeError("the rollout engine's manager is not running")
         return [r.request_id for r in reqs]
@@ -222,6 +230,7 @@ class RolloutEngine:
         bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         return_routed_experts: bool = False,
+        lora: LoraChoice = None,
     ) -> ScoreBatch:
         """Teacher-forced logprobs of `completion_ids[i]` after `prompt_ids[i]`, through the paged engine.
 
@@ -233,7 +242,8 @@ class RolloutEngine:
         raw; `top_k`, `top_p` and the logits processors of `generate`, one value or one per row), each
         position's processors applied to prompt + the completion before it. Prompt positions
         (`prompt_logprobs`) are scored as if the prompt ended there. Returns a `ScoreBatch`
-        (`return_routed_experts`: with `routed_experts` [N, P + T, L, k], prompt and completion tokens)."""
+        (`return_routed_experts`: with `routed_experts` [N, P + T, L, k], prompt and completion tokens). `lora`: as
+        `generate`'s, one adapter name or None per row."""
         self._check_open()
         width = None
         if isinstance(prompt_ids, RolloutBatch):
@@ -273,6 +283,8 @@ class RolloutEngine:
                 )
                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
             ]
+            for r, row in zip(reqs, self._lora_rows(lora, len(reqs)) or (), strict=False):
+                r.lora_slot, r.cache_salt = row
             with self.manager.driving():
                 if not self.manager.submit(reqs):
                     raise RuntimeError("the rollout engine's manager is not running")

@@ -25,6 +25,11 @@ def group_key(page_hash: bytes, group: int) -> bytes:
     return page_hash if group == 0 else page_hash + group.to_bytes(2, "little")
 
 
+def prompt_key(req: Request) -> tuple:
+    """What identical prompts share to fork one another's KV: the tokens and the cache salt (a LoRA adapter)."""
+    return req.cache_salt, tuple(req.prompt_ids)
+
+
 class PrefixIndex:
     """Args: pool: the page pool (its prefix cache); fork_prompts: let identical prompts fork a leader."""
 
@@ -33,13 +38,13 @@ class PrefixIndex:
         self.page_size = pool.page_size
         self.fork_enabled = fork_prompts
         self.inflight: dict[bytes, Request] = {}  # hash of a prompt page being computed -> who computes it
-        self.leaders: dict[tuple[int, ...], Request] = {}  # prompt -> the running request others fork
+        self.leaders: dict[tuple, Request] = {}  # prompt -> the running request others fork
 
     def hashes(self, req: Request, num_pages: int) -> list[bytes]:
         """The request's first `num_pages` page hashes, extending its memo as tokens become known."""
         known = len(req.page_hashes)
         if num_pages > known:
-            parent = req.page_hashes[-1] if known else ROOT_HASH
+            parent = req.page_hashes[-1] if known else ROOT_HASH + req.cache_salt
             req.page_hashes += page_hashes(req.token_ids, self.page_size, num_pages - known, known, parent)
         return req.page_hashes[:num_pages]
 
@@ -87,13 +92,13 @@ class PrefixIndex:
         for h in hashes[req.num_computed_tokens // self.page_size :]:
             self.inflight.setdefault(h, req)
         if self.fork_enabled and req.num_preemptions == 0 and req.num_prompt_tokens > 1:
-            self.leaders.setdefault(tuple(req.prompt_ids), req)
+            self.leaders.setdefault(prompt_key(req), req)
 
     def leader_of(self, req: Request) -> Request | None:
         """The running request with `req`'s prompt that `req` could fork (None without one, or forking off)."""
         if not self.fork_enabled:
             return None
-        leader = self.leaders.get(tuple(req.prompt_ids))
+        leader = self.leaders.get(prompt_key(req))
         return None if leader is req else leader
 
     def cache_full_pages(self, req: Request, tables: list[list[int]]) -> None:
@@ -117,7 +122,7 @@ class PrefixIndex:
         """`req` no longer runs: it computes nothing in flight and leads nothing."""
         for h in [h for h, r in self.inflight.items() if r is req]:
             del self.inflight[h]
-        if self.leaders.get(key := tuple(req.prompt_ids)) is req:
+        if self.leaders.get(key := prompt_key(req)) is req:
             del self.leaders[key]
 
     def forget(self) -> None:

@@ -57,6 +57,7 @@ class ModelRunner:
         self.page_size = cache.page_size
         self.device_page_tables = DevicePageTables(len(self.windows), self.device)  # NOTE: persistent, synced each step
         self.routes = None  # NOTE: a `rollout.model.routes.RouteRecorder` once a request asked for routed experts
+        self.lora = None  # NOTE: the engine's `rollout.model.lora.EngineLoras` once an adapter was added
 
     def release(self, request) -> None:
         """`request` is final: its page-table row is free."""
@@ -153,7 +154,13 @@ class ModelRunner:
             meta.layers_seen = set()
         if self.routes is not None:
             self.routes.begin()
-        logits = self.forward(**kwargs).logits[0]  # [R + S, V]
+        if self.lora is not None:
+            self.lora.begin(out)
+        try:
+            logits = self.forward(**kwargs).logits[0]  # [R + S, V]
+        finally:
+            if self.lora is not None:
+                self.lora.end()
         if self.routes is not None:
             self.routes.record(out)
         if not self.verified:
