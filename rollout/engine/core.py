@@ -19,6 +19,7 @@ from rollout.attention.backends import select as select_backend
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.cache_plan import plan_engine_cache
 from rollout.engine.routed_experts import request_routes, start_recording
+from rollout.engine.speculation import Speculator
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from rollout.invariant import mode as batch_invariant
 from rollout.kv.kv_cache import PagedKVCache
@@ -45,7 +46,7 @@ from rollout.weights.in_place import versioned_tensors, weights_version
 
 logger = logging.getLogger("rollout")
 
-STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens")
+STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
@@ -126,6 +127,8 @@ class EngineCore:
         self.batch_ids = itertools.count()  # NOTE: ids of `add_requests` batches under tensor parallelism
         self._weights = versioned_tensors(self.view)
         self._weights_seen = weights_version(self._weights)
+        # NOTE: n-gram speculation (rollout.engine.speculation); not across tensor-parallel ranks nor batch-invariant
+        self.speculator = None if self.tp is not None or config.batch_invariant else Speculator(self, self._finalize)
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
             "attention windows %s, CPU offload %d pages",
@@ -272,6 +275,8 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
         self.runner.release(req)
+        if self.speculator is not None:  # NOTE: its tokens may draft for its prompt's later rollouts
+            self.speculator.finished(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -284,6 +289,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out:
             return self._unstick()
+        if out.decode_only and self.speculator is not None and (news := self.speculator.step(out)) is not None:
+            return news
         self._count_prompt_tokens(out)
         try:
             logits, sampled, scores = self.runner.execute(out)

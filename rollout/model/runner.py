@@ -63,11 +63,20 @@ class ModelRunner:
         """`request` is final: its page-table row is free."""
         self.device_page_tables.release(request)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int], list[ScoredRows]]:
+    def prepare(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[dict, list[int], list[ScoredRows]]:
         """Forward kwargs for the step, the scheduled indices whose last logits are sampled, and the scored
-        rows (those a scoring request keeps follow the sampled ones in `logits_to_keep`: `score_rows`)."""
+        rows (those a scoring request keeps follow the sampled ones in `logits_to_keep`: `score_rows`).
+
+        `drafts` (a speculative step of decoding rows, `rollout.engine.speculation`): row i runs its last token then
+        `drafts[i]`, and every position's logits are kept, row after row."""
         requests = [s.request for s in out.scheduled]
-        if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
+        if drafts is not None:
+            ids, starts, lens = [], [r.num_computed_tokens for r in requests], [1 + len(d) for d in drafts]
+            for r, d in zip(requests, drafts, strict=True):
+                ids.append(r.token_ids[-1])
+                ids += d
+            keep, sampled, scored = list(range(len(ids))), list(range(len(requests))), []
+        elif out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
             ids = [r.token_ids[-1] for r in requests]
             starts = [r.num_computed_tokens for r in requests]
             lens = [1] * len(requests)
@@ -138,14 +147,15 @@ class ModelRunner:
         return ids, keep, sampled, starts, lens
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int], Scores | None]:
+    def execute(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int], Scores | None]:
         """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`, the scored
-        rows' logits and where they belong, or None when no row is scored)."""
+        rows' logits and where they belong, or None when no row is scored); with `drafts` (see `prepare`), the
+        logits [sum(1 + len(draft)), V] of every position run."""
         for src, dst, n in out.copies:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
-        kwargs, sampled, scored = self.prepare(out)
+        kwargs, sampled, scored = self.prepare(out, drafts)
         kept = len(kwargs["logits_to_keep"])
         if not kept:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
