@@ -19,7 +19,7 @@ from rollout import compat_config
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
-ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.attention.backends implements each
+ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash", "triton")  # NOTE: rollout.attention.backends implements each
 BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.invariant.attention in the mode
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
@@ -184,7 +184,8 @@ class ContinuousBatchingConfig(_ConfigFields):
         attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, or "sdpa" with a warning
             when its C++ kernel cannot build; "flex" on CUDA; "sdpa" on other devices), "cpu" (C++
             kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled FlexAttention over the
-            paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError).
+            paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError),
+            "triton" (Triton paged decode kernel; CUDA, or a CPU under TRITON_INTERPRET=1; the triton extra).
             See `rollout.attention.backends`.
         batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
             (`rollout.invariant.mode`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
