@@ -197,7 +197,9 @@ class ContinuousBatchingConfig(_ConfigFields):
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         varlen_compile_config, decode_compile_config, max_blocks_per_request,
         auto_switch_to_flash: accepted (and validated) for API compatibility with
-            transformers, without effect here: `rollout.compat_config` says what each does there and here.
+            transformers, most without effect here (decode_compile_config / varlen_compile_config compile their
+            path, max_blocks_per_request sizes the static decode step): `rollout.compat_config` says what each
+            does there and here.
     """
 
     __slots__ = ()

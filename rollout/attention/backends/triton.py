@@ -17,7 +17,7 @@ import importlib
 import torch
 
 from rollout.attention.backends.base import StepInputs
-from rollout.attention.backends.cpu import DTYPES, CpuGroupMetadata, build_cpu_group
+from rollout.attention.backends.cpu import DTYPES, CpuGroupMetadata, build_cpu_group, static_group
 from rollout.attention.backends.sdpa import SdpaBackend, attend_gathered
 from rollout.kv.memory_plan import AttnMemory, KVShape
 
@@ -77,6 +77,10 @@ class TritonBackend(SdpaBackend):
     def build_group(self, window: int | None, tables: list[list[int]], step: StepInputs,
                     page_size: int) -> CpuGroupMetadata:
         return build_cpu_group(window, step, page_size)
+
+    def static_group(self, window, slots, table, rows, start, end) -> CpuGroupMetadata:
+        """Decode rows over persistent buffers (`rollout.attention.backends.cpu.static_group`)."""
+        return static_group(window, slots, table, rows, start, end)
 
     def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
