@@ -19,7 +19,7 @@ from rollout import compat_config
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
-ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.attention.backends implements each
+ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash", "triton")  # NOTE: rollout.attention.backends implements each
 BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.invariant.attention in the mode
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
@@ -191,7 +191,8 @@ class ContinuousBatchingConfig(_ConfigFields):
         attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, or "sdpa" with a warning
             when its C++ kernel cannot build; "flex" on CUDA; "sdpa" on other devices), "cpu" (C++
             kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled FlexAttention over the
-            paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError).
+            paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError),
+            "triton" (Triton paged decode kernel; CUDA, or a CPU under TRITON_INTERPRET=1; the triton extra).
             See `rollout.attention.backends`.
         batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
             (`rollout.invariant.mode`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
@@ -209,7 +210,9 @@ class ContinuousBatchingConfig(_ConfigFields):
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         varlen_compile_config, decode_compile_config, max_blocks_per_request,
         auto_switch_to_flash: accepted (and validated) for API compatibility with
-            transformers, without effect here: `rollout.compat_config` says what each does there and here.
+            transformers, most without effect here (decode_compile_config / varlen_compile_config compile their
+            path, max_blocks_per_request sizes the static decode step): `rollout.compat_config` says what each
+            does there and here.
     """
 
     __slots__ = ()

@@ -35,6 +35,7 @@ from rollout.model.model_facts import (
 )
 from rollout.model.routers import moe_routers
 from rollout.model.runner import ModelRunner
+from rollout.model.static_decode import static_plan, varlen_compile
 from rollout.prompts import check_token_ids
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.sampling.sampler import Sampler
@@ -103,7 +104,15 @@ class EngineCore:
         self.backend = batch_invariant.engine_backend(attn_name) if config.batch_invariant else create_backend(
             attn_name, self.device, self.dtype, page_size=config.page_size, num_pages=num_pages,
             max_batch_tokens=self.max_batch_tokens)
-        self.cache = PagedKVCache(num_pages, config.page_size, self.device, self.dtype, groups,
+        tc = text_config(model)
+        static = static_plan(config, self.device, config.page_size, num_pages,
+                             getattr(tc, "max_position_embeddings", None))
+        if static is not None and not hasattr(self.backend, "static_group"):
+            logger.warning("attn_backend %r has no in-place decode kernel: decode steps are not static "
+                           "(decode_compile_config / use_cuda_graph need 'cpu' or 'triton')", self.backend.name)
+            static = None
+        # NOTE: a static decode step's padded rows write into one null page past the pool's
+        self.cache = PagedKVCache(num_pages + (static is not None), config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
@@ -114,10 +123,9 @@ class EngineCore:
             windows=self.windows, offloader=self.cache.offload,
         )
         self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
-                                  compiled=config.default_compile_level >= 1 and self.device.type == "cpu")
+                                  compiled=varlen_compile(config, self.device), static=static)
         self.sampler = Sampler(self.device) if self.tp is None else AgreedSampler(Sampler(self.device), self.tp)
         self.set_generation_config(generation_config)
-        tc = text_config(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(tc, "max_position_embeddings", None)
         self.policy_version = 0

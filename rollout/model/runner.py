@@ -16,6 +16,7 @@ from rollout.attention.backends import AttentionBackend, AttentionMetadata, Step
 from rollout.attention.backends import create as create_backend
 from rollout.kv.device_page_tables import DevicePageTables
 from rollout.kv.kv_cache import PagedKVCache
+from rollout.model.static_decode import StaticDecode, StaticPlan
 from rollout.sampling.token_logprobs import ScoredRows, Scores
 from rollout.scheduling.stages import SchedulerOutput
 from rollout.tensors import int_tensor
@@ -35,19 +36,24 @@ class ModelRunner:
             in each of them (default: the cache's layers).
         backend: the attention backend (`rollout.attention.backends`): builds each group's metadata and attends;
             default the portable `sdpa`.
-        compiled: run the view's forward as one compiled graph (`rollout.model.compiled`, CPU only).
+        compiled: run the view's forward as one compiled graph (`rollout.model.compiled`): True for the dynamic
+            whole-forward graph, or the `torch.compile` arguments of the varlen path (`varlen_compile_config`).
+        static: run decode-only steps through fixed-shape buffers (`rollout.model.static_decode.StaticPlan`), or None.
     """
 
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None,
-        num_layers: int | None = None, backend: AttentionBackend | None = None, compiled: bool = False,
+        num_layers: int | None = None, backend: AttentionBackend | None = None, compiled: bool | dict = False,
+        static: StaticPlan | None = None,
     ) -> None:
         self.model = model
         self.forward = model
-        if compiled:
-            from rollout.model.compiled import CompiledForward
+        if compiled or static is not None:
+            from rollout.model.compiled import DYNAMIC, CompiledForward
 
-            self.forward = CompiledForward(model)
+            # NOTE: the static step enters our attention through the compiled forward's op; without `compiled`
+            # the other steps run that forward eagerly
+            self.forward = CompiledForward(model, DYNAMIC if compiled is True else (compiled or None))
         self.cache = cache
         self.backend = backend or create_backend("sdpa", cache.device, cache.dtype)
         self.windows = windows or [None]  # attention window of each layer group
@@ -58,6 +64,9 @@ class ModelRunner:
         self.device_page_tables = DevicePageTables(len(self.windows), self.device)  # NOTE: persistent, synced each step
         self.routes = None  # NOTE: a `rollout.model.routes.RouteRecorder` once a request asked for routed experts
         self.lora = None  # NOTE: the engine's `rollout.model.lora.EngineLoras` once an adapter was added
+        self.static = None if static is None else StaticDecode(
+            self.forward, cache, self.backend, self.windows, self.device_page_tables, static.max_pages,
+            static.compile_kwargs)
 
     def release(self, request) -> None:
         """`request` is final: its page-table row is free."""
@@ -155,6 +164,11 @@ class ModelRunner:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
+        if out.decode_only and self.static is not None and self.verified and self.routes is None \
+                and self.lora is None and not drafts:  # NOTE: the static step runs no adapters and no drafts
+            logits = self._static_decode(out)
+            if logits is not None:
+                return logits, list(range(len(out.scheduled))), None
         kwargs, sampled, scored = self.prepare(out, drafts)
         kept = len(kwargs["logits_to_keep"])
         if not kept:
@@ -181,6 +195,20 @@ class ModelRunner:
         if not scored:
             return logits, sampled, None
         return logits[: len(sampled)], sampled, Scores(logits[len(sampled) :], scored)
+
+    def _static_decode(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """fp32 logits [B, V] of a decode-only step through the static buffers, or None when a request's page table
+        is wider than them (then the general path runs the step). The first step runs the general path (its layer
+        check)."""
+        requests = [s.request for s in out.scheduled]
+        if len(self.windows) == 1:
+            tables = [[r.page_ids for r in requests]]
+        else:
+            tables = [list(t) for t in zip(*(s.tables for s in out.scheduled), strict=True)]
+        if not self.static.fits(tables):
+            return None
+        rows = self.device_page_tables.sync(requests, tables)
+        return self.static.run(requests, rows, tables)
 
     def _verify(self, seen: set[int]) -> None:
         """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""
