@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.chat import chat_template_ids
-from rollout.api.lora import LoraChoice, LoraMethods
+from rollout.api.lora import LoraChoice, LoraMethods, adopt_peft_policy, policy_config
 from rollout.api.per_prompt import per_prompt
 from rollout.api.score_batch import ScoreBatch, pack_scores
 from rollout.config import ContinuousBatchingConfig
@@ -31,6 +31,7 @@ from rollout.requests import RequestStatus
 from rollout.sampling.sampling_fields import temperatures
 from rollout.sampling.seeding import call_seeds
 from rollout.weights.in_place import copy_weights
+from rollout.weights.lora_adapters import is_peft_model
 
 logger = logging.getLogger("rollout")
 
@@ -59,8 +60,11 @@ class RolloutEngine(LoraMethods):
         self.model = model
         self.tokenizer = tokenizer
         config = (config or ContinuousBatchingConfig()).replace(return_logprobs=True)
+        peft = is_peft_model(model)  # NOTE: a PEFT policy: base + its adapter, unmerged (`rollout.api.lora`)
+        config = policy_config(model, config) if peft else config
         self.generation_config = self._generation_config(model, tokenizer, generation_config)
         self.manager = ContinuousBatchingManager(model, self.generation_config, config)
+        self._policy_lora = adopt_peft_policy(self.manager.core, model) if peft else None
         self.manager.start()
         self.device = next(model.parameters()).device
         self._lock = threading.RLock()  # one generate / update / sleep at a time
@@ -319,9 +323,12 @@ class RolloutEngine(LoraMethods):
         steps; paused in "keep" mode, they go on after `resume()`. Their KV computed so far is kept (it
         is their own context, never shared with another request), or with `recompute_kv=True` dropped and
         recomputed under the new weights before their next token. Each token's version is in
-        `RolloutBatch.versions`."""
+        `RolloutBatch.versions`. A PEFT policy (`RolloutEngine(peft_model)`) takes a PeftModel here and copies its
+        adapter's tensors only."""
         self._check_open()
         check_mode(in_flight, "in_flight")
+        if self._policy_lora is not None and is_peft_model(source):  # NOTE: the adapter's tensors only
+            return self._update_policy(source, in_flight, recompute_kv)
         if recompute_kv and in_flight != "keep":
             raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
         if in_flight == "abort":
