@@ -162,8 +162,8 @@ class AsyncRolloutMixin:
 
     def build_engine(self) -> RolloutEngine:
         cfg = self.config
-        if not cfg.async_rollout or cfg.engine_dtype is not None:
-            return super().build_engine()
+        if not cfg.async_rollout or cfg.engine_dtype is not None or self.fsdp is not None:
+            return super().build_engine()  # NOTE: a copy already, unless the engine shares the policy
         # NOTE: the optimizer must not change the weights under a running generation: the engine gets a
         # copy, refreshed by each sync.
         model = copy.deepcopy(self.policy).eval()
@@ -207,6 +207,6 @@ class AsyncRolloutMixin:
         if self.rollouts is None:
             return super().sync_weights()
         start = time.perf_counter()
-        self.engine.update_weights(self.policy, in_flight="keep")
+        self.engine.update_weights(self.weight_source(), in_flight="keep")
         self.rollouts.published(self.step_count + 1)  # NOTE: `step` counts this update after the sync
         return time.perf_counter() - start
