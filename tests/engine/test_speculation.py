@@ -108,6 +108,24 @@ def test_group_sibling_drafts():
     assert stats["spec_accepted_tokens"] >= 30, stats  # NOTE: its first 40 tokens are the sibling's
 
 
+def test_rejected_drafts_give_their_pages_back_at_once():
+    """After every step each running row holds exactly the pages of its computed tokens (as a plain step
+    leaves it): a rejected draft's pages go back to the pool in the step that rejected it."""
+    model = make_model("llama")  # NOTE: its drafts are mostly rejected
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)] + random_prompts(2, 5, 40, seed=3)
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=256, **SPEC))
+    for p in prompts:
+        core.add(core.make_request(p))
+    while core.has_work():
+        core.step()
+        held = sum(len(r.page_ids) for r in core.scheduler.running)
+        for r in core.scheduler.running:
+            assert len(r.page_ids) == core.page_pool.pages_needed(r.num_computed_tokens), r.request_id
+        assert core.page_pool.num_free_pages >= core.page_pool.num_pages - held
+    stats = core.cache_stats()
+    assert stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] >= 20, stats
+
+
 def test_budget_and_eos_stop_inside_a_draft():
     """A draft running past `max_new_tokens` or through an EOS stops exactly where plain decoding stops."""
     model = make_model("gemma2")  # NOTE: its random model loops at once: whole drafts are accepted
