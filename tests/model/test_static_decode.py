@@ -123,8 +123,10 @@ def test_a_decode_step_reads_nothing_back_but_its_tokens(arch):
     core.step()  # NOTE: the first decode-only step (the general path checks our attention ran in every layer)
     steps = core.runner.static.steps
     execute = core.runner.execute
+    # NOTE: the compiled forward's step handle is a CPU scalar on every device (its op finds the step's metadata by it)
+    host = (core.runner.forward.step,)
     for _ in range(3):
-        with HostReads() as reads:
+        with HostReads(host) as reads:
             in_execute = []
 
             def guarded(out, reads=reads, in_execute=in_execute):
