@@ -65,7 +65,7 @@ class ModelRunner:
         self.routes = None  # NOTE: a `rollout.model.routes.RouteRecorder` once a request asked for routed experts
         self.static = None if static is None else StaticDecode(
             self.forward, cache, self.backend, self.windows, self.device_page_tables, static.max_pages,
-            static.compile_kwargs)
+            static.compile_kwargs, static.cuda_graphs)
 
     def release(self, request) -> None:
         """`request` is final: its page-table row is free."""
