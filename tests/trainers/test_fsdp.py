@@ -21,6 +21,7 @@ CONFIG = ROOT / "recipes" / "accelerate" / "2cpu_fsdp.yaml"
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support.serving import free_port  # noqa: E402
+
 from trainers import GRPOConfig  # noqa: E402
 from trainers.sharding import fsdp_settings, param_fraction, parameter_buckets  # noqa: E402
 from trainers.tasks import build_tiny_model, make_addition_tokenizer  # noqa: E402
