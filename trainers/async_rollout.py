@@ -174,18 +174,38 @@ class AsyncRolloutMixin:
     def train(self) -> list[dict[str, float]]:
         if not self.config.async_rollout:
             return super().train()
-        self._learner_threads()
-        self._engine_base = self.step_count - self.engine.policy_version
-        self.rollouts = AsyncRollouts(self, self.step_count, self.config.max_steps, self.step_count)
+        if self.rollouts is None and self.step_count < self.config.max_steps:
+            self.start_rollouts()
         try:
             return super().train()
         finally:
+            self.stop_rollouts()
+
+    def step(self) -> dict[str, float]:
+        """One RL step; with `async_rollout`, the first one starts the producer (a user's own loop of `step()`
+        overlaps like `train()` does), which runs until `close()` or `config.max_steps`."""
+        if self.config.async_rollout and self.rollouts is None:
+            self.start_rollouts()
+        return super().step()
+
+    def start_rollouts(self) -> None:
+        """Start the producer for steps `step_count` .. `config.max_steps - 1`."""
+        if self.step_count >= self.config.max_steps:
+            raise ValueError(f"async_rollout generates the steps before config.max_steps={self.config.max_steps}; "
+                             f"step {self.step_count + 1} is past it: raise max_steps to train longer")
+        if self.config.learner_threads is not None:
+            torch.set_num_threads(self.config.learner_threads)
+        self._engine_base = self.step_count - self.engine.policy_version
+        self.rollouts = AsyncRollouts(self, self.step_count, self.config.max_steps, self.step_count)
+
+    def stop_rollouts(self) -> None:
+        if self.rollouts is not None:
             self.rollouts.close()
             self.rollouts = None
 
-    def _learner_threads(self) -> None:
-        if self.config.learner_threads is not None:
-            torch.set_num_threads(self.config.learner_threads)
+    def close(self) -> None:
+        self.stop_rollouts()  # NOTE: before the engine closes under a running generate
+        super().close()
 
     def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
         if self.rollouts is None:

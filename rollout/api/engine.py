@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.chat import chat_template_ids
-from rollout.api.lora import LoraChoice, LoraMethods
+from rollout.api.lora import LoraChoice, LoraMethods, adopt_peft_policy, policy_config
 from rollout.api.per_prompt import per_prompt
 from rollout.api.score_batch import ScoreBatch, pack_scores
 from rollout.config import ContinuousBatchingConfig
@@ -31,6 +31,7 @@ from rollout.requests import RequestStatus
 from rollout.sampling.sampling_fields import temperatures
 from rollout.sampling.seeding import call_seeds
 from rollout.weights.in_place import copy_weights
+from rollout.weights.lora_adapters import is_peft_model
 
 logger = logging.getLogger("rollout")
 
@@ -59,8 +60,11 @@ class RolloutEngine(LoraMethods):
         self.model = model
         self.tokenizer = tokenizer
         config = (config or ContinuousBatchingConfig()).replace(return_logprobs=True)
+        peft = is_peft_model(model)  # NOTE: a PEFT policy: base + its adapter, unmerged (`rollout.api.lora`)
+        config = policy_config(model, config) if peft else config
         self.generation_config = self._generation_config(model, tokenizer, generation_config)
         self.manager = ContinuousBatchingManager(model, self.generation_config, config)
+        self._policy_lora = adopt_peft_policy(self.manager.core, model) if peft else None
         self.manager.start()
         self.device = next(model.parameters()).device
         self._lock = threading.RLock()  # one generate / update / sleep at a time
@@ -134,6 +138,7 @@ class RolloutEngine(LoraMethods):
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         return_routed_experts: bool = False,
         lora: LoraChoice = None,
+        prompt_index: int = 0,
     ) -> RolloutBatch:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
@@ -149,10 +154,13 @@ class RolloutEngine(LoraMethods):
         bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
         Each is one value for all prompts or a list with one value per prompt. `return_routed_experts` (an MoE
         policy) adds `batch.routed_experts` [N, P + T, L, k] (`rollout.model.routes`). `lora`: the LoRA adapter
-        (`add_lora`) every prompt runs under, or one name or None (the base model) per prompt."""
+        (`add_lora`) every prompt runs under, or one name or None (the base model) per prompt. `prompt_index`:
+        these prompts are prompts `prompt_index, ...` of a larger seeded call (a fleet's shard), seeded as such."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if isinstance(prompt_index, bool) or not isinstance(prompt_index, int) or prompt_index < 0:
+            raise ValueError(f"prompt_index must be a non-negative int, got {prompt_index!r}")
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of prompts, got a single string")
         ids = [self._encode(p, apply_chat_template) for p in prompts]
@@ -168,7 +176,7 @@ class RolloutEngine(LoraMethods):
             loras = self._lora_rows(lora, len(ids))
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
                 rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                                    top_logprobs, return_routed_experts, loras)
+                                    top_logprobs, return_routed_experts, loras, prompt_index)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
@@ -189,11 +197,11 @@ class RolloutEngine(LoraMethods):
         return core.check_prompt(prompt)
 
     def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                top_logprobs=0, routes=False, loras=None) -> list[str]:
+                top_logprobs=0, routes=False, loras=None, first=0) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`; `loras`: each
-        prompt's (adapter slot, cache salt), None for the base model."""
+        prompt's (adapter slot, cache salt), None for the base model; `first`: the call's first prompt index."""
         core = self.manager.core
-        seeds = call_seeds(seed, len(ids), group_size)
+        seeds = call_seeds(seed, len(ids), group_size, first)
         reqs = [
             core.make_request(
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
@@ -319,9 +327,12 @@ class RolloutEngine(LoraMethods):
         steps; paused in "keep" mode, they go on after `resume()`. Their KV computed so far is kept (it
         is their own context, never shared with another request), or with `recompute_kv=True` dropped and
         recomputed under the new weights before their next token. Each token's version is in
-        `RolloutBatch.versions`."""
+        `RolloutBatch.versions`. A PEFT policy (`RolloutEngine(peft_model)`) takes a PeftModel here and copies its
+        adapter's tensors only."""
         self._check_open()
         check_mode(in_flight, "in_flight")
+        if self._policy_lora is not None and is_peft_model(source):  # NOTE: the adapter's tensors only
+            return self._update_policy(source, in_flight, recompute_kv)
         if recompute_kv and in_flight != "keep":
             raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
         if in_flight == "abort":

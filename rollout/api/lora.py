@@ -11,12 +11,15 @@ unknown adapter, a rank above `max_lora_rank`, target modules the base lacks, a 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
-from rollout.model.lora import EngineLoras
-from rollout.weights.lora_adapters import read_adapter
+from rollout.model.lora import EngineLoras, strip_peft_layers
+from rollout.weights.lora_adapters import active_adapter, read_adapter
 from rollout.weights.lora_table import LoraInfo
+
+logger = logging.getLogger("rollout")
 
 LoraChoice = str | Sequence[str | None] | None  # one adapter for every prompt, one (or None) per prompt, or none
 
@@ -37,8 +40,24 @@ def engine_loras(core, create: bool = True) -> EngineLoras | None:
     return core.runner.lora
 
 
+def policy_config(model, config):
+    """A PEFT policy's engine config: one more slot (the policy's adapter) and a rank that fits it."""
+    rank = read_adapter(model).rank
+    return config.replace(max_loras=config.max_loras + 1, max_lora_rank=max(config.max_lora_rank, rank))
+
+
+def adopt_peft_policy(core, model) -> str:
+    """Serve the PeftModel `model` as base + its active adapter: the view's PEFT layers back to their base linears
+    (one base copy, the user's), the adapter in a slot; returns the adapter's name."""
+    name = active_adapter(model)
+    strip_peft_layers(core.view)
+    engine_loras(core).adopt_policy(name, read_adapter(model, adapter_name=name))
+    return name
+
+
 class LoraMethods:
-    """The LoRA half of `RolloutEngine` (it supplies `manager`, `_lock` and `_check_open`)."""
+    """The LoRA half of `RolloutEngine` (it supplies `manager`, `_lock`, `_check_open` and `_policy_lora`, the
+    adapter name of a PEFT policy or None)."""
 
     def add_lora(self, name: str, adapter, config=None, adapter_name: str | None = None) -> LoraInfo:
         """Load adapter `name`: a `PeftModel` (its active adapter, or `adapter_name`), a PEFT state dict with its
@@ -82,6 +101,28 @@ class LoraMethods:
             with self.manager.step_lock:
                 return loras.table.remove(name)
 
+    def _update_policy(self, source, in_flight: InFlight, recompute_kv: bool) -> int:
+        """`update_weights(peft_model)` of a PEFT policy: its adapter's tensors only; returns the new policy version."""
+        if recompute_kv and in_flight != "keep":
+            raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
+        weights = read_adapter(source)
+        if in_flight == "abort":
+            self.manager.abort_live()
+        core = self.manager.core
+        with contextlib.nullcontext() if in_flight == "keep" else self._lock:
+            if in_flight != "keep":
+                self.manager.wait_idle()
+            with self.manager.step_lock:
+                try:
+                    copied = core.runner.lora.load_policy(weights)
+                finally:
+                    core.reset_prefix_cache()
+                    if recompute_kv:
+                        core.scheduler.drop_kv()
+                core.policy_version += 1
+            logger.info("policy adapter updated (version %d, %d LoRA tensors copied)", core.policy_version, copied)
+            return core.policy_version
+
     def list_loras(self) -> list[LoraInfo]:
         """The loaded adapters, by slot."""
         loras = engine_loras(self.manager.core, create=False)
@@ -95,9 +136,11 @@ class LoraMethods:
 
     def _lora_rows(self, lora: LoraChoice, n: int) -> list[tuple[int | None, bytes]] | None:
         """(slot, cache salt) of each of `n` prompts (None: all run the base model); ValueError naming a bad choice."""
-        if lora is None:
+        if lora is None and self._policy_lora is None:
             return None
-        names = [lora] * n if isinstance(lora, str) else list(lora)
+        # NOTE: a PEFT policy's rows run its adapter unless they name another
+        lora = self._policy_lora if lora is None else lora
+        names = [lora] * n if isinstance(lora, str) else [self._policy_lora if x is None else x for x in lora]
         if len(names) != n:
             raise ValueError(f"lora has {len(names)} entries for {n} prompts (one adapter name or None per prompt)")
         loras = engine_loras(self.manager.core, create=False)

@@ -36,7 +36,7 @@ from rollout.model.model_facts import (
 from rollout.model.routers import moe_routers
 from rollout.model.runner import ModelRunner
 from rollout.model.static_decode import static_plan, varlen_compile
-from rollout.prompts import check_token_ids
+from rollout.prompts import check_token_ids, int_set
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.sampling.sampler import Sampler
 from rollout.sampling.sampling_fields import generation_defaults, make_sampling, overrides
@@ -48,15 +48,6 @@ from rollout.weights.in_place import versioned_tensors, weights_version
 logger = logging.getLogger("rollout")
 
 STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens", "spec_draft_tokens", "spec_accepted_tokens")
-
-
-def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
-    if isinstance(values, int) or isinstance(values, (str, bytes)):
-        raise ValueError(f"{name} must be a sequence of token ids, got {values!r}")
-    values = list(values)
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
-        raise ValueError(f"{name} must hold int token ids, got {values!r}")
-    return frozenset(values)
 
 
 class EngineCore:
@@ -238,7 +229,7 @@ class EngineCore:
         routes = request_routes(self, total) if return_routed_experts else None
         eos = frozenset() if ignore_eos else self.eos_ids
         if eos_token_ids is not None:
-            eos = eos | _int_set(eos_token_ids, "eos_token_ids")
+            eos = eos | int_set(eos_token_ids, "eos_token_ids")
         return Request(
             request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,

@@ -30,6 +30,7 @@ logger = logging.getLogger("rollout")
 
 MAX_ROWS = 8  # NOTE: the cost model: more decode rows than this and a step is no longer bound by weight reads
 MAX_DRAFT = 32
+MAX_MISSES = 3  # NOTE: a row whose drafts keep failing still drafts k >> 3 (at least 1) tokens
 
 
 class Speculator:
@@ -50,14 +51,18 @@ class Speculator:
         self.rule: Rule = ACCEPTANCE[rule]
         self.max_rows = max_rows
         self.drafter = Drafter()
+        # NOTE: per request, its steps in a row whose draft was rejected at once: its next draft is k >> misses long
+        self.misses: dict[str, int] = {}
 
     def finished(self, request: Request) -> None:
         """`request` is final (its tokens join its prompt's history when it finished normally)."""
         self.drafter.finish(request, keep=request.status is RequestStatus.FINISHED)
+        self.misses.pop(request.request_id, None)
 
     def _draft(self, req: Request) -> list[int]:
         p = req.sampling
         k = min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
+        k = max(1, k >> self.misses.get(req.request_id, 0)) if k > 0 else k
         if k <= 0 or req.routes is not None:
             return []
         return self.drafter.draft(req, k, p.max_matching_ngram_size or DEFAULT_NGRAM)
@@ -152,6 +157,8 @@ class Speculator:
                 reason = req.append_token(result.tokens[a], logprobs[a], core.policy_version)
                 emitted[i] += 1
                 accepted += kept[a]
+                if j == 0 and proposed[a] is not None:
+                    self.misses[req.request_id] = 0 if kept[a] else min(MAX_MISSES, self.misses.get(req.request_id, 0) + 1)
                 if reason is not None:
                     reasons[i] = reason
                 elif kept[a]:

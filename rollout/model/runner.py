@@ -169,6 +169,8 @@ class ModelRunner:
             logits = self._static_decode(out)
             if logits is not None:
                 return logits, list(range(len(out.scheduled))), None
+        if self.lora is not None:  # NOTE: may order the rows by adapter (`EngineLoras.begin`), so before `prepare`
+            self.lora.begin(out)
         kwargs, sampled, scored = self.prepare(out, drafts)
         kept = len(kwargs["logits_to_keep"])
         if not kept:
@@ -178,8 +180,6 @@ class ModelRunner:
             meta.layers_seen = set()
         if self.routes is not None:
             self.routes.begin()
-        if self.lora is not None:
-            self.lora.begin(out)
         try:
             logits = self.forward(**kwargs).logits[0]  # [R + S, V]
         finally:

@@ -9,10 +9,12 @@ tries; they never change what is sampled (`rollout.sampling.speculative`). Pure 
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 DEFAULT_NGRAM = 3  # NOTE: transformers' prompt lookup matches up to 2 tokens; 3 picks better drafts in loops
 MAX_NGRAM = 8  # the longest n-gram indexed (`max_matching_ngram_size` is capped at it)
+MAX_SIBLINGS = 16  # NOTE: live requests of the same prompt looked in per draft (a GRPO group's size)
 HISTORY_PER_PROMPT = 16  # finished rollouts kept per prompt
 HISTORY_TOKENS = 1 << 17  # NOTE: tokens of finished rollouts kept across calls (their indexes: ~3 entries a token)
 
@@ -87,7 +89,8 @@ class Drafter:
         index.update()
         toks = request.token_ids
         prompt = tuple(request.prompt_ids)
-        siblings = [i for rid, i in self.groups.get(prompt, {}).items() if rid != request.request_id]
+        siblings = list(itertools.islice((i for rid, i in self.groups.get(prompt, {}).items()
+                                          if rid != request.request_id), MAX_SIBLINGS))
         for n in range(min(max_n, index.max_n, len(toks)), 0, -1):
             gram = tuple(toks[-n:])
             best = index.follow(gram, k, periodic=True)

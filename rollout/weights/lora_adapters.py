@@ -178,7 +178,7 @@ def _from_directory(path: Path) -> LoraWeights:
 
 def _from_peft_model(model: torch.nn.Module, adapter_name: str | None) -> LoraWeights:
     """The adapter's tensors as the PeftModel's LoRA layers hold them (their live parameters, not copies)."""
-    name = adapter_name or _active_adapter(model)
+    name = adapter_name or active_adapter(model)
     if name not in model.peft_config:
         raise ValueError(f"the PeftModel has no adapter {name!r} (it has {sorted(model.peft_config)})")
     where = f"PeftModel adapter {name!r}"
@@ -205,7 +205,8 @@ def _from_peft_model(model: torch.nn.Module, adapter_name: str | None) -> LoraWe
     return LoraWeights(modules)
 
 
-def _active_adapter(model: torch.nn.Module) -> str:
+def active_adapter(model: torch.nn.Module) -> str:
+    """The PeftModel's one active adapter's name (ValueError with several)."""
     active = getattr(model, "active_adapter", None)
     if isinstance(active, (list, tuple)):
         if len(active) != 1:

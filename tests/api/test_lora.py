@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.lora import make_peft, redraw
+from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
 from rollout.kernels import linear
-from support.lora import make_peft, redraw
-from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
 
 peft = pytest.importorskip("peft", reason="LoRA tests need peft (the [lora] extra)")
 
@@ -170,3 +170,22 @@ def test_refusals_name_the_problem():
         engine.add_lora("a", pa)
     with pytest.raises(ValueError, match="max_lora_rank must be >= 1"):
         ContinuousBatchingConfig(max_lora_rank=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_mixing_adapters_on_a_gpu():
+    """The same grouped product on CUDA (torch ops): each row its own PeftModel's greedy tokens."""
+    base = make_model("qwen3").cuda()
+    pa, pb = make_peft(base, seed=1, r=4), make_peft(base, seed=2, r=8, targets=["q_proj", "v_proj"])
+    prompts = _prompts()
+    with _engine(base, attn_backend="sdpa") as engine:
+        engine.add_lora("a", pa)
+        engine.add_lora("b", pb)
+        out = engine.generate(prompts, temps=0.0, max_new_tokens=NEW, lora=CHOICE)
+    for i, (prompt, name) in enumerate(zip(prompts, CHOICE, strict=True)):
+        model = {"a": pa, "b": pb, None: base}[name]
+        got = out.completion_ids[i].tolist()
+        assert got == hf_greedy(model, prompt, NEW), i
+        torch.testing.assert_close(out.logprobs[i].cpu(), teacher_forced_logprobs(model, prompt, got).cpu(),
+                                   atol=1e-4, rtol=0)
