@@ -123,7 +123,7 @@ def write_outputs(args, accelerator, trainer, tokenizer, summary: dict, history:
     if not accelerator.is_main_process:
         return
     final = os.path.join(args.output_dir, "final")
-    trainer.policy.save_pretrained(final)
+    trainer.unsharded_policy().save_pretrained(final)  # NOTE: gathered by gather_policy() on every rank
     tokenizer.save_pretrained(final)
     first, last = summary["reward_first5"], summary["reward_last5"]
     title = (f"{args.algorithm}, {mode_name(args)}, on {summary['model']}, T={args.temperature}: reward {first:.3f} -> "
@@ -176,10 +176,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. outputs: final checkpoint, plot, summary
     accelerator.wait_for_everyone()
+    policy = trainer.gather_policy()  # NOTE: under FSDP every rank gathers the shards
     if heldout:
-        heldout["greedy_after"] = greedy_accuracy(
-            trainer.policy, tokenizer, AdditionTask(num_digits=3), n=HELDOUT
-        )
+        heldout["greedy_after"] = greedy_accuracy(policy, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
     summary = summarize(
         history,
         wall,

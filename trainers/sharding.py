@@ -148,6 +148,11 @@ def full_tensor_stream(module: torch.nn.Module, stats: SyncStats) -> Iterator[tu
                 yield full.pop()  # NOTE: the stream's reference goes with the pop; the engine copies it
 
 
+def full_state(module: torch.nn.Module) -> dict[str, Tensor]:
+    """`module.state_dict()` with every sharded tensor gathered whole (collective under FSDP)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in module.state_dict().items()}
+
+
 def broadcast_module(module: torch.nn.Module) -> None:
     """Rank 0's parameters and buffers to every rank, in place (collective; before sharding)."""
     with torch.no_grad():
@@ -200,8 +205,24 @@ class ShardingMixin:
         return self.policy if self.fsdp is None else self.full_policy
 
     def weight_source(self):
-        """What `engine.update_weights` copies from: the policy itself, or its full tensors bucket by bucket."""
-        return self.policy if self.fsdp is None else full_tensor_stream(self.policy, self.sync_stats)
+        """What `engine.update_weights` copies from: the policy itself, or its full tensors bucket by bucket; for a
+        given rollout (a fleet, a pool: `rollout=`) every bucket gathered first, then handed over whole, so no
+        gather interleaves with the sends."""
+        if self.fsdp is None:
+            return self.policy
+        stream = full_tensor_stream(self.policy, self.sync_stats)
+        return stream if getattr(self, "given_rollout", None) is None else dict(stream)
+
+    def gather_policy(self) -> torch.nn.Module:
+        """The policy with its current weights as full tensors, for evaluation or `save_pretrained` between steps:
+        the trainer's own module, or under FSDP the full copy refreshed from the shards (collective: every rank
+        calls it; afterwards `unsharded_policy()` is that module)."""
+        if self.fsdp is not None:
+            targets = dict(self.full_policy.named_parameters())
+            with torch.no_grad():
+                for name, tensor in full_tensor_stream(self.policy, SyncStats()):
+                    targets[name].copy_(tensor)
+        return self.unsharded_policy()
 
     def save_shards(self, path: str) -> None:
         """Sharded: the model and optimizer as one DCP checkpoint (`path/fsdp`, each rank its shards)."""

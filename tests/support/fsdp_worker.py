@@ -7,7 +7,8 @@ The launch config asks for FSDP; on a CPU accelerate starts plain gloo ranks and
 themselves (`RLConfig.fsdp="auto"`). In the one process group, for GRPO (with a KL reference) and PPO (value
 head): a DDP run (`fsdp=False`) and an FSDP run of 3 steps from the same initial weights and seeds; after
 each step the full parameters (gathered), the loss, the parity probe, `trainer_param_fraction`,
-`sync_seconds` and the sync's bucket statistics go to DIR/rank{r}.pt. Then the FSDP GRPO run is resumed
+`sync_seconds` and the sync's bucket statistics go to DIR/rank{r}.pt, and at the end the policy
+`gather_policy()` returns. Then the FSDP GRPO run is resumed
 from its step-2 checkpoint (sharded DCP) on a fresh trainer and its step 3 recorded as "resumed".
 """
 
@@ -82,6 +83,8 @@ def main() -> None:
                 records.append(record(trainer, trainer.step()))
                 if algorithm == "grpo" and mode == "fsdp" and trainer.step_count == 2:
                     trainer.save_checkpoint()
+            gathered = trainer.gather_policy()  # NOTE: collective under FSDP; the policy itself under DDP
+            records[-1]["gathered"] = {k: v.detach().clone() for k, v in gathered.named_parameters()}
             runs[f"{algorithm}_{mode}"] = records
             trainer.close()
     trainer = build("grpo", os.path.join(args.out, "grpo", "resumed"), "auto")

@@ -21,6 +21,7 @@ CONFIG = ROOT / "recipes" / "accelerate" / "2cpu_fsdp.yaml"
 sys.path.insert(0, str(ROOT / "tests"))
 
 from support.serving import free_port  # noqa: E402
+
 from trainers import GRPOConfig  # noqa: E402
 from trainers.sharding import fsdp_settings, param_fraction, parameter_buckets  # noqa: E402
 from trainers.tasks import build_tiny_model, make_addition_tokenizer  # noqa: E402
@@ -59,6 +60,9 @@ def test_fsdp_matches_ddp_step_for_step(ranks, algorithm):
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5, abs=1e-7)
         assert b["mismatch"] <= 1e-4 and a["mismatch"] <= 1e-4  # the engine ran the current weights
         assert b["sync_seconds"] > 0
+    # the full policy for evaluation and save_pretrained: the current weights (PPO: without the value head)
+    final = {k.removeprefix("policy."): v for k, v in fsdp[-1]["params"].items() if not k.startswith("value_head.")}
+    assert max_diff(fsdp[-1]["gathered"], final) == 0.0
 
 
 @pytest.mark.timeout(660)
