@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from support.distributions import chi_square_pvalue
 from support.greedy import ARCHS
 from support.sampling import repeating_prompt
 from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
@@ -19,7 +20,6 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core import EngineCore
 from rollout.sampling.speculative import ACCEPTANCE
-from support.distributions import chi_square_pvalue
 
 pytestmark = pytest.mark.timeout(900)
 MAX_NEW = 64
