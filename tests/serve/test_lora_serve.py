@@ -103,3 +103,25 @@ def test_a_server_without_lora_refuses_loads(tmp_path, adapters):
     with serving(save_tiny(tmp_path / "model")) as s:
         r = post(s, "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": adapters["a"][1]})
         assert r.status_code == 400 and "--enable-lora" in r.json()["error"]["message"]
+
+
+def test_an_adapter_pushed_in_memory_over_the_weight_transfer_path(server):
+    from support.lora import redraw
+
+    from rollout.client import RolloutClient
+
+    base = make_model("qwen3", seed=0)
+    pushed = make_peft(base, seed=21, r=4, targets=["q_proj", "down_proj"], use_rslora=True)
+    prompt = random_prompts(1, 20, 20, seed=8)[0]
+    with RolloutClient(server.url, server.key) as client:
+        assert client.push_lora("pushed", pushed) == 1
+        assert complete(server, "pushed", prompt)["choices"][0]["token_ids"] == hf_greedy(pushed, prompt, NEW)
+        assert "pushed" in models(server)
+        redraw(pushed, seed=22)
+        assert client.push_lora("pushed", pushed) == 2
+        assert complete(server, "pushed", prompt)["choices"][0]["token_ids"] == hf_greedy(pushed, prompt, NEW)
+        too_big = make_peft(base, seed=23, r=16, targets=["q_proj"])
+        with pytest.raises(RuntimeError, match="max_lora_rank=8"):
+            client.push_lora("pushed", too_big)
+        assert complete(server, "pushed", prompt)["choices"][0]["token_ids"] == hf_greedy(pushed, prompt, NEW)
+    post(server, "/v1/unload_lora_adapter", {"lora_name": "pushed"})
