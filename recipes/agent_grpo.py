@@ -199,9 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
         tool_use_last5=sum(tool_rates[-5:]) / max(1, len(tool_rates[-5:])),
         examples=describe(examples, tokenizer, range(len(examples))), **heldout,
     )
+    policy = trainer.gather_policy()  # NOTE: under FSDP every rank gathers the shards
     if accelerator.is_main_process:
         final = os.path.join(args.output_dir, "final")
-        trainer.policy.save_pretrained(final)
+        policy.save_pretrained(final)
         tokenizer.save_pretrained(final)
         title = (f"{args.algorithm} + calculator tool, first/last 5 steps: reward {summary['reward_first5']:.2f} -> "
                  f"{summary['reward_last5']:.2f}, tool use {summary['tool_use_first5']:.2f} -> "

@@ -53,6 +53,7 @@ from accelerate.utils import set_seed
 
 from rollout import ContinuousBatchingConfig
 from trainers import PPOConfig, PPOTrainer
+from trainers.sharding import full_state
 
 # ----------------------------------------------------------------------------------- config
 STEPS = 100
@@ -146,11 +147,13 @@ def main(argv: list[str] | None = None) -> dict:
         model=model_path,
         algorithm="ppo",
     )
+    policy = trainer.gather_policy()  # NOTE: under FSDP every rank gathers the shards
+    value_head = full_state(trainer.value_model.value_head)
     if accelerator.is_main_process:
         final = os.path.join(args.output_dir, "final")
-        trainer.policy.save_pretrained(final)
+        policy.save_pretrained(final)
         tokenizer.save_pretrained(final)
-        torch.save(trainer.value_model.value_head.state_dict(), os.path.join(final, "value_head.pt"))
+        torch.save(value_head, os.path.join(final, "value_head.pt"))
         first, last = summary["reward_first5"], summary["reward_last5"]
         title = f"ppo on {model_path}, T={args.temperature}: reward {first:.3f} -> {last:.3f}"
         plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)

@@ -2,8 +2,9 @@
 
 rollout accepts every field of transformers' `ContinuousBatchingConfig` so that code written for
 transformers' continuous batching runs unchanged. The fields below are accepted and validated
-(`rollout.config` declares them, with their defaults and rules, in transformers' field order) but
-have no effect on rollout's engine. `COMPAT_FIELDS` says, for each, what it does in transformers (why
+(`rollout.config` declares them, with their defaults and rules, in transformers' field order); most have no
+effect on rollout's engine, the compile configs and `max_blocks_per_request` shape its static decode step
+(`rollout.model.static_decode`). `COMPAT_FIELDS` says, for each, what it does in transformers (why
 it is accepted) and what it does here; `log_unavailable_features` is the one place that says so at
 run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA); they stay
 fields of the config. `cpu_group_timeout` came from the same list and has its meaning (it bounds the tensor-parallel
@@ -23,7 +24,7 @@ logger = logging.getLogger("rollout")
 class CompatField:
     """One accepted-for-compatibility field: `transformers` is what it does there, `here` what it does in
     rollout. `note`: when `log_unavailable_features` mentions it: "cuda" (set on a machine without CUDA),
-    "compile" (set at all: rollout does not apply per-path compile configs), or None (never)."""
+    or None (never)."""
 
     transformers: str
     here: str
@@ -33,7 +34,9 @@ class CompatField:
 COMPAT_FIELDS: dict[str, CompatField] = {
     "use_cuda_graph": CompatField(
         "captures the step in CUDA graphs (padded to fixed shapes)",
-        "nothing yet (planned on CUDA); when True without CUDA, a warning that it needs CUDA",
+        "on CUDA with attn_backend 'triton', decode steps run static and each bucket is captured in a CUDA graph "
+        "and replayed (rollout.model.static_decode; written, NOT yet verified on a GPU); when True without CUDA, "
+        "a warning that it needs CUDA",
         note="cuda",
     ),
     "q_padding_interval_size": CompatField(
@@ -52,18 +55,18 @@ COMPAT_FIELDS: dict[str, CompatField] = {
     ),
     "varlen_compile_config": CompatField(
         "the CompileConfig of the varlen (prefill) forward",
-        "not applied; when set, a warning: default_compile_level >= 1 compiles the whole forward on a CPU "
-        "(rollout.model.compiled)",
-        note="compile",
+        "compiles the general (non-decode) steps with it (rollout.model.compiled); without it "
+        "default_compile_level >= 1 supplies the dynamic whole-forward graph on a CPU",
     ),
     "decode_compile_config": CompatField(
         "the CompileConfig of the decode fast-path forward",
-        "not applied; when set, the same warning as varlen_compile_config",
-        note="compile",
+        "makes decode-only steps static (rows padded to buckets, persistent buffers, rollout.model.static_decode) "
+        "and compiles one graph per bucket with it; needs attn_backend 'cpu' or 'triton'",
     ),
     "max_blocks_per_request": CompatField(
         "sizes the block table of the flash_attn_with_kvcache decode fast path (0 disables that path)",
-        "nothing: rollout's page tables grow as a request needs; validated as None or an int >= 0",
+        "the page-table width of the static decode step (default: the model's context in pages, else 32); "
+        "0 turns static decode off; a step whose request holds more pages runs the general path",
     ),
     "auto_switch_to_flash": CompatField(
         "switches a model's sdpa/eager attention to flash attention when available",
@@ -71,7 +74,6 @@ COMPAT_FIELDS: dict[str, CompatField] = {
     ),
 }
 
-_COMPILE_FIELDS = tuple(name for name, f in COMPAT_FIELDS.items() if f.note == "compile")
 _CUDA_FIELDS = tuple(name for name, f in COMPAT_FIELDS.items() if f.note == "cuda")
 # NOTE: the notes already logged in this process: each says the same for every engine, so it is said once
 # per process (not once per engine or config object: an RL loop builds many engines, and a config holds no
@@ -81,12 +83,7 @@ LOGGED: set[str] = set()
 
 def log_unavailable_features(config: Any, has_cuda: bool) -> None:
     """Warn (once per process per message) about the compat fields of `config` that are set but cannot
-    take effect: per-path compile configs (never applied), GPU-only ones on a machine without CUDA."""
-    if any(getattr(config, name) for name in _COMPILE_FIELDS):
-        # NOTE: `default_compile_level >= 1` compiles the whole forward on a CPU (rollout.model.compiled); the
-        # per-shape CompileConfigs of transformers are not used.
-        _warn_once(f"{' / '.join(_COMPILE_FIELDS)} are accepted but not applied by rollout's engine; "
-                   "default_compile_level >= 1 compiles the engine forward on a CPU")
+    take effect: GPU-only ones on a machine without CUDA."""
     if has_cuda:
         return
     ignored = [name for name in _CUDA_FIELDS if getattr(config, name)]

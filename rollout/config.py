@@ -19,7 +19,7 @@ from rollout import compat_config
 
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
-ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash")  # NOTE: rollout.attention.backends implements each
+ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash", "triton")  # NOTE: rollout.attention.backends implements each
 BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.invariant.attention in the mode
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
@@ -135,6 +135,8 @@ class _ConfigFields:
     batch_invariant: bool = _setting(False, Bool())
     max_loras: int = _setting(0, Int(0))  # NOTE: LoRA adapter slots (rollout.model.lora); 0: no adapters
     max_lora_rank: int = _setting(16, Int(1))
+    speculative_method: str | None = _setting(None, OneOf((None, "ngram")))
+    num_speculative_tokens: int = _setting(0, Int(0, 32))
     # NOTE: whether `max_memory_percent` was given (the CPU default differs from the GPU one's 0.8); set by
     # ContinuousBatchingConfig.__init__.
     memory_percent_set: bool = field(default=False, init=False, repr=False, compare=False)
@@ -150,6 +152,9 @@ class _ConfigFields:
             raise ValueError(f"batch_invariant=True runs with attn_backend in {BATCH_INVARIANT_BACKENDS} and "
                              f"default_compile_level=0, got attn_backend={self.attn_backend!r}, "
                              f"default_compile_level={self.default_compile_level}")
+        if (self.speculative_method is None) != (self.num_speculative_tokens == 0):
+            raise ValueError("speculative_method='ngram' needs num_speculative_tokens >= 1 and the other way round, got "
+                             f"{self.speculative_method!r} and {self.num_speculative_tokens}")
         if self.use_async_batching and not self.use_cuda_graph:
             raise ValueError("use_async_batching requires use_cuda_graph=True (as in transformers)")
 
@@ -186,10 +191,14 @@ class ContinuousBatchingConfig(_ConfigFields):
         attn_backend: how paged attention runs: "auto" (default: "cpu" on a CPU, or "sdpa" with a warning
             when its C++ kernel cannot build; "flex" on CUDA; "sdpa" on other devices), "cpu" (C++
             kernels), "sdpa" (gather + torch SDPA, any device), "flex" (compiled FlexAttention over the
-            paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError).
+            paged cache), "flash" (flash-attn on CUDA: not implemented yet, refused with a ValueError),
+            "triton" (Triton paged decode kernel; CUDA, or a CPU under TRITON_INTERPRET=1; the triton extra).
             See `rollout.attention.backends`.
         batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
             (`rollout.invariant.mode`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
+        speculative_method, num_speculative_tokens: "ngram" and k >= 1 drafts up to k tokens per decoding row from
+            n-grams of its own context, its group's and its prompt's earlier rollouts, verified in one forward
+            (lossless: `rollout.engine.speculation`); None and 0 (default) decode one token per step.
         default_compile_level: 0 (default) runs the forward eagerly; 1-3 (all the same here) compile it on
             a CPU as one graph (`rollout.model.compiled`: seconds to a minute once per process and thread count,
             faster steps after); no effect on other devices.
@@ -201,7 +210,9 @@ class ContinuousBatchingConfig(_ConfigFields):
         use_cuda_graph, q_padding_interval_size, kv_padding_interval_size, use_async_batching,
         varlen_compile_config, decode_compile_config, max_blocks_per_request,
         auto_switch_to_flash: accepted (and validated) for API compatibility with
-            transformers, without effect here: `rollout.compat_config` says what each does there and here.
+            transformers, most without effect here (decode_compile_config / varlen_compile_config compile their
+            path, max_blocks_per_request sizes the static decode step): `rollout.compat_config` says what each
+            does there and here.
     """
 
     __slots__ = ()

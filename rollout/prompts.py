@@ -40,3 +40,13 @@ def check_token_ids(input_ids: Sequence[int] | torch.Tensor | np.ndarray, vocab_
     if lo < 0 or hi >= vocab_size:
         raise ValueError(f"{name} holds token {lo if lo < 0 else hi} outside the vocabulary [0, {vocab_size})")
     return arr.tolist()
+
+
+def int_set(values: Sequence[int], name: str) -> frozenset[int]:
+    """`values` as a set of token ids; ValueError naming `name` for a scalar, a string or a non-int id."""
+    if isinstance(values, int) or isinstance(values, (str, bytes)):
+        raise ValueError(f"{name} must be a sequence of token ids, got {values!r}")
+    values = list(values)
+    if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
+        raise ValueError(f"{name} must hold int token ids, got {values!r}")
+    return frozenset(values)

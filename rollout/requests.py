@@ -84,6 +84,11 @@ class SamplingParams:
     begin_suppress_tokens: tuple[int, ...] = ()
     forced_bos_token_id: int | None = None
     forced_eos_token_ids: tuple[int, ...] = ()
+    # NOTE: transformers' prompt lookup, run as the engine's lossless n-gram speculation (`rollout.engine.speculation`):
+    # up to this many draft tokens per step (0: the engine's `num_speculative_tokens`), n-grams up to that size
+    # (0: the default); neither changes the tokens' distribution, so neither is a logits processor.
+    prompt_lookup_num_tokens: int = 0
+    max_matching_ngram_size: int = 0
     # NOTE: computed once (the sampler asks every row every step): whether any logits processor is on
     uses_processors: bool = field(init=False, default=False, repr=False, compare=False)
 

@@ -46,3 +46,21 @@ def keep_rng():
     random.setstate(state[0])
     np.random.set_state(state[1])
     torch.set_rng_state(state[2])
+
+
+def pytest_sessionstart(session):
+    """Build rollout's C++ kernels before the first test, visibly (else the first engine's test sits silent for
+    the 1-2 minutes of a first build); a cached build loads in a moment and prints nothing."""
+    import time
+
+    from rollout.kernels import cpu_kernels
+
+    name = cpu_kernels.build_name()
+    if not cpu_kernels.enabled() or (cpu_kernels.build_directory(name) / cpu_kernels.DONE_MARKER).exists():
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    say = reporter.write_line if reporter is not None else print
+    say("rollout: building the C++ CPU kernels first (once per machine, about 1-2 minutes on 2 cores)...")
+    start = time.perf_counter()
+    built = cpu_kernels.load() is not None
+    say(f"rollout: C++ kernels {'built' if built else 'OFF (see the warning)'} in {time.perf_counter() - start:.0f} s")

@@ -238,8 +238,5 @@ def test_unavailable_features_are_logged_once_per_process(monkeypatch, caplog):
             ContinuousBatchingConfig(**gpu_only).log_unavailable_features(False)
             ContinuousBatchingConfig(decode_compile_config=object()).log_unavailable_features(True)
     messages = [r.getMessage() for r in caplog.records]
-    assert messages == [
-        "use_cuda_graph, use_async_batching need CUDA and have no effect on this CPU-only machine",
-        "varlen_compile_config / decode_compile_config are accepted but not applied by rollout's engine; "
-        "default_compile_level >= 1 compiles the engine forward on a CPU",
-    ]
+    # NOTE: the compile configs have their meaning (rollout.model.static_decode): nothing to warn about
+    assert messages == ["use_cuda_graph, use_async_batching need CUDA and have no effect on this CPU-only machine"]

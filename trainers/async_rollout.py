@@ -162,8 +162,8 @@ class AsyncRolloutMixin:
 
     def build_engine(self) -> RolloutEngine:
         cfg = self.config
-        if not cfg.async_rollout or cfg.engine_dtype is not None:
-            return super().build_engine()
+        if not cfg.async_rollout or cfg.engine_dtype is not None or self.fsdp is not None:
+            return super().build_engine()  # NOTE: a copy already, unless the engine shares the policy
         # NOTE: the optimizer must not change the weights under a running generation: the engine gets a
         # copy, refreshed by each sync.
         model = copy.deepcopy(self.policy).eval()
@@ -174,18 +174,39 @@ class AsyncRolloutMixin:
     def train(self) -> list[dict[str, float]]:
         if not self.config.async_rollout:
             return super().train()
-        self._learner_threads()
-        self._engine_base = self.step_count - self.engine.policy_version
-        self.rollouts = AsyncRollouts(self, self.step_count, self.config.max_steps, self.step_count)
+        if self.rollouts is None and self.step_count < self.config.max_steps:
+            self.start_rollouts()
         try:
             return super().train()
         finally:
+            self.stop_rollouts()
+
+    def step(self) -> dict[str, float]:
+        """One RL step; with `async_rollout`, the first one starts the producer (a user's own loop of `step()`
+        overlaps like `train()` does), which runs until `close()` or `config.max_steps`."""
+        if self.config.async_rollout:
+            if self.step_count >= self.config.max_steps:
+                raise ValueError(f"async_rollout generates the steps up to config.max_steps={self.config.max_steps}; "
+                                 f"step {self.step_count + 1} is past it: raise max_steps to train longer")
+            if self.rollouts is None:
+                self.start_rollouts()
+        return super().step()
+
+    def start_rollouts(self) -> None:
+        """Start the producer for steps `step_count` .. `config.max_steps - 1`."""
+        if self.config.learner_threads is not None:
+            torch.set_num_threads(self.config.learner_threads)
+        self._engine_base = self.step_count - self.engine.policy_version
+        self.rollouts = AsyncRollouts(self, self.step_count, self.config.max_steps, self.step_count)
+
+    def stop_rollouts(self) -> None:
+        if self.rollouts is not None:
             self.rollouts.close()
             self.rollouts = None
 
-    def _learner_threads(self) -> None:
-        if self.config.learner_threads is not None:
-            torch.set_num_threads(self.config.learner_threads)
+    def close(self) -> None:
+        self.stop_rollouts()  # NOTE: before the engine closes under a running generate
+        super().close()
 
     def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
         if self.rollouts is None:
@@ -207,6 +228,6 @@ class AsyncRolloutMixin:
         if self.rollouts is None:
             return super().sync_weights()
         start = time.perf_counter()
-        self.engine.update_weights(self.policy, in_flight="keep")
+        self.engine.update_weights(self.weight_source(), in_flight="keep")
         self.rollouts.published(self.step_count + 1)  # NOTE: `step` counts this update after the sync
         return time.perf_counter() - start

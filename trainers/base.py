@@ -24,6 +24,7 @@ from torch import Tensor
 
 from rollout import ContinuousBatchingConfig, RolloutBatch, RolloutEngine
 from trainers.algorithms import get_algorithm
+from trainers.checkpoints import STATE_FILE, checkpoints
 from trainers.common import (
     AGG_DENOMINATORS,
     PromptSource,
@@ -43,11 +44,10 @@ from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
 from trainers.rollouts import completion_id_lists, encode_prompt
 from trainers.routing_replay import RoutingReplayMixin
+from trainers.sharding import ShardingMixin
 
-STATE_FILE = "trainer_state.json"
 
-
-class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
+class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
     """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
 
     config: RLConfig
@@ -87,7 +87,7 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
                 total_steps=config.max_steps,
             ),
         )
-        self.model, self.optimizer = acc.prepare(module, optimizer)  # model: DDP-wrapped when distributed
+        self.model, self.optimizer = self.prepare_model(module, optimizer)  # DDP-wrapped, or FSDP2-sharded
         acc.register_for_checkpointing(self.scheduler)
         self.policy = self.policy_module(acc.unwrap_model(self.model))  # the HF causal LM, unwrapped
         self.engine = self.build_engine()
@@ -141,9 +141,9 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
     def build_engine(self) -> RolloutEngine:
         """One engine per process for the whole run, on the trainer's own weights (zero-copy) or
         on a cast copy when `engine_dtype` is set (then each sync copies and casts)."""
-        cfg, model = self.config, self.policy
+        cfg, model = self.config, self.unsharded_policy()  # NOTE: under FSDP a full copy
         if cfg.engine_dtype is not None:
-            model = copy.deepcopy(self.policy).to(getattr(torch, cfg.engine_dtype)).eval()
+            model = copy.deepcopy(model).to(getattr(torch, cfg.engine_dtype)).eval()
             model.requires_grad_(False)
         engine_config = colocated_engine_config(
             cfg.engine_config, cfg.engine_memory_fraction, next(model.parameters()).device
@@ -154,7 +154,7 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
         """The frozen reference for KL: the one given, else a copy of the initial policy."""
         if not self.uses_reference:
             return None
-        ref = ref_model if ref_model is not None else copy.deepcopy(self.policy)
+        ref = ref_model if ref_model is not None else copy.deepcopy(self.unsharded_policy())
         if self.config.disable_dropout:
             disable_dropout(ref)
         ref = ref.to(self.accelerator.device).eval()
@@ -185,9 +185,11 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
         start = time.perf_counter()
         if self.sleeps:
             self.engine.wake()
-        metrics["time_sync"] = self.sync_weights() + (time.perf_counter() - start)
+        metrics["sync_seconds"] = self.sync_weights()
+        metrics["time_sync"] = time.perf_counter() - start  # NOTE: the wake and the sync
         self.step_count += 1
         metrics = {"step": self.step_count, **reduce_metrics(self.accelerator, metrics)}
+        metrics["trainer_param_fraction"] = self.param_fraction  # NOTE: the logging rank's own, not a mean
         self.metrics_logger.log(metrics)
         return metrics
 
@@ -337,7 +339,7 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
         """Hand the updated policy to the engine (a version bump and a prefix-cache flush when it
         shares the trainer's tensors); returns the seconds it took."""
         start = time.perf_counter()
-        self.engine.update_weights(self.policy)
+        self.engine.update_weights(self.weight_source())  # NOTE: FSDP: full tensors a bucket at a time
         return time.perf_counter() - start
 
     # ---------------------------------------------------------------------- checkpoints
@@ -345,6 +347,7 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
         """`accelerator.save_state` (model, optimizer, scheduler, RNG) plus the step counter."""
         path = path or os.path.join(self.config.output_dir, f"checkpoint-{self.step_count}")
         self.accelerator.save_state(path)
+        self.save_shards(path)  # NOTE: FSDP: model and optimizer as sharded DCP
         if self.accelerator.is_main_process:
             with open(os.path.join(path, STATE_FILE), "w") as f:
                 json.dump({"step": self.step_count}, f)
@@ -358,6 +361,7 @@ class RLTrainer(BatchInvariantMixin, RoutingReplayMixin):
         """Restore a `save_checkpoint` directory and resync the engine; the next step is the saved
         step + 1 (prompt order and sampling seeds depend only on the step)."""
         self.accelerator.load_state(path)
+        self.load_shards(path)
         with open(os.path.join(path, STATE_FILE)) as f:
             self.step_count = int(json.load(f)["step"])
         self.sync_weights()
@@ -385,14 +389,3 @@ def colocated_engine_config(
         return config
     return (config or ContinuousBatchingConfig()).replace(max_memory_percent=fraction)
 
-
-def checkpoints(output_dir: str) -> list[str]:
-    """The `checkpoint-{step}` directories under `output_dir` that hold a trainer state, oldest first."""
-    if not os.path.isdir(output_dir):
-        return []
-    found = []
-    for name in os.listdir(output_dir):
-        path = os.path.join(output_dir, name)
-        if name.startswith("checkpoint-") and name[11:].isdigit() and os.path.exists(os.path.join(path, STATE_FILE)):
-            found.append((int(name[11:]), path))
-    return [path for _, path in sorted(found)]

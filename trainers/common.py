@@ -71,6 +71,8 @@ class RLConfig:
             ops on the engine's dtype (`trainers.invariant`): `logprob_mismatch_max` is exactly 0.0.
         routing_replay: MoE policies: the trainer's passes take the experts the engine chose (R3,
             `trainers.routing_replay`); logs `routing_mismatch_fraction`.
+        fsdp: shard the policy with FSDP2 (`trainers.sharding`): True, False, or "auto" (when the accelerate
+            launch config is FSDP, e.g. `recipes/accelerate/2cpu_fsdp.yaml`).
     """
 
     output_dir: str = "outputs"
@@ -109,19 +111,13 @@ class RLConfig:
     progress: bool = True
     batch_invariant: bool = False
     routing_replay: bool = False
+    fsdp: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if self.batch_invariant:  # NOTE: the engine must run the same invariant ops
             self.engine_config = (self.engine_config or ContinuousBatchingConfig()).replace(batch_invariant=True)
-        for name in (
-            "max_steps",
-            "prompts_per_step",
-            "group_size",
-            "max_new_tokens",
-            "num_iterations",
-            "num_minibatches",
-            "gradient_accumulation_steps",
-        ):
+        for name in ("max_steps", "prompts_per_step", "group_size", "max_new_tokens", "num_iterations",
+                     "num_minibatches", "gradient_accumulation_steps"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
@@ -135,6 +131,8 @@ class RLConfig:
                 f"prompts_per_step x group_size = {rows} rows do not split into num_minibatches x "
                 f"gradient_accumulation_steps = {micro} equal micro-batches"
             )
+        if self.fsdp not in (True, False, "auto"):
+            raise ValueError(f"fsdp must be True, False or 'auto', got {self.fsdp!r}")
         if self.lr_schedule not in LR_SCHEDULES:
             raise ValueError(f"lr_schedule must be one of {sorted(LR_SCHEDULES)}, got {self.lr_schedule!r}")
         if not isinstance(self.temperature, (int, float)):

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from trainers.base import RLTrainer
 from trainers.common import RLConfig, completion_forward, scored_logprobs
+from trainers.given_rollout import GivenRolloutMixin
 from trainers.losses import (
     clipped_policy_loss,
     gae,
@@ -98,11 +99,12 @@ class PolicyWithValue(nn.Module):
         return out.logits, self.value_head(hidden).squeeze(-1).float()  # [N, K, V], [N, K]
 
 
-class PPOTrainer(EngineReferenceMixin, RLTrainer):
+class PPOTrainer(EngineReferenceMixin, GivenRolloutMixin, RLTrainer):
     """PPO with a value head, one rollout engine per process.
 
     Args: as `GRPOTrainer`; `model` is a HF causal LM (wrapped here in a `PolicyWithValue`) or a
-    `PolicyWithValue`; `ref_model` is used when `kl_coef > 0`. Attributes as `GRPOTrainer`, plus
+    `PolicyWithValue`; `ref_model` is used when `kl_coef > 0`; `rollout=` an engine-like rollout
+    (`trainers.given_rollout`). Attributes as `GRPOTrainer`, plus
     `value_model` (the unwrapped `PolicyWithValue`).
     """
 

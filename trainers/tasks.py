@@ -41,7 +41,8 @@ def make_addition_tokenizer() -> PreTrainedTokenizerFast:
     Vocabulary (16 ids): ``<pad>`` 0, ``<bos>`` 1, ``<eos>`` 2, ``<unk>`` 3, digits ``0``-``9``
     4-13, ``+`` 14, ``=`` 15. Encoding with ``add_special_tokens=True`` (the default) prepends
     ``<bos>``; ``decode`` joins characters with no spaces. Padding side is left (for ``generate``).
-    Round-trips through ``save_pretrained`` / ``AutoTokenizer.from_pretrained``.
+    Round-trips through ``save_pretrained`` / ``AutoTokenizer.from_pretrained``. Its chat template writes
+    ``<bos>`` and the messages' text (so a chat request on the demo model means what a completion does).
     """
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token=UNK))
@@ -52,7 +53,7 @@ def make_addition_tokenizer() -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
     )
     backend.add_special_tokens(list(SPECIAL_TOKENS))
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=PAD,
         bos_token=BOS,
@@ -61,6 +62,13 @@ def make_addition_tokenizer() -> PreTrainedTokenizerFast:
         padding_side="left",
         model_max_length=128,
     )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+# NOTE: chat on the demo model (`rollout serve runs/grpo/final`): the messages' text after <bos>, the same ids
+# as the completion prompt "123+456=" ; the model knows no roles, so none are written
+CHAT_TEMPLATE = "{{ bos_token }}{% for message in messages %}{{ message['content'] }}{% endfor %}"
 
 
 # --------------------------------------------------------------------------------------------- task
@@ -302,20 +310,17 @@ def sft_warm_start(
     current device and leaves it in eval mode. Returns the mean loss of the last 10 steps.
 
     Stops early once greedy exact match on 256 (then 512) held-out problems reaches ``target_exact`` (None: always
-    run ``steps``), landing within ``target_exact +- band``: evaluated every ``eval_every`` steps until
+    run ``steps``), landing within ``target_exact +- band / 2`` on those problems (``+- band`` on others,
+    measured on 256-512; the sd of such a measure is ~0.02-0.03): evaluated every ``eval_every`` steps until
     exact reaches a quarter of the target (the transition has begun), then every step; an evaluation
     above the band goes back to the last evaluation's weights (stopping there when they are in the
-    band, else going on from there, evaluating every step, at half the learning rate once already so). The stop is needed because this task is learnt
-    through a sudden transition whose step count varies with the seed and the transformers version
+    band, else going on from there, evaluating every step, at half the learning rate once already so).
+    The stop is needed because this task is learnt through a sudden transition whose step count varies with the seed and the transformers version
     (checked every 25 steps only, one fresh install stopped at 0.463 for a 0.3 target).
 
-    Measured here (2 CPU cores shared with other jobs; hidden 128, 3 layers, batch 64, lr 3e-3,
-    3-digit zero-padded problems; greedy on 1,024 held-out problems): with every default, seed 0
-    stops at step 450, exact match 0.28, mean reward 0.68. Loss plateaus near 1.2 (exact ~1%,
-    reward ~0.35) until a transition at step ~400 for seeds 0 and 2; seed 1 sits on a second
-    plateau (loss ~0.9) and runs all 1000 steps: exact 0.04, reward 0.54. A step costs ~65 ms
-    on 2 idle cores, so the seed-0 default takes ~30 s idle (measured 90-190 s on one thread
-    with load average 6-9). Unpadded operands ("7+45=") moved seed 0's transition to ~650 steps.
+    Measured (hidden 128, 3 layers, batch 64, lr 3e-3, 3-digit zero-padded problems): loss plateaus near
+    1.2 until a transition at step ~400 for seeds 0 and 2 (seed 0 stops at step 450, held-out 0.23 on
+    256 problems); seed 1 sits on a second plateau and runs all 1000 steps. ~65 ms a step on 2 idle cores.
     """
     if steps < 1 or eval_every < 1:
         raise ValueError(f"steps and eval_every must be >= 1, got {steps} and {eval_every}")
@@ -331,15 +336,15 @@ def sft_warm_start(
             exact = greedy_accuracy(model, tokenizer, task, n=512 if fine else 256, seed=_STOP_EVAL_SEED)["exact"]
             if not fine and exact >= target_exact / 4:
                 fine, exact = True, greedy_accuracy(model, tokenizer, task, n=512, seed=_STOP_EVAL_SEED)["exact"]
-            if exact > target_exact + band and before is not None:
+            if exact > target_exact + band / 2 and before is not None:  # NOTE: half the band: held-out noise
                 model.load_state_dict(before[1])
-                if before[0] >= target_exact - band:
+                if before[0] >= target_exact - band / 2:
                     exact, done = before[0], True
                 else:  # NOTE: retrace from the last evaluation checking every step, then at half the rate
                     if before[2]:
                         sft.scale_lr(0.5)
                     if progress:
-                        print(f"sft step {step}: exact {exact:.3f} jumped past {target_exact}+-{band}; back to the "
+                        print(f"sft step {step}: exact {exact:.3f} jumped past {target_exact}+-{band / 2}; back to the "
                               f"last evaluation ({before[0]:.3f}){', half the learning rate' if before[2] else ''}")
                     exact = before[0]
             done = done or exact >= target_exact

@@ -139,6 +139,7 @@ class RolloutEngine(LoraMethods):
         stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
         return_routed_experts: bool = False,
         lora: LoraChoice = None,
+        prompt_index: int = 0,
     ) -> RolloutBatch:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
@@ -154,10 +155,13 @@ class RolloutEngine(LoraMethods):
         bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
         Each is one value for all prompts or a list with one value per prompt. `return_routed_experts` (an MoE
         policy) adds `batch.routed_experts` [N, P + T, L, k] (`rollout.model.routes`). `lora`: the LoRA adapter
-        (`add_lora`) every prompt runs under, or one name or None (the base model) per prompt."""
+        (`add_lora`) every prompt runs under, or one name or None (the base model) per prompt. `prompt_index`:
+        these prompts are prompts `prompt_index, ...` of a larger seeded call (a fleet's shard), seeded as such."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        if isinstance(prompt_index, bool) or not isinstance(prompt_index, int) or prompt_index < 0:
+            raise ValueError(f"prompt_index must be a non-negative int, got {prompt_index!r}")
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of prompts, got a single string")
         ids = [self._encode(p, apply_chat_template) for p in prompts]
@@ -173,7 +177,7 @@ class RolloutEngine(LoraMethods):
             loras = self._lora_rows(lora, len(ids))
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
                 rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                                    top_logprobs, return_routed_experts, loras)
+                                    top_logprobs, return_routed_experts, loras, prompt_index)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
@@ -194,11 +198,11 @@ class RolloutEngine(LoraMethods):
         return core.check_prompt(prompt)
 
     def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                top_logprobs=0, routes=False, loras=None) -> list[str]:
+                top_logprobs=0, routes=False, loras=None, first=0) -> list[str]:
         """Queue every sample at once (all or none); prompts are the checked lists of `_encode`; `loras`: each
-        prompt's (adapter slot, cache salt), None for the base model."""
+        prompt's (adapter slot, cache salt), None for the base model; `first`: the call's first prompt index."""
         core = self.manager.core
-        seeds = call_seeds(seed, len(ids), group_size)
+        seeds = call_seeds(seed, len(ids), group_size, first)
         reqs = [
             core.make_request(
                 prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,

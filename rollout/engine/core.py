@@ -19,6 +19,7 @@ from rollout.attention.backends import select as select_backend
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.cache_plan import plan_engine_cache
 from rollout.engine.routed_experts import request_routes, start_recording
+from rollout.engine.speculation import Speculator
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from rollout.invariant import mode as batch_invariant
 from rollout.kv.kv_cache import PagedKVCache
@@ -34,7 +35,8 @@ from rollout.model.model_facts import (
 )
 from rollout.model.routers import moe_routers
 from rollout.model.runner import ModelRunner
-from rollout.prompts import check_token_ids
+from rollout.model.static_decode import static_plan, varlen_compile
+from rollout.prompts import check_token_ids, int_set
 from rollout.requests import Request, RequestStatus, SamplingParams
 from rollout.sampling.sampler import Sampler
 from rollout.sampling.sampling_fields import generation_defaults, make_sampling, overrides
@@ -45,16 +47,7 @@ from rollout.weights.in_place import versioned_tensors, weights_version
 
 logger = logging.getLogger("rollout")
 
-STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens")
-
-
-def _int_set(values: Sequence[int], name: str) -> frozenset[int]:
-    if isinstance(values, int) or isinstance(values, (str, bytes)):
-        raise ValueError(f"{name} must be a sequence of token ids, got {values!r}")
-    values = list(values)
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in values):
-        raise ValueError(f"{name} must hold int token ids, got {values!r}")
-    return frozenset(values)
+STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 class EngineCore:
@@ -102,7 +95,15 @@ class EngineCore:
         self.backend = batch_invariant.engine_backend(attn_name) if config.batch_invariant else create_backend(
             attn_name, self.device, self.dtype, page_size=config.page_size, num_pages=num_pages,
             max_batch_tokens=self.max_batch_tokens)
-        self.cache = PagedKVCache(num_pages, config.page_size, self.device, self.dtype, groups,
+        tc = text_config(model)
+        static = static_plan(config, self.device, config.page_size, num_pages,
+                             getattr(tc, "max_position_embeddings", None))
+        if static is not None and not hasattr(self.backend, "static_group"):
+            logger.warning("attn_backend %r has no in-place decode kernel: decode steps are not static "
+                           "(decode_compile_config / use_cuda_graph need 'cpu' or 'triton')", self.backend.name)
+            static = None
+        # NOTE: a static decode step's padded rows write into one null page past the pool's
+        self.cache = PagedKVCache(num_pages + (static is not None), config.page_size, self.device, self.dtype, groups,
                                   zeroed=self.backend.reads_unwritten_slots)
         if offload_pages:
             self.cache.offload = CpuOffloadBuffer(self.cache, offload_pages)
@@ -113,10 +114,9 @@ class EngineCore:
             windows=self.windows, offloader=self.cache.offload,
         )
         self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
-                                  compiled=config.default_compile_level >= 1 and self.device.type == "cpu")
+                                  compiled=varlen_compile(config, self.device), static=static)
         self.sampler = Sampler(self.device) if self.tp is None else AgreedSampler(Sampler(self.device), self.tp)
         self.set_generation_config(generation_config)
-        tc = text_config(model)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(tc, "max_position_embeddings", None)
         self.policy_version = 0
@@ -126,6 +126,8 @@ class EngineCore:
         self.batch_ids = itertools.count()  # NOTE: ids of `add_requests` batches under tensor parallelism
         self._weights = versioned_tensors(self.view)
         self._weights_seen = weights_version(self._weights)
+        # NOTE: n-gram speculation (rollout.engine.speculation); not across tensor-parallel ranks nor batch-invariant
+        self.speculator = None if self.tp is not None or config.batch_invariant else Speculator(self, self._finalize)
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
             "attention windows %s, CPU offload %d pages",
@@ -227,7 +229,7 @@ class EngineCore:
         routes = request_routes(self, total) if return_routed_experts else None
         eos = frozenset() if ignore_eos else self.eos_ids
         if eos_token_ids is not None:
-            eos = eos | _int_set(eos_token_ids, "eos_token_ids")
+            eos = eos | int_set(eos_token_ids, "eos_token_ids")
         return Request(
             request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,
@@ -272,6 +274,8 @@ class EngineCore:
         self.requests.pop(req.request_id, None)
         self.sampler.forget(req.request_id)
         self.runner.release(req)
+        if self.speculator is not None:  # NOTE: its tokens may draft for its prompt's later rollouts
+            self.speculator.finished(req)
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -284,6 +288,8 @@ class EngineCore:
         out = self.scheduler.schedule()
         if not out:
             return self._unstick()
+        if out.decode_only and self.speculator is not None and (news := self.speculator.step(out)) is not None:
+            return news
         self._count_prompt_tokens(out)
         try:
             logits, sampled, scores = self.runner.execute(out)

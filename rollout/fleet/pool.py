@@ -8,7 +8,9 @@
 Each prompt's group is one `/v1/completions` request (token ids in, `n=group_size`, `return_token_ids`,
 `logprobs=0`: token ids and logprobs out, no retokenisation; the answering weights' version from the
 `X-Weight-Version` header, or per token from `weight_versions` where the server reports them), sent to the live
-server with the fewest groups in flight. Group i of a call seeded `s` goes out seeded `group_seed(s, i)`
+server holding the prompt's longest cached prefix (`routing="prefix"`, the default; a later agent turn or a
+revisited prompt then prefills only its new tokens), unless that server is busier than the least-loaded by more
+than a few groups, else to the least loaded. Group i of a call seeded `s` goes out seeded `group_seed(s, i)`
 (`rollout.sampling.seeding`), so its samples are the in-process engine's for the same call, whichever server
 runs it. Bad `temps` are refused (ValueError naming `temps`) before any request is sent. Liveness: every request has a deadline (`request_timeout_s`); a request that fails (refused
 connection, timeout, 5xx) makes the pool probe that server's `/health` (`health_timeout_s`); a server that
@@ -32,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.fleet.prefix_routing import PrefixRouter
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput, RequestStatus
 from rollout.sampling.sampling_fields import temperatures
@@ -55,13 +58,15 @@ class RolloutPool:
         weight_transfer: "broadcast" (torch.distributed, `rollout.weights.broadcast`) or "disk".
         backend, bucket_bytes, sync_timeout_s: the broadcast's (see `WeightBroadcaster`).
         disk_dir: where "disk" saves the weights (default: a temporary folder).
+        routing: "prefix" (default: to the server holding the prompt's longest prefix, unless it is busier than
+            the least-loaded by more than a few requests; `rollout.fleet.prefix_routing`) or "least_loaded".
     """
 
     def __init__(self, urls: Sequence[str], api_key: str | None = None, tokenizer=None,
                  pad_token_id: int | None = None, request_timeout_s: float = 300.0, health_timeout_s: float = 5.0,
                  max_attempts: int = 3, weight_transfer: str = "broadcast", backend: str | None = None,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, sync_timeout_s: float = 120.0,
-                 disk_dir: str | None = None) -> None:
+                 disk_dir: str | None = None, routing: str = "prefix") -> None:
         import httpx
 
         if not urls:
@@ -70,6 +75,9 @@ class RolloutPool:
             raise ValueError(f"weight_transfer must be 'broadcast' or 'disk', got {weight_transfer!r}")
         if max_attempts < 1:
             raise ValueError(f"max_attempts must be at least 1, got {max_attempts}")
+        if routing not in ("prefix", "least_loaded"):
+            raise ValueError(f"routing must be 'prefix' or 'least_loaded', got {routing!r}")
+        self.router = PrefixRouter() if routing == "prefix" else None
         self.urls = [u.rstrip("/") for u in urls]
         self.alive = list(self.urls)
         self.tokenizer = tokenizer
@@ -86,6 +94,7 @@ class RolloutPool:
         self.device = torch.device("cpu")  # NOTE: batches are built here; the trainer moves them
         self.in_flight = {u: 0 for u in self.urls}
         self.resubmitted = 0  # groups sent again after their server failed
+        self.prompt_tokens = self.cached_tokens = 0  # NOTE: of every answered group (`cached_fraction`)
         self.closed = False
         self._lock = threading.Lock()
         versions = {}
@@ -120,6 +129,8 @@ class RolloutPool:
                 return
             self.alive.remove(url)
             lost = self.in_flight.get(url, 0)
+            if self.router is not None:
+                self.router.forget(url)
         left = ", ".join(self.alive) or "none"
         logger.warning("rollout server %s is down (%s): resubmitting its %d group(s) to the %d live server(s) "
                        "left (%s)", url, reason, lost, len(self.alive), left)
@@ -131,12 +142,13 @@ class RolloutPool:
                 self.mark_dead(url, "no answer to /health")
         return list(self.alive)
 
-    def _pick(self, tried: set[str]) -> str:
+    def _pick(self, tried: set[str], ids: Sequence[int] = ()) -> str:
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"no rollout server left alive (of {len(self.urls)}: {', '.join(self.urls)})")
             fresh = [u for u in self.alive if u not in tried] or self.alive
-            url = min(fresh, key=lambda u: self.in_flight[u])
+            url = (self.router.pick(ids, self.in_flight, fresh) if self.router is not None
+                   else min(fresh, key=lambda u: self.in_flight[u]))
             self.in_flight[url] += 1
             return url
 
@@ -146,7 +158,7 @@ class RolloutPool:
         tried: set[str] = set()
         errors: list[str] = []
         for attempt in range(self.max_attempts):
-            url = self._pick(tried)
+            url = self._pick(tried, body["prompt"])
             tried.add(url)
             try:
                 r = self.http.post(url + "/v1/completions", json=body)
@@ -164,6 +176,7 @@ class RolloutPool:
                         logger.warning("group %d done on %s after %d failed attempt(s)", i, url, attempt)
                     answer = r.json()
                     answer["weight_version"] = int(r.headers.get("x-weight-version", self.policy_version))
+                    self._remember(body["prompt"], answer, url)
                     return answer
                 reason = f"HTTP {r.status_code}"
             errors.append(f"{url}: {reason}")
@@ -175,6 +188,22 @@ class RolloutPool:
             with self._lock:
                 self.resubmitted += 1
         raise RuntimeError(f"group {i} failed on {self.max_attempts} attempt(s): {'; '.join(errors)}")
+
+    def _remember(self, prompt: list[int], answer: dict, url: str) -> None:
+        """The server now caches each completion after its prompt too: a later turn extending one routes there.
+        Counts the prompt tokens sent and those the server's prefix cache served (`cached_fraction`)."""
+        usage = answer.get("usage") or {}
+        with self._lock:
+            self.prompt_tokens += int(usage.get("prompt_tokens") or 0)
+            self.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+            if self.router is not None:
+                for c in answer.get("choices", ()):
+                    self.router.record(self.router.block_hashes(prompt + list(c.get("token_ids") or ())), url)
+
+    @property
+    def cached_fraction(self) -> float:
+        """The share of the prompt tokens sent so far that the servers' prefix caches served."""
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
     def _done(self, url: str) -> None:
         with self._lock:
@@ -242,6 +271,9 @@ class RolloutPool:
         first; "keep" (async GRPO) has them go on under the new weights from its next step, KV kept (their
         tokens' `weight_versions` show the switch); "abort" cancels them."""
         check_mode(in_flight, "in_flight")
+        if self.router is not None:  # NOTE: the servers drop their prefix KV with the old weights
+            with self._lock:
+                self.router.owner.clear()
         if self.sync is None:
             return self._update_from_disk(model, in_flight)
         start = time.perf_counter()

@@ -147,6 +147,24 @@ class PageTables:
         for alloc, table in zip(self.allocators, self.of(req), strict=True):
             alloc.grow(table, num_tokens)
 
+    def truncate(self, req, num_tokens: int) -> int:
+        """Give back the pages past the first `num_tokens` tokens (a speculative step's rejected tail); returns
+        how many. Each shortened table is a new list, so `DevicePageTables.sync` rewrites its row."""
+        keep, freed = self.pool.pages_needed(num_tokens), 0
+        if len(req.page_ids) <= keep:
+            return 0
+        tables = self.of(req)
+        for i, table in enumerate(tables):
+            tail = [b for b in table[keep:] if b != FREED]
+            if tail:
+                self.pool.free(tail)
+            freed += len(tail)
+            if i == 0:
+                req.page_ids = table[:keep]
+            else:
+                self._more[req][i - 1] = table[:keep]
+        return freed
+
     def recycle(self, req) -> int:
         """Release the pages no future query of `req` can see; returns how many."""
         if not self.sliding:

@@ -46,6 +46,24 @@ ATTN_NAME_COMPILED = "rollout_paged_compiled"
 _FORWARDS: weakref.WeakValueDictionary[int, CompiledForward] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count(1)
 _COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, torch._dynamo.exc.FailOnRecompileLimitHit)
+DYNAMIC = {"fullgraph": True, "dynamic": True}  # NOTE: the whole forward, one graph for every step size
+
+
+def compile_kwargs(config, field: str = "decode_compile_config") -> dict:
+    """`torch.compile` keyword arguments of a transformers `CompileConfig` (fullgraph, dynamic, backend, mode,
+    options); ValueError naming `field` for anything else. NOTE: mode "reduce-overhead" means CUDA graphs, which
+    rollout captures itself (`use_cuda_graph`): it is dropped; a mode and options together keep the options
+    (torch.compile takes one of them)."""
+    missing = [a for a in ("fullgraph", "dynamic", "backend", "mode", "options") if not hasattr(config, a)]
+    if missing:
+        raise ValueError(f"{field} must be a transformers CompileConfig (fields fullgraph, dynamic, backend, mode, "
+                         f"options), got {type(config).__name__} without {missing}")
+    kwargs = {"fullgraph": bool(config.fullgraph), "dynamic": config.dynamic, "backend": config.backend}
+    if config.options:
+        kwargs["options"] = dict(config.options)
+    elif config.mode and config.mode != "reduce-overhead":
+        kwargs["mode"] = config.mode
+    return kwargs
 
 
 @torch.library.custom_op("rollout::paged_attention", mutates_args=())
@@ -127,7 +145,7 @@ class CompiledForward:
     logits_to_keep=..., use_cache=False)`, the runner's call. Switches the view to the compiled attention
     and its oneDNN linears (`rollout.kernels.linear`) to the packed-linear op."""
 
-    def __init__(self, view: torch.nn.Module) -> None:
+    def __init__(self, view: torch.nn.Module, compile_kwargs: dict | None = DYNAMIC) -> None:
         view.set_attn_implementation(register())
         drop_fused_layers(view)  # NOTE: dynamo cannot trace their C++ calls; the compiled graph fuses those ops itself
         self.handle = next(_HANDLES)
@@ -140,10 +158,19 @@ class CompiledForward:
                 module.forward = types.MethodType(_packed_forward, module)
                 module._rollout_w = None
                 self.linears.append(module)
-        options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
-        self.fn = torch.compile(_entry_point(view, self.handle), fullgraph=True, dynamic=True, options=options)
+        self.view = view
         self.eager = view.forward
+        self.fn = self.eager if compile_kwargs is None else self.compile("", compile_kwargs)
         self.checked = False  # NOTE: set once a forward ran
+
+    def compile(self, name: str, compile_kwargs: dict):
+        """The view's forward compiled with `torch.compile(**compile_kwargs)` behind a code object of its own
+        (`name` tells it apart: its own dynamo cache and recompile limit, e.g. one per decode bucket)."""
+        kwargs = dict(compile_kwargs)
+        if "mode" not in kwargs:  # NOTE: torch.compile takes a mode or options, not both
+            kwargs["options"] = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe,
+                                 **(kwargs.get("options") or {})}
+        return torch.compile(_entry_point(self.view, f"{self.handle}{name}"), **kwargs)
 
     def _refresh_packed(self) -> None:
         """Pack each routed weight again when it changed (`rollout.kernels.linear.packed_weight`), outside the graph."""
@@ -151,27 +178,33 @@ class CompiledForward:
             m._rollout_w = packed_weight(m)
 
     def __call__(self, rollout_meta, **kwargs):
+        out, self.fn = self.run(self.fn, rollout_meta, kwargs)
+        return out
+
+    def run(self, fn, rollout_meta, kwargs: dict):
+        """(`fn(**kwargs)` with `rollout_meta` as the step's metadata, the function to call from now on: `fn`, or
+        the eager forward once compiling `fn` failed, with one warning)."""
         self._refresh_packed()
         self.meta = rollout_meta
         try:
             try:
-                out = self.fn(rollout_step=self.step, **kwargs)
+                out = fn(rollout_step=self.step, **kwargs)
             except Exception as e:
                 # NOTE: the first call compiles (any failure there: no compiler, an op dynamo cannot trace);
                 # later ones may compile again (a new thread count, past dynamo's recompile limit).
-                if self.fn is self.eager or (self.checked and not isinstance(e, _COMPILE_ERRORS)):
+                if fn is self.eager or (self.checked and not isinstance(e, _COMPILE_ERRORS)):
                     raise
                 logger.warning("rollout: compiling the engine forward failed (%s: %s); this engine runs it "
                                "uncompiled from now on", type(e).__name__, (str(e).splitlines() or [""])[0])
-                self.fn = self.eager
-                out = self.fn(rollout_step=self.step, **kwargs)
+                fn = self.eager
+                out = fn(rollout_step=self.step, **kwargs)
             self.checked = True
-            return out
+            return out, fn
         finally:
             self.meta = None
 
 
-def _entry_point(view: torch.nn.Module, handle: int):
+def _entry_point(view: torch.nn.Module, handle: str):
     """`view.forward` behind a code object of its own: dynamo keeps its compiled graphs (and its limit of 8
     per code object, past which a fullgraph compile raises) per code object, and HF's forwards share one
     decorator wrapper's code, so without this every engine of the process would share one cache."""

@@ -16,6 +16,7 @@ from rollout.attention.backends import AttentionBackend, AttentionMetadata, Step
 from rollout.attention.backends import create as create_backend
 from rollout.kv.device_page_tables import DevicePageTables
 from rollout.kv.kv_cache import PagedKVCache
+from rollout.model.static_decode import StaticDecode, StaticPlan
 from rollout.sampling.token_logprobs import ScoredRows, Scores
 from rollout.scheduling.stages import SchedulerOutput
 from rollout.tensors import int_tensor
@@ -35,19 +36,24 @@ class ModelRunner:
             in each of them (default: the cache's layers).
         backend: the attention backend (`rollout.attention.backends`): builds each group's metadata and attends;
             default the portable `sdpa`.
-        compiled: run the view's forward as one compiled graph (`rollout.model.compiled`, CPU only).
+        compiled: run the view's forward as one compiled graph (`rollout.model.compiled`): True for the dynamic
+            whole-forward graph, or the `torch.compile` arguments of the varlen path (`varlen_compile_config`).
+        static: run decode-only steps through fixed-shape buffers (`rollout.model.static_decode.StaticPlan`), or None.
     """
 
     def __init__(
         self, model: torch.nn.Module, cache: PagedKVCache, windows: list[int | None] | None = None,
-        num_layers: int | None = None, backend: AttentionBackend | None = None, compiled: bool = False,
+        num_layers: int | None = None, backend: AttentionBackend | None = None, compiled: bool | dict = False,
+        static: StaticPlan | None = None,
     ) -> None:
         self.model = model
         self.forward = model
-        if compiled:
-            from rollout.model.compiled import CompiledForward
+        if compiled or static is not None:
+            from rollout.model.compiled import DYNAMIC, CompiledForward
 
-            self.forward = CompiledForward(model)
+            # NOTE: the static step enters our attention through the compiled forward's op; without `compiled`
+            # the other steps run that forward eagerly
+            self.forward = CompiledForward(model, DYNAMIC if compiled is True else (compiled or None))
         self.cache = cache
         self.backend = backend or create_backend("sdpa", cache.device, cache.dtype)
         self.windows = windows or [None]  # attention window of each layer group
@@ -58,16 +64,28 @@ class ModelRunner:
         self.device_page_tables = DevicePageTables(len(self.windows), self.device)  # NOTE: persistent, synced each step
         self.routes = None  # NOTE: a `rollout.model.routes.RouteRecorder` once a request asked for routed experts
         self.lora = None  # NOTE: the engine's `rollout.model.lora.EngineLoras` once an adapter was added
+        self.static = None if static is None else StaticDecode(
+            self.forward, cache, self.backend, self.windows, self.device_page_tables, static.max_pages,
+            static.compile_kwargs, static.cuda_graphs)
 
     def release(self, request) -> None:
         """`request` is final: its page-table row is free."""
         self.device_page_tables.release(request)
 
-    def prepare(self, out: SchedulerOutput) -> tuple[dict, list[int], list[ScoredRows]]:
+    def prepare(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[dict, list[int], list[ScoredRows]]:
         """Forward kwargs for the step, the scheduled indices whose last logits are sampled, and the scored
-        rows (those a scoring request keeps follow the sampled ones in `logits_to_keep`: `score_rows`)."""
+        rows (those a scoring request keeps follow the sampled ones in `logits_to_keep`: `score_rows`).
+
+        `drafts` (a speculative step of decoding rows, `rollout.engine.speculation`): row i runs its last token then
+        `drafts[i]`, and every position's logits are kept, row after row."""
         requests = [s.request for s in out.scheduled]
-        if out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
+        if drafts is not None:
+            ids, starts, lens = [], [r.num_computed_tokens for r in requests], [1 + len(d) for d in drafts]
+            for r, d in zip(requests, drafts, strict=True):
+                ids.append(r.token_ids[-1])
+                ids += d
+            keep, sampled, scored = list(range(len(ids))), list(range(len(requests))), []
+        elif out.decode_only:  # NOTE: the steady state: each row's last token, every row sampled
             ids = [r.token_ids[-1] for r in requests]
             starts = [r.num_computed_tokens for r in requests]
             lens = [1] * len(requests)
@@ -138,16 +156,22 @@ class ModelRunner:
         return ids, keep, sampled, starts, lens
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[torch.Tensor, list[int], Scores | None]:
+    def execute(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int], Scores | None]:
         """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`, the scored
-        rows' logits and where they belong, or None when no row is scored)."""
+        rows' logits and where they belong, or None when no row is scored); with `drafts` (see `prepare`), the
+        logits [sum(1 + len(draft)), V] of every position run."""
         for src, dst, n in out.copies:
             ps = self.page_size
             idx = torch.arange(n, device=self.device)
             self.cache.copy_slots(src * ps + idx, dst * ps + idx)
+        if out.decode_only and self.static is not None and self.verified and self.routes is None \
+                and self.lora is None and not drafts:  # NOTE: the static step runs no adapters and no drafts
+            logits = self._static_decode(out)
+            if logits is not None:
+                return logits, list(range(len(out.scheduled))), None
         if self.lora is not None:  # NOTE: may order the rows by adapter (`EngineLoras.begin`), so before `prepare`
             self.lora.begin(out)
-        kwargs, sampled, scored = self.prepare(out)
+        kwargs, sampled, scored = self.prepare(out, drafts)
         kept = len(kwargs["logits_to_keep"])
         if not kept:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
@@ -171,6 +195,20 @@ class ModelRunner:
         if not scored:
             return logits, sampled, None
         return logits[: len(sampled)], sampled, Scores(logits[len(sampled) :], scored)
+
+    def _static_decode(self, out: SchedulerOutput) -> torch.Tensor | None:
+        """fp32 logits [B, V] of a decode-only step through the static buffers, or None when a request's page table
+        is wider than them (then the general path runs the step). The first step runs the general path (its layer
+        check)."""
+        requests = [s.request for s in out.scheduled]
+        if len(self.windows) == 1:
+            tables = [[r.page_ids for r in requests]]
+        else:
+            tables = [list(t) for t in zip(*(s.tables for s in out.scheduled), strict=True)]
+        if not self.static.fits(tables):
+            return None
+        rows = self.device_page_tables.sync(requests, tables)
+        return self.static.run(requests, rows, tables)
 
     def _verify(self, seen: set[int]) -> None:
         """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""

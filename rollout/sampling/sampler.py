@@ -99,10 +99,12 @@ class Sampler:
             tokens[idx] = (warped - noise.log()).argmax(dim=-1)  # [S]
         if uses:
             self.processors.update(requests, tokens)
-        chosen = top = None
+        chosen = top = token_list = None
         if logprobs_mode is not None:
             dist = log_distribution(raw, processed, params, logprobs_mode, warped)  # [R, V]
-            chosen = dist.gather(1, tokens[:, None])[:, 0].tolist()  # [R]
+            # NOTE: tokens and their logprobs reach the host in one read (fp64 holds both exactly)
+            both = torch.stack([tokens.double(), dist.gather(1, tokens[:, None])[:, 0].double()]).tolist()  # [2, R]
+            token_list, chosen = [int(t) for t in both[0]], both[1]
         if wants:
             if top_mode != logprobs_mode:
                 dist = log_distribution(raw, processed, params, top_mode, warped)  # [R, V]
@@ -112,7 +114,7 @@ class Sampler:
             for j, i in enumerate(wants):
                 k = requests[i].top_logprobs
                 top[i] = (vals[j][:k], ids[j][:k])
-        return SamplerOutput(tokens.tolist(), chosen, top)
+        return SamplerOutput(tokens.tolist() if token_list is None else token_list, chosen, top)
 
     def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
         """Exp(1) noise [S, V]: one shared draw for unseeded rows, a per-request stream for seeded ones."""

@@ -61,7 +61,7 @@ GENERATION_FIELDS: dict[str, tuple[str, str]] = {
     "exponential_decay_length_penalty": (REFUSED, "EOS boost after a start index"),
     "stop_strings": (REFUSED, "stop strings need a tokenizer: pass stop token ids (the server takes `stop`)"),
     "max_time": (REFUSED, "a wall-clock budget makes outputs depend on load"),
-    "prompt_lookup_num_tokens": (REFUSED, "assisted decoding (prompt lookup)"),
+    "prompt_lookup_num_tokens": (APPLIED, "lossless n-gram speculation: draft tokens per step (rollout.engine.speculation)"),
     "assistant_early_exit": (REFUSED, "assisted decoding (self-speculation)"),
     "speculation_type": (REFUSED, "assisted decoding"),
     "use_mtp": (REFUSED, "multi-token-prediction decoding"),
@@ -76,7 +76,7 @@ GENERATION_FIELDS: dict[str, tuple[str, str]] = {
     "assistant_confidence_threshold": (NO_EFFECT, "tunes an assistant model (none runs)"),
     "assistant_lookbehind": (NO_EFFECT, "tunes an assistant model (none runs)"),
     "target_lookbehind": (NO_EFFECT, "tunes an assistant model (none runs)"),
-    "max_matching_ngram_size": (NO_EFFECT, "tunes prompt lookup (refused itself)"),
+    "max_matching_ngram_size": (APPLIED, "longest n-gram the speculation's drafts match"),
     "assistant_ensemble_weight": (NO_EFFECT, "tunes an assistant model (none runs)"),
     "is_assistant": (NO_EFFECT, "marks a config as an assistant's"),
     "pad_token_id": (NO_EFFECT, "padding of outputs"),
@@ -113,6 +113,7 @@ SAMPLING_FIELDS: dict[str, Any] = {
     "presence_penalty": 0.0, "frequency_penalty": 0.0, "no_repeat_ngram_size": 0, "min_new_tokens": 0,
     "min_length": 0, "logit_bias": None, "sequence_bias": None, "bad_words_ids": None, "suppress_tokens": None,
     "begin_suppress_tokens": None, "forced_bos_token_id": None, "forced_eos_token_id": None,
+    "prompt_lookup_num_tokens": 0, "max_matching_ngram_size": 0,
 }
 ALIASES = {"min_tokens": "min_new_tokens"}
 
@@ -272,6 +273,8 @@ def make_sampling(spec: Mapping[str, Any], seed: int | None, vocab: int) -> Samp
         forced_bos_token_id=None if forced_bos is None else forced_bos[0],
         forced_eos_token_ids=_ids("forced_eos_token_id", spec["forced_eos_token_id"], vocab)
         if spec.get("forced_eos_token_id") is not None else (),
+        prompt_lookup_num_tokens=_count("prompt_lookup_num_tokens", s["prompt_lookup_num_tokens"]),
+        max_matching_ngram_size=_count("max_matching_ngram_size", s["max_matching_ngram_size"]),
     )
 
 

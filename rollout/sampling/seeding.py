@@ -41,9 +41,10 @@ def sample_seed(group: int, sample: int) -> int:
     return derive_seed(group, sample)
 
 
-def call_seeds(seed: int | None, num_groups: int, group_size: int) -> list[int | None]:
+def call_seeds(seed: int | None, num_groups: int, group_size: int, first_group: int = 0) -> list[int | None]:
     """The stream seed of every sample of a call, group-major (row i * group_size + j is sample j of
-    group i); all None for an unseeded call."""
+    group i); all None for an unseeded call. `first_group`: these groups are the call's groups
+    `first_group, first_group + 1, ...` (one shard of a call split over several engines)."""
     if seed is None:
         return [None] * (num_groups * group_size)
-    return [sample_seed(group_seed(seed, i), j) for i in range(num_groups) for j in range(group_size)]
+    return [sample_seed(group_seed(seed, first_group + i), j) for i in range(num_groups) for j in range(group_size)]

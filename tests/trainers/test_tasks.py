@@ -272,7 +272,7 @@ def test_warm_start_lands_in_its_band_going_back_where_a_step_jumps_past_it(toke
 
     task = AdditionTask(num_digits=2, seed=0)
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
-    script = iter([0.0, 0.6, 0.6, 0.1, 0.15, 0.9, 0.2, 0.27, 0.5])  # NOTE: steps 5, 10 (twice), then 11 to 16
+    script = iter([0.0, 0.6, 0.6, 0.1, 0.15, 0.9, 0.2, 0.29, 0.5])  # NOTE: steps 5, 10 (twice), then 11 to 16
     seen, lrs = [], []
 
     def fake_accuracy(model, tokenizer, task, n=256, seed=0, batch_size=256):
@@ -287,7 +287,7 @@ def test_warm_start_lands_in_its_band_going_back_where_a_step_jumps_past_it(toke
     assert [n for n, _ in seen] == [256, 256, 512, 512, 512, 512, 512, 512, 512]  # NOTE: 512 from target/4 on
     assert "back to the last evaluation (0.000)" in out and "0.900 jumped past" in out
     assert lrs == [0.5]  # NOTE: only the jump met at every-step evaluation halves the rate
-    assert out.strip().splitlines()[-1].startswith("sft step 16/100 ") and "exact 0.27" in out.splitlines()[-1]
-    final = model.state_dict()  # NOTE: the weights of the in-band evaluation (0.27), not of the 0.5 step
+    assert out.strip().splitlines()[-1].startswith("sft step 16/100 ") and "exact 0.29" in out.splitlines()[-1]
+    final = model.state_dict()  # NOTE: the weights of the in-band evaluation (0.29), not of the 0.5 step
     assert all(torch.equal(final[k], v) for k, v in seen[7][1].items())
     assert not all(torch.equal(final[k], v) for k, v in seen[8][1].items())

@@ -12,7 +12,9 @@ backend). Backends (`BACKENDS`):
 - `cpu`: the C++ kernel of `rollout.kernels.cpu_kernels` for decode rows, SDPA for prompt chunks (`cpu`);
 - `sdpa`: gather of each request's pages + torch SDPA, the portable reference (`sdpa`);
 - `flex`: torch FlexAttention over the whole paged cache, compiled (`flex`);
-- `flash`: flash-attn with page tables, CUDA only (`flash`; refuses to run elsewhere).
+- `flash`: flash-attn with page tables, CUDA only (`flash`; refuses to run elsewhere);
+- `triton`: the Triton paged decode kernel of `rollout.kernels.triton_decode` for decode rows, SDPA for prompt
+  chunks (`triton`; CUDA, or a CPU under Triton's interpreter; the `triton` extra; never picked by `"auto"`).
 
 This module is the registry: `select` (the backend for a config, a device and a model), `resolve`
 (`"auto"` alone), `attention_memory` and `create`. `"auto"` picks `cpu` on a CPU (`sdpa`, with one
@@ -31,6 +33,7 @@ from rollout.attention.backends.cpu import CpuBackend, cpu_kernel
 from rollout.attention.backends.flash import FlashBackend
 from rollout.attention.backends.flex import FlexBackend
 from rollout.attention.backends.sdpa import SdpaBackend
+from rollout.attention.backends.triton import TritonBackend
 from rollout.config import ATTN_BACKENDS
 from rollout.kv.memory_plan import AttnMemory, KVShape
 
@@ -41,7 +44,7 @@ logger = logging.getLogger("rollout")
 
 # NOTE: in order of preference where several could serve (a sink model's "auto" takes the first with sinks)
 BACKENDS: dict[str, type[AttentionBackend]] = {
-    cls.name: cls for cls in (CpuBackend, SdpaBackend, FlexBackend, FlashBackend)
+    cls.name: cls for cls in (CpuBackend, SdpaBackend, FlexBackend, FlashBackend, TritonBackend)
 }
 if set(BACKENDS) != set(ATTN_BACKENDS) - {"auto"}:  # pragma: no cover - a new backend half registered
     raise ImportError(f"rollout.config.ATTN_BACKENDS {ATTN_BACKENDS} and the backends {sorted(BACKENDS)} differ")

@@ -72,6 +72,15 @@ def build_cpu_group(window: int | None, step: StepInputs, ps: int) -> CpuGroupMe
     return g
 
 
+def static_group(window: int | None, slots: torch.Tensor, table: torch.Tensor, rows: torch.Tensor,
+                 start: torch.Tensor, end: torch.Tensor) -> CpuGroupMetadata:
+    """A decode-only group over persistent buffers (`rollout.model.static_decode`): query row i is table row
+    `rows[i]`, writes its token at `slots[i]` and reads positions [start[i], end[i]); built once, read every step."""
+    g = CpuGroupMetadata(window, slots)
+    g.paged = PagedDecode(rows, table, rows, start, end, all_rows=True)
+    return g
+
+
 def cpu_attend(kernel, meta, group: CpuGroupMetadata, query, key, value, k_cache, v_cache, scale: float,
                softcap: float | None) -> torch.Tensor:  # [T, H, D]
     """Kernel rows in place over the pages, then `sdpa`'s prompt segments (`query` [1, H, T, D])."""
@@ -123,6 +132,10 @@ class CpuBackend(SdpaBackend):
     def build_group(self, window: int | None, tables: list[list[int]], step: StepInputs,
                     page_size: int) -> CpuGroupMetadata:
         return build_cpu_group(window, step, page_size)
+
+    def static_group(self, window, slots, table, rows, start, end) -> CpuGroupMetadata:
+        """Decode rows over persistent buffers (see `static_group`)."""
+        return static_group(window, slots, table, rows, start, end)
 
     def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap,
                sinks: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,0 +1,371 @@
+"""`RolloutFleet`: rollout engines as Ray actors behind the `RolloutEngine` API (the `[ray]` extra).
+
+    fleet = RolloutFleet("ckpt/", num_engines=2, engine_config=cbc, resources_per_engine={"CPU": 1})
+    batch = fleet.generate(prompt_ids, temps=1.0, group_size=8, max_new_tokens=64, seed=0)   # a RolloutBatch
+    fleet.update_weights(policy)        # one object-store copy, read by every engine; the version bumps everywhere
+    fleet.close()                       # no actor, no placement group (and no local cluster it started) left
+
+Placement: one `EngineWorker` actor per engine, each in its own bundle of one placement group
+(`resources_per_engine`, strategy `placement_strategy`); joins the running cluster (`address`, or the one this
+process is already connected to) or starts a local one on 127.0.0.1 sized for the engines.
+
+Generation: a call's groups are cut into contiguous shards, one per engine, sized so the engines' groups in
+flight (this call's and other threads') even out, least loaded first; a group never leaves its engine (its prompt
+is prefilled once there). Shard groups are seeded as the call's groups they are (`prompt_index`,
+`rollout.sampling.seeding`), so a seed gives the in-process engine's samples whatever the split.
+
+Failures: an actor that dies mid-call (killed, out of memory, node lost) is restarted by Ray (`max_restarts`); at
+start it loads the fleet's current weights from the `WeightStore` before serving, and its shards are resubmitted
+to the least loaded engine, with one warning line. A shard past `request_timeout_s` is a hung engine: the actor is
+killed (Ray restarts it) and the shard resubmitted. Each shard is tried at most `max_attempts` times.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.fleet.engine_health import EngineHealth
+from rollout.fleet.engine_worker import EngineWorker, WeightStore, tokenizer_in
+from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
+from rollout.sampling.sampling_fields import temperatures
+from rollout.weights.in_place import strip_prefixes
+from rollout.weights.transfer import named_tensors
+
+logger = logging.getLogger("rollout.fleet")
+
+
+def require_ray():
+    try:
+        import ray
+    except ImportError as e:
+        raise ImportError("RolloutFleet needs Ray, the [ray] extra: pip install 'rollout[ray]'") from e
+    return ray
+
+
+class RolloutFleet:
+    """Rollout engines as Ray actors, with the `RolloutEngine` API (see the module docstring).
+
+    Args:
+        model_or_dir: a `save_pretrained` directory (each engine loads it) or the policy module (put in the
+            object store once).
+        num_engines: engine actors to place.
+        engine_config: each engine's `ContinuousBatchingConfig`; generation_config: its defaults.
+        resources_per_engine: one engine's placement-group bundle, {"CPU": 1} (default) or {"GPU": 1, ...}.
+        tensor_parallel_size: 1 (tensor-parallel engine groups are not supported by the fleet yet).
+        tokenizer: encodes string prompts, decodes completions, gives the pad id (default: the directory's).
+        dtype: cast the engines' copy ("bfloat16", ...). threads_per_engine: torch threads (default its CPUs).
+        address: a Ray cluster to join ("auto", "ray://..."); None: the connected one, else a new local one.
+        num_cpus: the local cluster's CPUs (default: the engines' CPUs).
+        max_restarts: Ray restarts of each actor; max_attempts: tries of one shard.
+        request_timeout_s: a shard's deadline; start_timeout_s: the deadline of placement and actor starts.
+    """
+
+    def __init__(self, model_or_dir, num_engines: int = 1, engine_config=None,
+                 resources_per_engine: Mapping[str, float] | None = None, tensor_parallel_size: int = 1, *,
+                 tokenizer=None, generation_config=None, dtype: str | None = None,
+                 threads_per_engine: int | None = None, address: str | None = None, num_cpus: int | None = None,
+                 max_restarts: int = 3, max_attempts: int = 3, request_timeout_s: float = 600.0,
+                 start_timeout_s: float = 300.0, placement_strategy: str = "PACK") -> None:
+        ray = require_ray()
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        if isinstance(num_engines, bool) or not isinstance(num_engines, int) or num_engines < 1:
+            raise ValueError(f"num_engines must be a positive int, got {num_engines!r}")
+        if tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1: RolloutFleet places one single-device engine per "
+                                      "actor for now (use rollout serve with --tensor-parallel-size for TP engines)")
+        bundle = {k: float(v) for k, v in (resources_per_engine or {"CPU": 1}).items()}
+        if not bundle or any(v < 0 for v in bundle.values()) or not any(v > 0 for v in bundle.values()):
+            raise ValueError(f"resources_per_engine must ask for some resources, got {resources_per_engine!r}")
+        if max_attempts < 1 or max_restarts < 0:
+            raise ValueError(f"max_attempts must be >= 1 and max_restarts >= 0, got {max_attempts}, {max_restarts}")
+        self.ray = ray
+        self.started_ray = False
+        if not ray.is_initialized():
+            if address is None:
+                cpus = num_cpus or int(sum(bundle.get("CPU", 0) for _ in range(num_engines))) or 1
+                ray.init(num_cpus=cpus, num_gpus=int(bundle.get("GPU", 0) * num_engines), include_dashboard=False,
+                         _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+            else:
+                ray.init(address=address, logging_level=logging.WARNING)
+            self.started_ray = True
+        self.request_timeout_s, self.start_timeout_s, self.max_attempts = request_timeout_s, start_timeout_s, max_attempts
+        self.max_restarts = max_restarts
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_in(model_or_dir)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None else _pad_of(model_or_dir, generation_config)
+        self.device = torch.device("cpu")  # NOTE: batches are packed here; the trainer moves them
+        self.closed = False
+        self.policy_version = 0
+        self.last_update_s = float("nan")
+        self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=placement_strategy)
+        ready, _ = ray.wait([self.pg.ready()], timeout=start_timeout_s)
+        if not ready:
+            ray.util.remove_placement_group(self.pg)
+            raise RuntimeError(f"the Ray cluster has no room for {num_engines} engine(s) of {bundle} within "
+                               f"{start_timeout_s:.0f} s (cluster resources: {ray.cluster_resources()})")
+        self.store = ray.remote(num_cpus=0)(WeightStore).remote()
+        source = str(model_or_dir) if isinstance(model_or_dir, (str, os.PathLike)) else model_or_dir
+        # NOTE: the actors' constructor arguments, put once and held here: Ray restarts an actor from them
+        self.init_args = [ray.put(a) for a in (source, tokenizer, engine_config, generation_config)]
+        threads = threads_per_engine or max(1, int(bundle.get("CPU", 1)))
+        worker = ray.remote(EngineWorker)
+        self.actors = [
+            worker.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=max_restarts,
+                           max_task_retries=0, max_concurrency=4,
+                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k))
+            .remote(*self.init_args, self.store, threads, dtype)
+            for k in range(num_engines)
+        ]
+        try:
+            infos = ray.get([a.ready.remote() for a in self.actors], timeout=start_timeout_s)
+        except Exception:
+            self.close()
+            raise
+        self.health = EngineHealth(ray, self.actors, infos, max_restarts, start_timeout_s)
+        logger.info("rollout fleet: %d engine(s) of %s up (pids %s)", num_engines, bundle, self.pids)
+
+    # ------------------------------------------------------------------------ properties
+    @property
+    def num_engines(self) -> int:
+        return len(self.actors)
+
+    @property
+    def pids(self) -> list[int]:
+        """The engine actors' process ids (as of their last start)."""
+        return [i["pid"] for i in self.health.infos]
+
+    @property
+    def load(self) -> list[int]:
+        """Groups (or scored rows) in flight on each engine."""
+        return self.health.load
+
+    @property
+    def restarts(self) -> int:
+        """Engine failures seen (each actor restarted by Ray, up to `max_restarts`)."""
+        return self.health.restarts
+
+    @property
+    def resubmitted(self) -> int:
+        """Shards sent again after their engine died or hung."""
+        return self.health.resubmitted
+
+    # ---------------------------------------------------------------------- generation
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] = 1.0,
+                 group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, *, top_logprobs: int = 0,
+                 **processors) -> RolloutBatch:
+        """`group_size` samples per prompt over the engines; a `RolloutBatch` on the CPU, rows grouped by prompt
+        in the call's order (the arguments are `RolloutEngine.generate`'s; processors one value or one per
+        prompt: min_p, repetition_penalty, presence_penalty, frequency_penalty, min_tokens, logit_bias)."""
+        self._check_open()
+        if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+            raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+        unknown = sorted(set(processors) - set(PER_PROMPT))
+        if unknown:
+            raise ValueError(f"RolloutFleet.generate does not take {unknown} (it takes {list(PER_PROMPT)})")
+        if isinstance(prompts, str):
+            raise ValueError("prompts must be a list of prompts, got a single string")
+        ids = [self._encode(p) for p in prompts]
+        temps = temperatures(temps, len(ids))  # NOTE: refused here, before anything is sent
+        common = {"max_new_tokens": max_new_tokens, "top_k": top_k, "top_p": top_p, "top_logprobs": top_logprobs}
+
+        def call(actor, start: int, end: int):
+            kwargs = {**common, **slice_per_prompt(processors, len(ids), start, end)}
+            return actor.generate.remote(ids[start:end], temps[start:end], group_size, seed, start, kwargs)
+
+        parts = self._run(call, len(ids), "group")
+        outputs = [o for part in parts for o in part]
+        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
+                          self.tokenizer, top_logprobs)
+
+    def score(self, prompt_ids, completion_ids=None, top_logprobs: int = 0, prompt_logprobs: bool = False,
+              temps: float | Sequence[float] | None = None, **kwargs):
+        """`RolloutEngine.score` over the engines (rows cut into contiguous shards); a `ScoreBatch` on the CPU."""
+        self._check_open()
+        width = None
+        if isinstance(prompt_ids, RolloutBatch):
+            batch = prompt_ids
+            prompts = [r[m.bool()].tolist() for r, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)]
+            completion_ids = [r[m.bool()].tolist() for r, m in zip(batch.completion_ids, batch.completion_mask,
+                                                                   strict=True)]
+            temps = batch.temperatures.tolist() if temps is None else temps
+            width = batch.completion_ids.shape[1]
+        else:
+            if isinstance(prompt_ids, str) or completion_ids is None:
+                raise ValueError("score needs a list of prompts and a list of completions (or a RolloutBatch)")
+            prompts = [self._encode(p) for p in prompt_ids]
+        if kwargs.get("return_routed_experts"):
+            raise ValueError("RolloutFleet.score does not return routed experts: score on a RolloutEngine")
+        completions = [self._encode(c, special=False) for c in completion_ids]
+        if len(completions) != len(prompts):
+            raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
+        temps = temperatures(1.0 if temps is None else temps, len(prompts))
+
+        def call(actor, start: int, end: int):
+            per_row = slice_per_prompt(kwargs, len(prompts), start, end)
+            args = {"top_logprobs": top_logprobs, "prompt_logprobs": prompt_logprobs, "temps": temps[start:end],
+                    **per_row}
+            return actor.score.remote(prompts[start:end], completions[start:end], args)
+
+        parts = self._run(call, len(prompts), "row")
+        return merge_scores(parts, prompts, completions, width)
+
+    def _encode(self, prompt, special: bool = True) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: pass tokenizer= to RolloutFleet")
+            return list(self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
+        return [int(t) for t in prompt]
+
+    def _run(self, call, n: int, unit: str) -> list:
+        """Run `call(actor, start, end)` over contiguous shards of `n` items, least loaded first; resubmit the
+        shards of an engine that dies or passes its deadline. Returns the shards' results in order."""
+        ray, health = self.ray, self.health
+        pending = {call(self.actors[k], s, e): (k, s, e, 1, time.monotonic()) for k, s, e in health.reserve(n)}
+        results: dict[int, object] = {}
+        try:
+            while pending:
+                deadline = min(t for *_, t in pending.values()) + self.request_timeout_s
+                done, _ = ray.wait(list(pending), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+                if not done:  # NOTE: the oldest shard passed its deadline: its engine hangs
+                    ref = min(pending, key=lambda r: pending[r][4])
+                    k, s, e, attempt, _ = pending.pop(ref)
+                    health.failed(k, f"no answer within {self.request_timeout_s:.0f} s", e - s, unit, kill=True)
+                    pending.update(self._resubmit(call, k, s, e, attempt))
+                    continue
+                k, s, e, attempt, _ = pending.pop(done[0])
+                try:
+                    results[s] = ray.get(done[0])
+                except (ray.exceptions.RayActorError, ray.exceptions.ObjectLostError) as err:
+                    health.failed(k, type(err).__name__, e - s, unit)
+                    pending.update(self._resubmit(call, k, s, e, attempt))
+                    continue
+                health.done(k, e - s)
+        except BaseException:
+            for k, s, e, *_ in pending.values():
+                health.done(k, e - s)
+            raise
+        return [results[s] for s in sorted(results)]
+
+    def _resubmit(self, call, k: int, s: int, e: int, attempt: int) -> dict:
+        if attempt >= self.max_attempts:
+            raise RuntimeError(f"{e - s} item(s) [{s}, {e}) failed on {attempt} attempt(s) (last on engine {k})")
+        target = self.health.take_over(k, e - s)
+        return {call(self.actors[target], s, e): (target, s, e, attempt + 1, time.monotonic())}
+
+    # ------------------------------------------------------------------------- weights
+    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT) -> int:
+        """New weights on every engine: one object-store copy of the state dict, read by each engine (and by a
+        replacement at its start); returns the new `policy_version`, the same on every engine. `in_flight` as
+        `RolloutEngine.update_weights` ("keep": running groups go on under the new weights, KV kept)."""
+        self._check_open()
+        check_mode(in_flight, "in_flight")
+        ray, health, start = self.ray, self.health, time.perf_counter()
+        ref = ray.put(state_dict_of(source))
+        version = self.policy_version + 1
+        ray.get(self.store.set.remote([ref], version), timeout=self.start_timeout_s)  # NOTE: before any engine
+        health.current = (ref, version)  # NOTE: a recovering engine gets it when its probe answers
+        health.poll()
+        with health.lock:
+            targets = [k for k in health.alive() if k not in health.recovering]
+        refs = {self.actors[k].update_weights.remote(ref, version, in_flight): k for k in targets}
+        done, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.request_timeout_s)
+        for r in late:
+            health.failed(refs[r], f"weight update not done within {self.request_timeout_s:.0f} s", 0, "group",
+                          kill=True)
+        for r in done:
+            try:
+                got = ray.get(r)
+            except ray.exceptions.RayActorError as err:  # NOTE: its replacement loads `version` from the store
+                health.failed(refs[r], f"{type(err).__name__} during a weight update", 0, "group")
+                continue
+            if got != version:
+                raise RuntimeError(f"engine {refs[r]} reports version {got} after update {version}")
+        self.policy_version = version
+        self.last_update_s = time.perf_counter() - start
+        logger.info("weights v%d on %d engine(s) in %.2fs", version, len(targets), self.last_update_s)
+        return version
+
+    def engine_versions(self) -> list[int]:
+        """Each live engine's weight version, asked of the actors (waiting for the recovering ones)."""
+        return [i["version"] for i in self.health.wait_all()]
+
+    # ---------------------------------------------------------------- memory, closing
+    def sleep(self) -> int:
+        self._check_open()
+        return sum(self.ray.get([self.actors[k].sleep.remote() for k in self.health.serving()]))
+
+    def wake(self) -> int:
+        self._check_open()
+        return sum(self.ray.get([self.actors[k].wake.remote() for k in self.health.serving()]))
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Kill every engine actor and the weight store, remove the placement group, and stop the local cluster
+        when this fleet started it; waits (up to `timeout_s`) for this machine's engine processes to exit."""
+        if self.closed:
+            return
+        self.closed = True
+        ray = self.ray
+        infos = self.health.infos if hasattr(self, "health") else []
+        pids = [i["pid"] for i in infos if i.get("host") == socket.gethostname()]
+        for actor in getattr(self, "actors", []):
+            ray.kill(actor, no_restart=True)
+        if hasattr(self, "store"):
+            ray.kill(self.store, no_restart=True)
+        ray.util.remove_placement_group(self.pg)
+        deadline = time.monotonic() + timeout_s
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if self.started_ray:
+            ray.shutdown()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this RolloutFleet is closed")
+
+    def __enter__(self) -> RolloutFleet:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def state_dict_of(source) -> dict[str, torch.Tensor]:
+    """CPU tensors of `source` (an nn.Module, wrapper prefixes cut; a state dict; or (name, tensor) pairs), ready
+    for the object store."""
+    out = {}
+    for name, value in named_tensors(source):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
+        out[strip_prefixes(name)] = value.detach().to("cpu").contiguous()
+    return out
+
+
+def _pad_of(source, generation_config) -> int:
+    for gc in (generation_config, getattr(source, "generation_config", None)):
+        for field in ("pad_token_id", "eos_token_id"):
+            value = getattr(gc, field, None)
+            value = value[0] if isinstance(value, (list, tuple)) and value else value
+            if isinstance(value, int):
+                return value
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -1,0 +1,266 @@
+"""Lossless n-gram speculative decoding (issue 44, `rollout.engine.speculation`): greedy tokens identical to HF
+`generate` and to the engine without speculation on the 7 architectures, logprobs the teacher-forced ones, drafts
+accepted (random tiny models loop), pages given back; the drafts' sources (own context, group siblings, the
+prompt's earlier rollouts); the per-request prompt-lookup fields; and the distribution of sampled rows (the
+exact joint law of a tiny-vocabulary model, chi-square over thousands of seeded rows, a wrong acceptance rule
+shown to fail it)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from support.distributions import chi_square_pvalue
+from support.greedy import ARCHS
+from support.sampling import repeating_prompt
+from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from rollout.config import ContinuousBatchingConfig
+from rollout.engine.core import EngineCore
+from rollout.sampling.speculative import ACCEPTANCE
+
+pytestmark = pytest.mark.timeout(900)
+MAX_NEW = 64
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4)
+GREEDY = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=MAX_NEW)
+
+
+def run(model, prompts, config: ContinuousBatchingConfig, gc=GREEDY, core=None, **kw):
+    """Drive a core over `prompts` to completion; returns (requests, core)."""
+    core = core or EngineCore(model, gc, config)
+    reqs = [core.make_request(p, **{k: (v[i] if isinstance(v, list) else v) for k, v in kw.items()})
+            for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add(r)
+    for _ in range(10_000):
+        if not core.has_work():
+            return reqs, core
+        core.step()
+    raise AssertionError("engine made no progress")
+
+
+def config(**kw) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(page_size=16, num_blocks=96, return_logprobs=True, **kw)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_tokens_and_logprobs_equal_without_speculation(arch):
+    model = make_model(arch)
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)] + random_prompts(2, 5, 40, seed=3)
+    base, _ = run(model, prompts, config())
+    spec, core = run(model, prompts, config(**SPEC))
+    stats = core.cache_stats()
+    for p, a, b in zip(prompts, base, spec, strict=True):
+        assert b.generated == hf_greedy(model, p, MAX_NEW) == a.generated
+        tf = teacher_forced_logprobs(model, p, b.generated)
+        assert (torch.tensor(b.logprobs) - tf).abs().max() < 1e-4  # NOTE: the suite's fp32 logprob bound
+        assert (torch.tensor(b.logprobs) - torch.tensor(a.logprobs)).abs().max() < 5e-5
+        assert b.versions == a.versions and b.finish_reason == a.finish_reason == "length"
+    assert stats["spec_accepted_tokens"] > 0, stats
+    assert stats["spec_draft_tokens"] >= stats["spec_accepted_tokens"]
+    assert stats["generated_tokens"] == len(prompts) * MAX_NEW
+    assert stats["free_blocks"] == stats["num_blocks"]  # NOTE: rejected drafts' pages came back
+
+
+def test_float64_logprobs_within_1e5():
+    """With rounding out of the way (fp64), the speculative logprobs are the plain step's to 1e-5."""
+    model = make_model("llama", dtype=torch.float64)
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)]
+    base, _ = run(model, prompts, config(attn_backend="sdpa"))
+    spec, core = run(model, prompts, config(attn_backend="sdpa", **SPEC))
+    for a, b in zip(base, spec, strict=True):
+        assert a.generated == b.generated
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-5
+    assert core.cache_stats()["spec_accepted_tokens"] > 0
+
+
+def test_history_drafts():
+    """A prompt sampled again (a later epoch) drafts from its earlier rollouts: nearly every token is accepted.
+    Tokens stay the greedy ones."""
+    model = make_model("qwen3")
+    prompt = random_prompts(1, 20, 20, seed=7)[0]
+    want = hf_greedy(model, prompt, MAX_NEW)
+    first, core = run(model, [prompt], config(**SPEC))
+    before = dict(core.cache_stats())
+    again, core = run(model, [prompt], config(**SPEC), core=core)
+    stats = core.cache_stats()
+    assert first[0].generated == again[0].generated == want
+    accepted = stats["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    # NOTE: after the prefill's token, each step emits at most 4 kept drafts and 1 token of its own
+    assert accepted >= 0.9 * (MAX_NEW - 1) * 4 / 5, (accepted, before, stats)
+
+
+def test_group_sibling_drafts():
+    """A row of a group that starts late drafts from its sibling's live completion (only it speculates here)."""
+    model = make_model("qwen3")
+    prompt = random_prompts(1, 20, 20, seed=8)[0]
+    want = hf_greedy(model, prompt, MAX_NEW)
+    core = EngineCore(model, GREEDY, config())
+    ahead = core.make_request(prompt)
+    core.add(ahead)
+    for _ in range(40):
+        core.step()
+    (late,), core = run(model, [prompt], config(), core=core, prompt_lookup_num_tokens=4)
+    assert ahead.generated == late.generated == want
+    stats = core.cache_stats()
+    assert stats["spec_accepted_tokens"] >= 30, stats  # NOTE: its first 40 tokens are the sibling's
+
+
+def test_rejected_drafts_give_their_pages_back_at_once():
+    """After every step each running row holds exactly the pages of its computed tokens (as a plain step
+    leaves it): a rejected draft's pages go back to the pool in the step that rejected it."""
+    model = make_model("llama")  # NOTE: its drafts are mostly rejected
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)] + random_prompts(2, 5, 40, seed=3)
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=256, **SPEC))
+    for p in prompts:
+        core.add(core.make_request(p))
+    while core.has_work():
+        core.step()
+        held = sum(len(r.page_ids) for r in core.scheduler.running)
+        for r in core.scheduler.running:
+            assert len(r.page_ids) == core.page_pool.pages_needed(r.num_computed_tokens), r.request_id
+        assert core.page_pool.num_free_pages >= core.page_pool.num_pages - held
+    stats = core.cache_stats()
+    assert stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] >= 20, stats
+
+
+def test_budget_and_eos_stop_inside_a_draft():
+    """A draft running past `max_new_tokens` or through an EOS stops exactly where plain decoding stops."""
+    model = make_model("gemma2")  # NOTE: its random model loops at once: whole drafts are accepted
+    prompts = random_prompts(3, 5, 20, seed=2)
+    base, _ = run(model, prompts, config(), max_new_tokens=[7, 30, 61])
+    eos = base[1].generated[12]
+    gc = GenerationConfig(do_sample=False, eos_token_id=eos, max_new_tokens=MAX_NEW)
+    for cfg in (config(), config(**SPEC)):
+        reqs, core = run(model, prompts, cfg, gc=gc, max_new_tokens=[7, 30, 61])
+        if cfg.speculative_method:
+            spec = reqs
+        else:
+            plain = reqs
+    for a, b in zip(plain, spec, strict=True):
+        assert a.generated == b.generated and a.finish_reason == b.finish_reason
+        assert a.logprobs == pytest.approx(b.logprobs, abs=5e-5)
+    assert core.cache_stats()["spec_accepted_tokens"] > 0
+    assert core.cache_stats()["free_blocks"] == core.cache_stats()["num_blocks"]
+
+
+def test_per_request_prompt_lookup_fields():
+    """transformers' `prompt_lookup_num_tokens` / `max_matching_ngram_size` turn speculation on for a request
+    of an engine without it (same tokens); bad values and bad configs are errors naming the field."""
+    model = make_model("gemma2")
+    prompts = random_prompts(2, 5, 20, seed=4)
+    plain, core = run(model, prompts, config())
+    assert core.cache_stats()["spec_draft_tokens"] == 0
+    asked, core = run(model, prompts, config(), prompt_lookup_num_tokens=[3, 0], max_matching_ngram_size=2)
+    assert [r.generated for r in asked] == [r.generated for r in plain]
+    assert core.cache_stats()["spec_accepted_tokens"] > 0
+    gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=20, prompt_lookup_num_tokens=2)
+    from_gc, core = run(model, prompts, config(), gc=gc)
+    assert [r.generated for r in from_gc] == [r.generated[:20] for r in plain]
+    assert core.cache_stats()["spec_draft_tokens"] > 0
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens"):
+        core.make_request(prompts[0], prompt_lookup_num_tokens=-1)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        ContinuousBatchingConfig(speculative_method="ngram")
+    with pytest.raises(ValueError, match="speculative_method"):
+        ContinuousBatchingConfig(speculative_method="medusa", num_speculative_tokens=2)
+
+
+def test_cost_model_leaves_large_batches_alone():
+    """More decode rows than the cost model's bound: no speculative step runs (the plain path, same tokens)."""
+    model = make_model("gemma2")
+    prompts = random_prompts(12, 5, 20, seed=5)
+    _, core = run(model, prompts, config(**SPEC), max_new_tokens=8)
+    assert core.speculator.max_rows < len(prompts)
+    assert core.cache_stats()["spec_draft_tokens"] == 0
+
+
+# ------------------------------------------------------------------------------------ the distribution test
+V = 5  # NOTE: a vocabulary small enough to enumerate the joint law of the generated tokens exactly
+PROMPT = [1, 2, 3, 1, 2, 4, 0, 1, 2]
+NEW = 4  # the first token from the prefill step, the next three from one speculative step (2 drafts + bonus)
+SAMPLING = dict(temperature=0.9, top_k=4, repetition_penalty=1.3)
+ROWS = 4000
+
+
+def tiny_vocab_model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64, initializer_range=0.1)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def processed(logits: torch.Tensor, history: list[int]) -> torch.Tensor:
+    """The reference of the sampled law at one position: repetition penalty over prompt + generated, then
+    temperature, then top-k (fp64 probabilities [V])."""
+    x = logits.double().clone()
+    seen = torch.tensor(sorted(set(history)))
+    pen = SAMPLING["repetition_penalty"]
+    x[seen] = torch.where(x[seen] < 0, x[seen] * pen, x[seen] / pen)
+    x = x / SAMPLING["temperature"]
+    kth = x.topk(SAMPLING["top_k"]).values[-1]
+    x = x.masked_fill(x < kth, float("-inf"))
+    return x.softmax(-1)
+
+
+@torch.no_grad()
+def joint_law(model) -> torch.Tensor:
+    """P(t1..t4) [V**4] under the sampler's processed law, by teacher forcing every prefix."""
+    probs = torch.ones(1, dtype=torch.float64)
+    seqs: list[tuple[int, ...]] = [()]
+    for _ in range(NEW):
+        ids = torch.tensor([PROMPT + list(s) for s in seqs])
+        last = model(ids).logits[:, -1].float()  # [S, V]
+        step = torch.stack([processed(last[i], PROMPT + list(s)) for i, s in enumerate(seqs)])  # [S, V]
+        probs = (probs[:, None] * step).flatten()
+        seqs = [s + (t,) for s in seqs for t in range(V)]
+    return probs
+
+
+def sample_rows(model, spec: bool, rule: str = "exact"):
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=ROWS + 64, max_batch_tokens=4 * ROWS,
+                                   **(dict(speculative_method="ngram", num_speculative_tokens=2) if spec else {}))
+    core = EngineCore(model, GenerationConfig(do_sample=True, eos_token_id=None, max_new_tokens=NEW), cfg)
+    if spec:
+        core.speculator.max_rows = ROWS  # NOTE: past the cost model, so every row of this batch speculates
+        core.speculator.rule = ACCEPTANCE[rule]
+    reqs, core = run(model, [PROMPT] * ROWS, cfg, gc=core.generation_config, core=core, seed=list(range(ROWS)),
+                     **SAMPLING)
+    return [tuple(r.generated) for r in reqs], core.cache_stats()
+
+
+@pytest.fixture(scope="module")
+def law_and_model():
+    model = tiny_vocab_model()
+    return model, joint_law(model)
+
+
+def counts(samples) -> torch.Tensor:
+    index = {s: i for i, s in enumerate(itertools.product(range(V), repeat=NEW))}
+    c = torch.zeros(V**NEW, dtype=torch.float64)
+    for s in samples:
+        c[index[s]] += 1
+    return c
+
+
+def test_sampled_rows_follow_the_target_joint_law(law_and_model):
+    model, law = law_and_model
+    spec, stats = sample_rows(model, spec=True)
+    assert stats["spec_draft_tokens"] >= ROWS and stats["spec_accepted_tokens"] > ROWS // 4, stats
+    assert law[counts(spec) > 0].min() > 0, "a sampled sequence has probability 0"
+    _, p = chi_square_pvalue(counts(spec), law)
+    assert p > 1e-6, p
+    # NOTE: one draw of a row's seeded stream per emitted token, as plain decoding: the same samples
+    plain, _ = sample_rows(model, spec=False)
+    assert spec == plain
+
+
+def test_a_wrong_acceptance_rule_fails_the_law(law_and_model):
+    """Resampling from the whole target on a rejection over-samples the draft token: the test catches it."""
+    model, law = law_and_model
+    wrong, stats = sample_rows(model, spec=True, rule="resample_target")
+    assert stats["spec_draft_tokens"] >= ROWS
+    _, p = chi_square_pvalue(counts(wrong), law)
+    assert p < 1e-6, p
