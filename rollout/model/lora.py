@@ -82,14 +82,18 @@ class EngineLoras:
         self.policy_seen = self.policy_version()
         return True
 
-    def begin(self, out: SchedulerOutput) -> None:
+    def begin(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> None:
         """The step's plan from its rows' adapters (none when every row runs the base model). With rows of
         several adapters, the step's rows are first ordered by adapter (stable: a group's rows stay in order), so
-        each adapter's tokens are one contiguous run: a slice, no gather or scatter."""
+        each adapter's tokens are one contiguous run: a slice, no gather or scatter. A speculative step (`drafts`:
+        row i runs 1 + len(drafts[i]) tokens) keeps its order, which its drafts follow (index segments then)."""
         self.follow_policy()
         slots = [s.request.lora_slot for s in out.scheduled]
         if all(slot is None for slot in slots):
             self.ctx.plan = None
+            return
+        if drafts is not None:
+            self.ctx.plan = plan_step(slots, [1 + len(d) for d in drafts], self.device)
             return
         if len(set(slots)) > 1:
             out.scheduled.sort(key=lambda s: -1 if s.request.lora_slot is None else s.request.lora_slot)

@@ -170,7 +170,7 @@ class ModelRunner:
             if logits is not None:
                 return logits, list(range(len(out.scheduled))), None
         if self.lora is not None:  # NOTE: may order the rows by adapter (`EngineLoras.begin`), so before `prepare`
-            self.lora.begin(out)
+            self.lora.begin(out, drafts)
         kwargs, sampled, scored = self.prepare(out, drafts)
         kept = len(kwargs["logits_to_keep"])
         if not kept:

@@ -208,3 +208,18 @@ def test_groups_of_forks_under_different_adapters():
         want = hf_greedy(oracle[name], prompt, NEW)
         for j in range(3):
             assert out.completion_ids[3 * i + j].tolist() == want, (i, j, name)
+
+
+def test_speculative_steps_run_each_rows_adapter():
+    """n-gram speculation (rows run their drafts too, in the scheduler's order): every row its PeftModel's greedy."""
+    base = make_model("qwen3")
+    pa, pb = make_peft(base, seed=1, r=4), make_peft(base, seed=2, r=8, targets=["q_proj", "v_proj"])
+    prompts = [p * 4 for p in random_prompts(6, 3, 6, seed=12)]  # NOTE: repeats, so the n-gram drafter proposes
+    choice = ["a", "b", None, "b", "a", None]
+    with _engine(base, speculative_method="ngram", num_speculative_tokens=3) as engine:
+        engine.add_lora("a", pa)
+        engine.add_lora("b", pb)
+        out = engine.generate(prompts, temps=0.0, max_new_tokens=12, lora=choice)
+        assert engine.cache_stats()["spec_draft_tokens"] > 0
+    for i, (prompt, name) in enumerate(zip(prompts, choice, strict=True)):
+        assert out.completion_ids[i].tolist() == hf_greedy({"a": pa, "b": pb, None: base}[name], prompt, 12), i
