@@ -34,11 +34,17 @@ def engine_loras(core, create: bool = True) -> EngineLoras | None:
         raise ValueError("LoRA adapters need slots: build the engine with ContinuousBatchingConfig(max_loras=K, "
                          "max_lora_rank=R) (max_loras is 0)")
     for refused, why in ((core.tp is not None, "tensor parallelism"), (config.batch_invariant, "batch_invariant=True"),
-                         (core.runner.forward is not core.runner.model, "default_compile_level >= 1")):
+                         (core.runner.forward is not core.runner.model, "a compiled forward (default_compile_level >= 1, varlen_compile_config, decode_compile_config, use_cuda_graph)")):
         if refused:
             raise ValueError(f"LoRA adapters are not supported with {why} yet")
     core.runner.lora = EngineLoras(core.view, config.max_loras, config.max_lora_rank, core.device)
     return core.runner.lora
+
+
+def compiles(config) -> bool:
+    """Whether the engine would run a compiled forward (`rollout.model.compiled`, `rollout.model.static_decode`)."""
+    return config.default_compile_level >= 1 or config.varlen_compile_config is not None \
+        or config.decode_compile_config is not None or bool(config.use_cuda_graph)
 
 
 def policy_config(model, config):
@@ -47,7 +53,7 @@ def policy_config(model, config):
     try:
         rank = read_adapter(model).rank
         for refused, why in ((config.batch_invariant, "batch_invariant=True"), (tp_size_of(model) > 1, "tensor parallelism"),
-                             (config.default_compile_level >= 1, "default_compile_level >= 1")):
+                             (compiles(config), "a compiled forward (default_compile_level >= 1, varlen_compile_config, decode_compile_config, use_cuda_graph)")):
             if refused:
                 raise ValueError(f"unmerged adapters do not run with {why} yet")
     except ValueError as e:

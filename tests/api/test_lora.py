@@ -223,3 +223,12 @@ def test_speculative_steps_run_each_rows_adapter():
         assert engine.cache_stats()["spec_draft_tokens"] > 0
     for i, (prompt, name) in enumerate(zip(prompts, choice, strict=True)):
         assert out.completion_ids[i].tolist() == hf_greedy({"a": pa, "b": pb, None: base}[name], prompt, 12), i
+
+
+def test_modes_without_unmerged_adapters_refuse_by_name():
+    base = make_model("qwen3")
+    pa = make_peft(base, seed=1, r=4)
+    with _engine(base, default_compile_level=1) as engine, pytest.raises(ValueError, match="a compiled forward"):
+        engine.add_lora("a", pa)
+    with _engine(base, batch_invariant=True) as engine, pytest.raises(ValueError, match="batch_invariant=True"):
+        engine.add_lora("a", pa)
