@@ -40,9 +40,9 @@ def _steps_mixing(engine: RolloutEngine) -> list[set]:
     seen: list[set] = []
     begin = loras.begin
 
-    def spy(out):
+    def spy(out, drafts=None):
         seen.append({s.request.lora_slot for s in out.scheduled})
-        return begin(out)
+        return begin(out, drafts)
 
     loras.begin = spy
     return seen
