@@ -22,6 +22,14 @@ through `rollout.fleet.server_procs.ServerProcesses`, pinned to core 0, 1 OpenMP
 (the server start and the trainer's construction are left out, in every mode):
 
     python benchmarks/async_rl.py --system disagg --steps 30 --repeats 2 --logs benchmarks/logs/async_rl/disagg
+
+`--system fleet` (issue 47): the rollout on a one-engine `RolloutFleet` (a Ray actor on 1 CPU, 1 thread; the
+learner at 1 thread), mode "async_fleet" (`GRPOTrainer(..., rollout=fleet)`, `async_rollout=True`), against
+"sync" (in-process, 2 threads), "async" (in-process threads, through `train()`) and "async_step" (the same
+config driven by the user's own loop of `trainer.step()`), all in one run; times of the steps only:
+
+    python benchmarks/async_rl.py --system fleet --steps 10 --layers 4 --max_new_tokens 96 --repeats 1 \
+        --logs benchmarks/logs/async_rl/fleet
 """
 
 # ruff: noqa: E402
@@ -67,6 +75,8 @@ def run_one(mode: str, args, out_dir: Path) -> None:
         sys.setswitchinterval(args.switch_interval)
     if mode.endswith("_disagg"):
         return run_disagg(mode, args, out_dir)
+    if mode == "async_fleet":
+        return run_fleet(args, out_dir)
     torch.set_num_threads(2 if mode == "sync" else 1)  # NOTE: "sync1": the synchronous trainer at 1 thread
     tokenizer = make_addition_tokenizer()
     model = build_tiny_model(tokenizer, hidden_size=args.hidden, num_layers=args.layers, max_position_embeddings=256,
@@ -82,12 +92,16 @@ def run_one(mode: str, args, out_dir: Path) -> None:
         group_size=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0,
         learning_rate=args.lr, num_iterations=1, num_minibatches=2, seed=0, log_stdout=False, progress=False,
         engine_config=ContinuousBatchingConfig(page_size=32, num_blocks=512),
-        **(async_fields if mode == "async" else {}),
+        **(async_fields if mode in ("async", "async_step") else {}),
     )
     start = time.perf_counter()
     with GRPOTrainer(model, tokenizer, copy_reward, dataset, config) as trainer:
         train_start = time.perf_counter()
-        trainer.train()
+        if mode == "async_step":  # NOTE: a custom training loop: step() must overlap as train() does
+            for _ in range(args.steps):
+                trainer.step()
+        else:
+            trainer.train()
     end = time.perf_counter()
     print(json.dumps({"mode": mode, "wall_s": end - start, "train_s": end - train_start}))
 
@@ -149,6 +163,38 @@ def run_disagg(mode: str, args, out_dir: Path) -> None:
                       "server_cpus": server_cpus, "learner_cpus": learner_cpus}))
 
 
+def run_fleet(args, out_dir: Path) -> None:
+    """One async run with the rollout on a one-engine Ray fleet (1 CPU) and this learner at 1 thread."""
+    import torch
+
+    from rollout import ContinuousBatchingConfig
+    from rollout.fleet import RolloutFleet
+    from trainers import GRPOConfig, GRPOTrainer
+
+    torch.set_num_threads(1)
+    tokenizer, model, dataset = task(args)
+    model_dir = out_dir / "model"  # NOTE: removed at the end (the engine's start point, not a result)
+    model.save_pretrained(model_dir)
+    config = GRPOConfig(
+        output_dir=str(out_dir), max_steps=args.steps, prompts_per_step=args.prompts_per_step,
+        group_size=args.group_size, max_new_tokens=args.max_new_tokens, temperature=1.0,
+        learning_rate=args.lr, num_iterations=1, num_minibatches=2, seed=0, log_stdout=False, progress=False,
+        async_rollout=True, max_staleness=args.max_staleness, learner_threads=1,
+    )
+    start = time.perf_counter()
+    fleet = RolloutFleet(str(model_dir), num_engines=1, engine_config=ContinuousBatchingConfig(page_size=32, num_blocks=512),
+                         resources_per_engine={"CPU": 1}, tokenizer=tokenizer, num_cpus=2)
+    spawn_s = time.perf_counter() - start
+    with GRPOTrainer(model, tokenizer, copy_reward, dataset, config, rollout=fleet) as trainer:
+        train_start = time.perf_counter()
+        trainer.train()
+        end = time.perf_counter()
+        update_s = fleet.last_update_s
+    shutil.rmtree(model_dir, ignore_errors=True)
+    print(json.dumps({"mode": "async_fleet", "wall_s": end - start, "train_s": end - train_start, "spawn_s": spawn_s,
+                      "last_update_s": update_s}))
+
+
 def summary(records: list[dict], skip: int) -> dict:
     """Reward at the start and the end, and the mean per-step time fields after `skip` warm-up steps."""
     body = records[skip:]
@@ -176,10 +222,12 @@ def main() -> None:
     p.add_argument("--switch_interval", type=float, default=None, help="sys.setswitchinterval in every run")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=3)
-    p.add_argument("--run", choices=["sync", "sync1", "async", "async_disagg", "sync_disagg"], default=None,
+    p.add_argument("--run", choices=["sync", "sync1", "async", "async_step", "async_fleet", "async_disagg",
+                                     "sync_disagg"], default=None,
                    help="(internal) one run in this process")
-    p.add_argument("--system", choices=["thread", "disagg"], default="thread",
-                   help="async rollout on a thread of the learner (thread) or in a rollout server process (disagg)")
+    p.add_argument("--system", choices=["thread", "disagg", "fleet"], default="thread",
+                   help="async rollout on a thread of the learner (thread), in a rollout server process (disagg) or "
+                        "on a one-engine Ray fleet, with the step()-loop case (fleet)")
     p.add_argument("--with_sync_disagg", action="store_true", help="--system disagg: the synchronous layout too")
     p.add_argument("--no_pin", action="store_true", help="--system disagg: no core pinning (1 thread each still)")
     p.add_argument("--out", default=None)
@@ -201,8 +249,9 @@ def main() -> None:
         return
     logs.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
-    modes = ("sync", "async") if args.system == "thread" else (
-        ("sync", "async_disagg", "sync_disagg") if args.with_sync_disagg else ("sync", "async_disagg"))
+    modes = {"thread": ("sync", "async"), "fleet": ("sync", "async_fleet", "async", "async_step"),
+             "disagg": ("sync", "async_disagg", "sync_disagg") if args.with_sync_disagg else ("sync", "async_disagg")
+             }[args.system]
     results: dict[str, list[dict]] = {m: [] for m in modes}
     for rep in range(args.repeats):
         for mode in modes:
@@ -220,15 +269,19 @@ def main() -> None:
             if proc.returncode:
                 raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
             done = json.loads(proc.stdout.strip().splitlines()[-1])
-            wall = done["train_s"] if args.system == "disagg" else done["wall_s"]
+            wall = done["train_s"] if args.system != "thread" else done["wall_s"]
             records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
             row = {"mode": mode, "rep": rep, "wall_s": wall, "s_per_step": wall / args.steps,
                    "load_before": load, "load_after": os.getloadavg()[0], **summary(records, 2)}
             results[mode].append({**row, "rewards": [r["reward_mean"] for r in records]})
             print(json.dumps(row))
-    fast = "async" if args.system == "thread" else "async_disagg"
+    fast = {"thread": "async", "disagg": "async_disagg", "fleet": "async_fleet"}[args.system]
     pairs = [s["wall_s"] / a["wall_s"] for s, a in zip(results["sync"], results[fast], strict=True)]
     report = {"args": vars(args), "speedup_per_pair": pairs, "speedup_mean": statistics.mean(pairs), **results}
+    if args.system == "fleet":  # NOTE: the step() loop against train(), same config
+        report["step_loop_vs_train"] = [a["wall_s"] / s["wall_s"] for a, s in
+                                        zip(results["async"], results["async_step"], strict=True)]
+        print(f"async step() loop / train() speed ratio per pair: {report['step_loop_vs_train']}")
     (logs / "results.json").write_text(json.dumps(report, indent=1))
     print(f"async / sync wall-clock speedup per pair: {[round(x, 3) for x in pairs]}")
     plot(results, logs / "async_rl.png", statistics.mean(pairs))
@@ -242,7 +295,8 @@ def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
 
     path.parent.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
-    colors = {"sync": "tab:blue", "async": "tab:orange", "async_disagg": "tab:red", "sync_disagg": "tab:green"}
+    colors = {"sync": "tab:blue", "async": "tab:orange", "async_disagg": "tab:red", "sync_disagg": "tab:green",
+              "async_fleet": "tab:purple", "async_step": "tab:brown"}
     for mode, color in colors.items():
         for i, run in enumerate(results.get(mode, [])):
             label = f"{mode} run {i + 1} ({run['s_per_step']:.2f} s/step, load {run['load_before']:.0f})"
@@ -251,7 +305,8 @@ def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
                     label=label)
     ax.set_xlabel("step")
     ax.set_ylabel("reward_mean")
-    fast = "async, rollout server + learner" if "async_disagg" in results else "async (1+1 threads)"
+    fast = ("async, rollout server + learner" if "async_disagg" in results else
+            "async, one-engine Ray fleet + learner" if "async_fleet" in results else "async (1+1 threads)")
     ax.set_title(f"GRPO, copy task (128-token completions), 2 cores\n{fast}, staleness 1, vs sync "
                  f"(2 threads): {speedup:.2f}x wall-clock per step", fontsize=10)
     ax.legend()

@@ -49,6 +49,7 @@ from benchmarks.common import (  # noqa: E402
     run_hf_cb,
     run_ours,
 )
+from benchmarks.gpu_systems import OURS, nano_workload  # noqa: E402
 from rollout import ContinuousBatchingConfig  # noqa: E402
 
 # ~0.6B: Qwen3-0.6B's shape (hidden 1024, 28 layers, 16 heads, 8 KV heads, head size 128, vocab 151936)
@@ -60,7 +61,9 @@ CPU_MODEL = dict(hidden_size=256, intermediate_size=768, num_hidden_layers=4, nu
 GPU_WORKLOAD = (32, 8, (64, 1024), (32, 512))
 CPU_WORKLOAD = (2, 2, (8, 24), (2, 6))
 # NOTE: the systems in the order they run; one that would start past the deadline is skipped (said so)
-SYSTEM_ORDER = ("ours_flex", "generate", "hf_cb", "ours_sdpa")
+SYSTEM_ORDER = ("ours_flex", "ours_static", "generate", "hf_cb", "ours_sdpa", "ours_triton")
+# NOTE: nano-vllm's workload (256 x 100-1024 in and out) runs ours only: padded generate would take minutes
+NANO_ORDER = ("ours_static", "ours_flex")
 
 
 def make_model(spec: dict, dtype: torch.dtype, device: str, attn: str) -> torch.nn.Module:
@@ -95,10 +98,14 @@ def _version(name: str) -> str | None:
         return None
 
 
+GPU_TEST_FILES = ("tests/model/test_gpu.py", "tests/kernels/test_triton_decode.py",
+                  "tests/attention/test_triton_backend.py")
+
+
 def gpu_tests(dry_run: bool, timeout: float, log: str) -> dict:
     """Run (or, dry, only collect) the `gpu`-marked tests; their whole output goes to `log` as they run
     (`-v`: a run cut short still says which tests passed)."""
-    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu", "tests/model/test_gpu.py", "-rA", "--tb=short",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-m", "gpu or triton", *GPU_TEST_FILES, "-rA", "--tb=short",
            "--durations=5", "-p", "no:cacheprovider"]
     if dry_run:
         cmd.insert(4, "--collect-only")
@@ -112,7 +119,7 @@ def gpu_tests(dry_run: bool, timeout: float, log: str) -> dict:
         text = f.read() + (f"\ntimed out after {timeout:.0f} s" if rc == -1 else "")
     lines = text.splitlines()
     return {"command": " ".join(cmd[1:]), "returncode": rc, "seconds": round(time.perf_counter() - t0, 1),
-            "results": [ln for ln in lines if ln.startswith("tests/model/test_gpu.py::")][:80],
+            "results": [ln for ln in lines if ln.startswith(GPU_TEST_FILES) and "::" in ln][:120],
             "tail": lines[-40:]}
 
 
@@ -147,8 +154,10 @@ def exactness_fp32(spec: dict, wl: Workload, ref_idx: list[int], device: str) ->
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_ORDER, fp32_check=True) -> dict:
+def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_ORDER, fp32_check=True,
+               nano: bool = False) -> dict:
     """Each system on the same model and requests; tokens/s of useful tokens, greedy agreement first.
+    `nano`: nano-vllm's workload (`benchmarks.gpu_systems.nano_workload`) instead of the RL one.
 
     `save(partial)` is called after each system, so a run cut short still leaves its numbers."""
 
@@ -157,7 +166,11 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
     flash = importlib.util.find_spec("flash_attn") is not None and not dry_run
     hf_attn = "flash_attention_2" if flash else "sdpa"
     model = make_model(spec, dtype, device, hf_attn)
-    wl = rl_workload(n_prompts, group, spec["vocab_size"], plen, clen)
+    if nano:
+        wl = nano_workload(spec["vocab_size"], *((4, (4, 12)) if dry_run else ()))
+        group = 1
+    else:
+        wl = rl_workload(n_prompts, group, spec["vocab_size"], plen, clen)
     out = {"model": {**spec, "dtype": str(dtype), "params": sum(p.numel() for p in model.parameters())},
            "workload": wl.describe(), "systems": {}}
     # NOTE: the oracle is unbatched `generate` of a few requests (each costs its completion's steps)
@@ -181,6 +194,8 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
         "generate": run_generate,
         "hf_cb": run_hf_cb,
         "ours_sdpa": lambda m, w: run_ours(m, w, ContinuousBatchingConfig(attn_backend="sdpa")),
+        # NOTE: the Triton kernel runs on CUDA only (on a CPU under the interpreter: too slow for a dry run)
+        **{name: None if dry_run else fn for name, fn in OURS.items() if name != "ours_flex"},
     }
     for name in names:
         fn = systems[name]
@@ -220,7 +235,7 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
     return out
 
 
-def step_profile(dry_run: bool, device: str, steps: int = 20) -> dict:
+def step_profile(dry_run: bool, device: str, steps: int = 20, cbc: ContinuousBatchingConfig | None = None) -> dict:
     """Where a decode step's time goes: `steps` steady decode steps of ours (default backend) under
     torch.profiler. On CUDA, GPU-busy time (the sum of kernel times) against the wall clock says whether
     the step is bound by the host (Python, launches) or by the device; the top ops say by what."""
@@ -232,7 +247,7 @@ def step_profile(dry_run: bool, device: str, steps: int = 20) -> dict:
     model = make_model(spec, dtype, device, "sdpa")
     wl = decode_workload(4 if dry_run else 64, spec["vocab_size"], prompt_len=32 if dry_run else 256,
                          new_tokens=steps + 8)
-    core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())
+    core = EngineCore(model, greedy_config(), cbc or ContinuousBatchingConfig())
     for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True)):
         core.add(core.make_request(p, request_id=f"p{i}", max_new_tokens=n))
     while any(r.num_computed_tokens < len(r.prompt_ids) for r in core.scheduler.running) or core.scheduler.waiting:
@@ -263,14 +278,18 @@ def step_profile(dry_run: bool, device: str, steps: int = 20) -> dict:
 
 
 PLAN = [
-    "gpu tests: pytest -m gpu (flex kernel vs fp64; flex/sdpa on CUDA exact vs generate and teacher forcing; "
-    "no host sync in a flex step; pinned CPU offload under pressure; flash refuses without flash-attn; the RL "
-    "loop update/sleep/wake/close; seeded sampling; the GRPO trainer colocated on the GPU)",
+    "gpu tests: pytest -m 'gpu or triton' (flex kernel vs fp64; flex/sdpa/triton on CUDA exact vs generate and "
+    "teacher forcing; the Triton decode kernel compiled, vs the C++ kernel and fp64; no host sync in a flex step; "
+    "pinned CPU offload under pressure; flash refuses without flash-attn; the RL loop update/sleep/wake/close, "
+    "also with triton and use_cuda_graph=True; seeded sampling; the GRPO trainer colocated on the GPU)",
     "exactness, ~0.6B Qwen3-arch random weights, fp32: ours (default backend) on the whole workload below, "
     "greedy tokens of 4 requests (2 groups) against unbatched generate",
     "throughput, same model in bf16, 32 prompts x G=8 (prompts 64-1024, completions 32-512): ours flex, "
-    "padded generate, transformers CB (flash_attention_2 or sdpa), ours sdpa; useful tok/s, greedy "
-    "agreement with unbatched generate (bf16: informative only), peak and leaked GPU memory",
+    "ours static (triton, use_cuda_graph=True), padded generate, transformers CB (flash_attention_2 or sdpa), "
+    "ours sdpa, ours triton; useful tok/s, greedy agreement with unbatched generate (bf16: informative only), "
+    "peak and leaked GPU memory",
+    "nano-vllm's workload, same bf16 model, 256 sequences, input and output lengths uniform 100-1024, no EOS: "
+    "ours static, ours flex (tok/s of generated tokens)",
     "step profile, same bf16 model, 64 requests decoding: wall ms per step against GPU-busy ms (host or "
     "device bound?), top CPU ops and CUDA kernels per step",
 ]
@@ -286,6 +305,7 @@ def main() -> None:
     ap.add_argument("--skip-tests", action="store_true", help="throughput only")
     ap.add_argument("--systems", default=",".join(SYSTEM_ORDER), help=f"of {','.join(SYSTEM_ORDER)}, run in this order")
     ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 exactness run")
+    ap.add_argument("--no-nano", dest="nano", action="store_false", help="skip nano-vllm's workload (256 x 100-1024)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the step profile")
     args = ap.parse_args()
     t_start = time.perf_counter()
@@ -316,6 +336,13 @@ def main() -> None:
     if unknown:
         sys.exit(f"device_check: unknown --systems {unknown}; choose from {SYSTEM_ORDER}")
     save(throughput(args.dry_run, device, deadline, save, names, fp32_check=not args.no_fp32_check))
+    if args.nano:  # NOTE: nano-vllm's workload, ours only, after the RL comparison (its numbers are kept first)
+        def save_nano(partial: dict) -> None:
+            result["nano_vllm_workload"] = partial
+            save()
+
+        nano_names = ("ours_sdpa",) if args.dry_run else NANO_ORDER
+        save_nano(throughput(args.dry_run, device, deadline, save_nano, nano_names, fp32_check=False, nano=True))
     if args.profile and deadline - time.perf_counter() > 30:
         try:
             result["step_profile"] = step_profile(args.dry_run, device)
@@ -323,6 +350,15 @@ def main() -> None:
             result["step_profile"] = {"error": f"{type(e).__name__}: {e}"[:800],
                                       "traceback": traceback.format_exc().splitlines()[-12:]}
         print("step_profile", result["step_profile"], flush=True)
+        save()
+    if args.profile and not args.dry_run and deadline - time.perf_counter() > 30:
+        try:  # NOTE: the same decode steps static (graphs on, where capture is implemented)
+            result["step_profile_static"] = step_profile(False, device, cbc=ContinuousBatchingConfig(
+                attn_backend="triton", use_cuda_graph=True))
+        except Exception as e:
+            result["step_profile_static"] = {"error": f"{type(e).__name__}: {e}"[:800],
+                                             "traceback": traceback.format_exc().splitlines()[-12:]}
+        print("step_profile_static", result["step_profile_static"], flush=True)
         save()
     print(f"device_check: wrote {args.out} in {result['seconds']} s", flush=True)
 

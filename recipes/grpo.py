@@ -21,6 +21,8 @@ Launch (a tqdm bar shows the reward; the default took 175-190 s on 2 CPU cores, 
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --async_rollout --max_staleness 1   # generation overlaps training
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/grpo.py      # 2 CPU ranks
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --rollout_engines 1 --async_rollout
+        # rollouts from a Ray fleet (the [ray] extra): engine actors in their own processes (docs/fleets.md)
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \\
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match \\
         --max_new_tokens 256 --lr 1e-6 --output_dir runs/grpo_qwen
@@ -72,6 +74,7 @@ from _common import (
     trainer_run_kwargs,
     write_json,
 )
+from _fleet import add_fleet_args, build_fleet
 from _grpo_args import TRAIN_PROMPTS, add_grpo_args, grpo_config_kwargs
 from _mode import mode_line, mode_name, mode_numbers
 from accelerate.utils import set_seed
@@ -98,6 +101,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--engine_dtype", default=None, help="run the engine on a cast copy, e.g. bfloat16")
     add_run_args(p)
     add_async_args(p)
+    add_fleet_args(p)
     return p.parse_args(argv)
 
 
@@ -166,7 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. GRPO
     config = grpo_config(args)
-    trainer = GRPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config, accelerator=accelerator)
+    fleet = build_fleet(args, model_path, tokenizer, config.engine_config, accelerator)  # --rollout_engines N
+    trainer = GRPOTrainer(model, tokenizer, get_reward(args.reward), dataset, config, accelerator=accelerator,
+                          rollout=fleet)
     with trainer:
         if resume:
             trainer.load_checkpoint(resume)

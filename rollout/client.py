@@ -109,6 +109,16 @@ class RolloutClient:
         (version,) = self.weights.broadcast(model, in_flight=in_flight)
         return version
 
+    def push_lora(self, name: str, adapter, config=None, in_flight: InFlight = UPDATE_DEFAULT) -> int:
+        """Push LoRA adapter `name` (a PeftModel, a PEFT state dict with its `config`, or a directory) to the
+        server in memory, over the weight-transfer group: its tensors only, never a file. The server adds it or
+        updates it in place (`in_flight` as `update_weights`); returns its adapter version (1 when added)."""
+        check_mode(in_flight, "in_flight")
+        if self.weights is None:
+            self.init_weight_transfer()
+        (version,) = self.weights.broadcast_lora(name, adapter, config, in_flight=in_flight)
+        return version
+
     def close(self) -> None:
         if self.weights is not None:
             self.weights.close()

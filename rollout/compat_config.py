@@ -34,8 +34,9 @@ class CompatField:
 COMPAT_FIELDS: dict[str, CompatField] = {
     "use_cuda_graph": CompatField(
         "captures the step in CUDA graphs (padded to fixed shapes)",
-        "on CUDA, decode steps run static (rollout.model.static_decode; graph capture itself is not written yet); "
-        "when True without CUDA, a warning that it needs CUDA",
+        "on CUDA with attn_backend 'triton', decode steps run static and each bucket is captured in a CUDA graph "
+        "and replayed (rollout.model.static_decode; written, NOT yet verified on a GPU); when True without CUDA, "
+        "a warning that it needs CUDA",
         note="cuda",
     ),
     "q_padding_interval_size": CompatField(

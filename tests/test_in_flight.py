@@ -38,6 +38,10 @@ def test_the_vocabulary_and_its_defaults():
     (RolloutClient.update_weights, "in_flight", UPDATE_DEFAULT),
     (RolloutClient.update_weights_from_disk, "in_flight", UPDATE_DEFAULT),
     (WeightBroadcaster.broadcast, "in_flight", UPDATE_DEFAULT),
+    (RolloutEngine.update_lora, "in_flight", UPDATE_DEFAULT),
+    (RolloutEngine.remove_lora, "in_flight", UPDATE_DEFAULT),
+    (RolloutClient.push_lora, "in_flight", UPDATE_DEFAULT),
+    (WeightBroadcaster.broadcast_lora, "in_flight", UPDATE_DEFAULT),
 ])
 def test_one_default_per_operation_on_every_layer(fn, param, default):
     assert inspect.signature(fn).parameters[param].default == default

@@ -184,15 +184,16 @@ class AsyncRolloutMixin:
     def step(self) -> dict[str, float]:
         """One RL step; with `async_rollout`, the first one starts the producer (a user's own loop of `step()`
         overlaps like `train()` does), which runs until `close()` or `config.max_steps`."""
-        if self.config.async_rollout and self.rollouts is None:
-            self.start_rollouts()
+        if self.config.async_rollout:
+            if self.step_count >= self.config.max_steps:
+                raise ValueError(f"async_rollout generates the steps up to config.max_steps={self.config.max_steps}; "
+                                 f"step {self.step_count + 1} is past it: raise max_steps to train longer")
+            if self.rollouts is None:
+                self.start_rollouts()
         return super().step()
 
     def start_rollouts(self) -> None:
         """Start the producer for steps `step_count` .. `config.max_steps - 1`."""
-        if self.step_count >= self.config.max_steps:
-            raise ValueError(f"async_rollout generates the steps before config.max_steps={self.config.max_steps}; "
-                             f"step {self.step_count + 1} is past it: raise max_steps to train longer")
         if self.config.learner_threads is not None:
             torch.set_num_threads(self.config.learner_threads)
         self._engine_base = self.step_count - self.engine.policy_version

@@ -60,8 +60,9 @@ class RolloutEngine(LoraMethods):
         self.model = model
         self.tokenizer = tokenizer
         config = (config or ContinuousBatchingConfig()).replace(return_logprobs=True)
-        peft = is_peft_model(model)  # NOTE: a PEFT policy: base + its adapter, unmerged (`rollout.api.lora`)
-        config = policy_config(model, config) if peft else config
+        # NOTE: a PEFT policy: base + its adapter, unmerged (`rollout.api.lora`), where it can run so
+        lora_config = policy_config(model, config) if is_peft_model(model) else None
+        peft, config = lora_config is not None, lora_config or config
         self.generation_config = self._generation_config(model, tokenizer, generation_config)
         self.manager = ContinuousBatchingManager(model, self.generation_config, config)
         self._policy_lora = adopt_peft_policy(self.manager.core, model) if peft else None

@@ -14,6 +14,7 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
+from rollout.engine.tp import tp_size_of
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.model.lora import EngineLoras, strip_peft_layers
 from rollout.weights.lora_adapters import active_adapter, read_adapter
@@ -41,8 +42,17 @@ def engine_loras(core, create: bool = True) -> EngineLoras | None:
 
 
 def policy_config(model, config):
-    """A PEFT policy's engine config: one more slot (the policy's adapter) and a rank that fits it."""
-    rank = read_adapter(model).rank
+    """A PEFT policy's engine config: one more slot (the policy's adapter) and a rank that fits it; None when the
+    adapter cannot run unmerged here (DoRA, modules_to_save, TP, ...: PEFT's own layers then run it, as before)."""
+    try:
+        rank = read_adapter(model).rank
+        for refused, why in ((config.batch_invariant, "batch_invariant=True"), (tp_size_of(model) > 1, "tensor parallelism"),
+                             (config.default_compile_level >= 1, "default_compile_level >= 1")):
+            if refused:
+                raise ValueError(f"unmerged adapters do not run with {why} yet")
+    except ValueError as e:
+        logger.warning("the PeftModel runs through PEFT's own layers, one adapter, every update a full copy: %s", e)
+        return None
     return config.replace(max_loras=config.max_loras + 1, max_lora_rank=max(config.max_lora_rank, rank))
 
 
@@ -134,6 +144,17 @@ class LoraMethods:
             raise ValueError("no LoRA adapter is loaded (add_lora first)")
         return loras
 
+    def resolve_lora(self, name: str | None) -> tuple[int | None, bytes]:
+        """(slot, prefix-cache salt) a request under adapter `name` runs with (None: the policy: a PEFT policy's
+        adapter, else the base model); ValueError naming an unknown adapter. For `Request.lora_slot` / `cache_salt`."""
+        name = self._policy_lora if name is None else name
+        if name is None:
+            return None, b""
+        loras = engine_loras(self.manager.core, create=False)
+        if loras is None:
+            raise ValueError(f"unknown LoRA adapter {name!r}: no adapter is loaded (add_lora first)")
+        return loras.table.slot(name), loras.table.salts[name]
+
     def _lora_rows(self, lora: LoraChoice, n: int) -> list[tuple[int | None, bytes]] | None:
         """(slot, cache salt) of each of `n` prompts (None: all run the base model); ValueError naming a bad choice."""
         if lora is None and self._policy_lora is None:
@@ -143,13 +164,4 @@ class LoraMethods:
         names = [lora] * n if isinstance(lora, str) else [self._policy_lora if x is None else x for x in lora]
         if len(names) != n:
             raise ValueError(f"lora has {len(names)} entries for {n} prompts (one adapter name or None per prompt)")
-        loras = engine_loras(self.manager.core, create=False)
-        rows = []
-        for name in names:
-            if name is None:
-                rows.append((None, b""))
-                continue
-            if loras is None:
-                raise ValueError(f"unknown LoRA adapter {name!r}: no adapter is loaded (add_lora first)")
-            rows.append((loras.table.slot(name), loras.table.salts[name]))
-        return rows
+        return [self.resolve_lora(name) for name in names]

@@ -66,7 +66,7 @@ class ModelRunner:
         self.lora = None  # NOTE: the engine's `rollout.model.lora.EngineLoras` once an adapter was added
         self.static = None if static is None else StaticDecode(
             self.forward, cache, self.backend, self.windows, self.device_page_tables, static.max_pages,
-            static.compile_kwargs)
+            static.compile_kwargs, static.cuda_graphs)
 
     def release(self, request) -> None:
         """`request` is final: its page-table row is free."""

@@ -14,6 +14,8 @@ What a compiled graph per shape (`torch.compile(fullgraph=True, dynamic=False)`,
 - nothing read back from the device inside the step: the attention metadata of a bucket is built once, over the
   buffers, so the step runs the attention backend's in-place decode kernel (`cpu`, `triton`) on them.
 
+On CUDA with `use_cuda_graph=True` each bucket's forward is captured in a CUDA graph (one memory pool) at its
+second step and replayed after the buffers are filled (NOT yet run on a GPU: see `StaticDecode`).
 `StaticDecode.run` returns the fp32 logits of the live rows. Each bucket's forward runs through the compiled
 attention op of `rollout.model.compiled` (the only way our attention enters a dynamo graph), compiled per
 bucket with the config's `torch.compile` arguments (its own code object: its own cache, no recompile limit
@@ -43,10 +45,11 @@ FALLBACK_MAX_PAGES = 32  # NOTE: the guide's page-table width when neither the f
 @dataclass(frozen=True, slots=True)
 class StaticPlan:
     """Whether and how an engine runs its decode steps static: `max_pages` wide page tables, each bucket's forward
-    compiled with `compile_kwargs` (None: eagerly, the CUDA-graph base)."""
+    compiled with `compile_kwargs` (None: eagerly), captured in a CUDA graph when `cuda_graphs`."""
 
     max_pages: int
     compile_kwargs: dict | None
+    cuda_graphs: bool = False
 
 
 def varlen_compile(config, device: torch.device) -> bool | dict:
@@ -72,7 +75,7 @@ def static_plan(config, device: torch.device, page_size: int, num_pages: int,
         return None
     width = config.max_blocks_per_request or (-(-max_context // page_size) if max_context else FALLBACK_MAX_PAGES)
     kwargs = None if config.decode_compile_config is None else compile_kwargs(config.decode_compile_config)
-    return StaticPlan(max(1, min(width, num_pages)), kwargs)
+    return StaticPlan(max(1, min(width, num_pages)), kwargs, bool(config.use_cuda_graph) and device.type == "cuda")
 
 
 def bucket(n: int) -> int:
@@ -98,6 +101,9 @@ class Bucket:
     tables: list[torch.Tensor]  # per group [size, max_pages] int32
     meta: AttentionMetadata  # over the buffers above, built once
     fn: object = None  # its forward (compiled or eager), set at the first step
+    graph: object = None  # its CUDA graph (`torch.cuda.CUDAGraph`), once captured
+    logits: torch.Tensor | None = None  # [1, size, V] the graph's output, overwritten by each replay
+    captured_for: tuple = ()  # the cache storages' addresses the graph was captured on
 
 
 class StaticDecode:
@@ -111,10 +117,16 @@ class StaticDecode:
         page_tables: the runner's persistent page tables (synced for the step before `run`).
         max_pages: page-table width (`max_blocks_per_request`): a step whose request holds more runs the general path.
         compile_kwargs: `torch.compile` arguments of each bucket's forward, or None to run it eagerly.
+        cuda_graphs: capture each bucket's forward in a CUDA graph at its second step (the first warms it up),
+            all in one memory pool, and replay it after filling the buffers. NOTE: written without a GPU, NOT yet
+            run on one (benchmarks/RESULTS.md says what the device run must show). A graph reads the weights
+            and the cache where they were at capture: weights updated in place are seen by the next replay; a
+            cache reallocated (`wake` after `sleep`) has new addresses, so the graphs are captured again.
     """
 
     def __init__(self, forward: CompiledForward, cache: PagedKVCache, backend, windows: list[int | None],
-                 page_tables: DevicePageTables, max_pages: int, compile_kwargs: dict | None) -> None:
+                 page_tables: DevicePageTables, max_pages: int, compile_kwargs: dict | None,
+                 cuda_graphs: bool = False) -> None:
         self.forward = forward
         self.page_tables = page_tables
         self.cache = cache
@@ -126,6 +138,10 @@ class StaticDecode:
         self.buckets: dict[int, Bucket] = {}
         self.steps = 0  # NOTE: steps run here, for tests and profiles
         self.eager_fallbacks = 0  # NOTE: buckets whose compile failed (then run eagerly, with one warning)
+        self.cuda_graphs = cuda_graphs and cache.device.type == "cuda"
+        self.pool = torch.cuda.graph_pool_handle() if self.cuda_graphs else None  # NOTE: one pool for every bucket
+        self.captures = 0  # NOTE: graphs captured (again after a cache reallocation)
+        self.replays = 0
 
     def fits(self, tables: list[list[list[int]]]) -> bool:
         """Every scheduled request's page table (per group) fits the buffers' width."""
@@ -179,9 +195,34 @@ class StaticDecode:
             b.fn = (self.forward.eager if self.compile_kwargs is None
                     else self.forward.compile(f"_decode{b.size}", self.compile_kwargs))
         kwargs = {"input_ids": b.ids, "position_ids": b.positions, "logits_to_keep": b.keep, "use_cache": False}
+        self.steps += 1
+        if self.cuda_graphs:
+            storages = self._storages()
+            if b.graph is not None and b.captured_for == storages:
+                b.graph.replay()
+                self.replays += 1
+                return b.logits[0, : len(requests)].float()  # [B, V]
+            if b.captured_for == ("warm", storages):  # NOTE: the second step of this bucket on this cache
+                return self._capture(b, kwargs, storages)[0, : len(requests)].float()  # [B, V]
+            b.graph, b.logits, b.captured_for = None, None, ("warm", storages)
         out, fn = self.forward.run(b.fn, b.meta, kwargs)
         if fn is not b.fn:
             self.eager_fallbacks += 1
             b.fn = fn
-        self.steps += 1
         return out.logits[0, : len(requests)].float()  # [B, V]
+
+    def _storages(self) -> tuple:
+        """The cache storages' addresses (a host property: no device read)."""
+        return tuple(t.data_ptr() for t in (*self.cache.keys.values(), *self.cache.values.values()))
+
+    def _capture(self, b: Bucket, kwargs: dict, storages: tuple) -> torch.Tensor:
+        """Capture bucket `b`'s forward (its buffers already filled) and replay it once: the capture runs nothing."""
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out, _ = self.forward.run(b.fn, b.meta, kwargs)
+        b.graph, b.logits, b.captured_for = graph, out.logits, storages
+        self.captures += 1
+        graph.replay()
+        self.replays += 1
+        return b.logits

@@ -56,8 +56,9 @@ def warped_logprobs(logits: torch.Tensor, params: list[SamplingParams]) -> torch
     top_k = [p.top_k for p in params]
     if any(k > 0 for k in top_k):
         vocab = scaled.shape[-1]
-        ks = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_k], device=logits.device)
-        kmax = int(ks.max())
+        host_ks = [min(k, vocab) if k > 0 else vocab for k in top_k]
+        ks = torch.tensor(host_ks, device=logits.device)
+        kmax = max(host_ks)  # NOTE: from the host list: no device read (a sync on CUDA)
         top_vals = scaled.topk(kmax, dim=-1).values  # [S, kmax]
         kth = top_vals.gather(1, (ks - 1)[:, None])  # [S, 1]
         scaled = scaled.masked_fill(scaled < kth, float("-inf"))

@@ -164,19 +164,22 @@ class EngineBridge:
                 out.append(spaced)
         return tuple(out)
 
-    def submit(self, samples: Sequence[tuple[list[int], Sampling]], streaming: bool, queue: asyncio.Queue) -> list[str]:
-        """Queue samples, all or none; their outputs (partial ones too when `streaming`) go to `queue`.
-        Returns their ids in order."""
+    def submit(self, samples: Sequence[tuple[list[int], Sampling]], streaming: bool, queue: asyncio.Queue,
+               lora: str | None = None) -> list[str]:
+        """Queue samples, all or none, under LoRA adapter `lora` (None: the base model); their outputs (partial
+        ones too when `streaming`) go to `queue`. Returns their ids in order."""
         loop = asyncio.get_running_loop()
         core = self.manager.core
         reqs = []
         try:
+            adapter = self.engine.resolve_lora(lora)  # NOTE: (slot, prefix-cache salt), `rollout.api.lora`
             for ids, sp in samples:
                 reqs.append(core.make_request(
                     ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
                     sp.seed, sp.stop_token_ids, sp.ignore_eos, score_from=sp.score_from, top_logprobs=sp.top_logprobs,
                     **sp.processors(),
                 ))
+                reqs[-1].lora_slot, reqs[-1].cache_salt = adapter
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
         sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)  # noqa: E731

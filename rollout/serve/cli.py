@@ -37,6 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parse chat outputs into tool_calls (vLLM's name; hermes: <tool_call>{json}</tool_call>)")
     p.add_argument("--enable-auto-tool-choice", action="store_true",
                    help="accepted for vLLM compatibility: --tool-call-parser alone enables tool_choice auto")
+    p.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters (vLLM's /v1/load_lora_adapter; --max-loras defaults to 1 with it)")
     engine = p.add_argument_group("engine (ContinuousBatchingConfig fields)")
     for f in dataclasses.fields(ContinuousBatchingConfig):
         if f.name.startswith("_") or f.name in SKIP_FIELDS or not f.init:
@@ -69,6 +71,8 @@ def check_bind(host: str, api_key: str | None) -> None:
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
+    if getattr(args, "enable_lora", False):
+        given.setdefault("max_loras", 1)  # NOTE: vLLM's default with --enable-lora
     return ContinuousBatchingConfig(**given)
 
 

@@ -15,6 +15,12 @@ from fastapi import APIRouter, Request
 from rollout.engine.openmp import team_released_after
 from rollout.in_flight import PAUSE_DEFAULT, UPDATE_DEFAULT, check_mode
 from rollout.serve.bridge import EngineBridge
+from rollout.serve.lora_routes import (
+    StartWeightUpdateRequest,
+    apply_lora_push,
+    check_lora_chunk,
+    check_lora_push,
+)
 from rollout.serve.protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
 from rollout.serve.weights import WeightReceiver, check_update, load_checkpoint
 
@@ -165,12 +171,14 @@ def _close(request: Request) -> bool:
 
 
 @router.post("/start_weight_update")
-async def start_weight_update(request: Request) -> dict:
+async def start_weight_update(request: Request, req: StartWeightUpdateRequest | None = None) -> dict:
+    """With `lora_name`, the push is a LoRA adapter's (`rollout.serve.lora_routes`)."""
     t = _transfer(request)
     if t["receiver"] is None:
         raise APIError("call /init_weight_transfer_engine first", None, 409)
+    lora = check_lora_push(request.app.state, req)
     t["receiver"].start()
-    t["pending"], t["error"] = [], None
+    t["pending"], t["error"], t["lora"] = [], None, lora
     return {"success": True}
 
 
@@ -182,9 +190,12 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
     receiver: WeightReceiver | None = t["receiver"]
     if receiver is None or receiver.staged is None:
         raise APIError("call /init_weight_transfer_engine and /start_weight_update first", None, 409)
-    targets = _bridge(request).weight_targets()
     info = req.update_info
-    items = check_update(targets, info.get("names"), info.get("dtype_names"), info.get("shapes"))
+    if t.get("lora") is not None:
+        items = check_lora_chunk(info)
+    else:
+        items = check_update(_bridge(request).weight_targets(), info.get("names"), info.get("dtype_names"),
+                             info.get("shapes"))
     packed = bool(info.get("packed", False))  # NOTE: vLLM's name: the chunk comes as one flat buffer
     if packed and len({dtype for _, dtype, _ in items}) > 1:
         raise APIError("update_info: a packed chunk holds tensors of one dtype", "update_info")
@@ -208,5 +219,8 @@ async def finish_weight_update(request: Request, in_flight: str = UPDATE_DEFAULT
         raise APIError(str(e), None, 409) from None
     if errors:
         raise APIError(f"weight transfer failed, old weights kept: {errors[0]}", None, 500, "server_error")
+    lora, t["lora"] = t.get("lora"), None
+    if lora is not None:
+        return await apply_lora_push(request.app.state, lora, staged, in_flight)
     version = await _apply(_bridge(request), staged, "update_info", in_flight)
     return {"success": True, "weight_version": version}

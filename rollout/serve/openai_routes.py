@@ -27,6 +27,7 @@ from rollout.api.chat import chat_template_ids
 from rollout.api.content import ContentPartError
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
+from rollout.serve.lora_routes import lora_of, model_entries
 from rollout.serve.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingRequest
 from rollout.serve.text import SampleText
 from rollout.serve.tools import ToolStream, forced_prefix, parse_tool_calls, tool_mode, tools_start_newline
@@ -40,22 +41,22 @@ async def models(request: Request) -> dict:
     state = request.app.state
     entry = {"id": state.served_model_name, "object": "model", "created": 0, "owned_by": "rollout",
              "root": state.model_root, "parent": None, "max_model_len": state.bridge.max_model_len}
-    return {"object": "list", "data": [entry]}
+    return {"object": "list", "data": model_entries(state, entry)}
 
 
 @router.post("/v1/completions")
 async def completions(req: CompletionRequest, request: Request):
     state = request.app.state
-    _check_model(req, state.served_model_name)
+    lora = lora_of(req.model, state)  # NOTE: `"model": lora_name` runs that adapter (rollout.serve.lora_routes)
     texts = req.prompts()
     prompts = [_encode_prompt(state.tokenizer, p) for p in texts]
-    return await _serve(request, req, prompts, "prompt", chat=False, texts=texts)
+    return await _serve(request, req, prompts, "prompt", chat=False, texts=texts, lora=lora)
 
 
 @router.post("/v1/chat/completions")
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = request.app.state
-    _check_model(req, state.served_model_name)
+    lora = lora_of(req.model, state)
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
@@ -71,12 +72,7 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     prefix = forced_prefix(req.tools, req.tool_choice, parser, newline)
     if prefix:  # NOTE: "required" / a named function: the call's opening is forced (rollout.serve.tools)
         ids = list(ids) + list(state.tokenizer(prefix, add_special_tokens=False)["input_ids"])
-    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser, tool_prefix=prefix)
-
-
-def _check_model(req: SamplingRequest, name: str) -> None:
-    if req.model is not None and req.model != name:
-        raise APIError(f"model {req.model!r} does not exist; this server serves {name!r}", "model")
+    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser, tool_prefix=prefix, lora=lora)
 
 
 def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -88,7 +84,8 @@ def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
 
 
 async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]], param: str, chat: bool,
-                 texts: list | None = None, tool_parser: str | None = None, tool_prefix: str = ""):
+                 texts: list | None = None, tool_parser: str | None = None, tool_prefix: str = "",
+                 lora: str | None = None):
     state = request.app.state
     bridge: EngineBridge = state.bridge
     samples, plan = [], []
@@ -102,11 +99,12 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
             plan.append((ids, bridge.sampling(req, budget, i, j)))
     queue: asyncio.Queue = asyncio.Queue()
     streaming = req.stream or bool(req.stop_strings)
-    by_rid = dict(zip(bridge.submit(plan, streaming, queue), samples, strict=True))
+    by_rid = dict(zip(bridge.submit(plan, streaming, queue, lora), samples, strict=True))
+    model = lora or state.served_model_name
     bridge.counters["requests"] += 1
     rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
     if req.stream:
-        events = _stream(bridge, req, by_rid, queue, rid, state.served_model_name, chat, tool_parser, tool_prefix)
+        events = _stream(bridge, req, by_rid, queue, rid, model, chat, tool_parser, tool_prefix)
         return StreamingResponse(events, media_type="text/event-stream")
     try:
         while not all(s.done for s in samples):
@@ -126,7 +124,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     if failed:
         bridge.counters["failed"] += 1
         raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
-    body = _response(req, samples, prompts, rid, state.served_model_name, chat, tool_parser, tool_prefix)
+    body = _response(req, samples, prompts, rid, model, chat, tool_parser, tool_prefix)
     return JSONResponse(body)
 
 

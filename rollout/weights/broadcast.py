@@ -146,11 +146,26 @@ class WeightBroadcaster:
         buckets; returns each member's new weight version (rank order). `in_flight` (`rollout.in_flight`):
         what each member's running requests do ("wait", the default: they finish under the old weights first;
         "keep": the weights land between two engine steps, the requests kept; "abort")."""
+        answers = self._push(named_tensors(model), {"is_checkpoint_format": True}, in_flight)
+        return [int(a["weight_version"]) for a in answers]
+
+    def broadcast_lora(self, name: str, adapter, config=None, in_flight: InFlight = UPDATE_DEFAULT) -> list[int]:
+        """Send LoRA adapter `name` (a PeftModel, a PEFT state dict with its `config`, or a directory) to every
+        member, in memory: its tensors only, through the same buckets; each member adds it, or updates it in
+        place (`in_flight` as `broadcast`). Returns each member's adapter version (`rollout.serve.lora_routes`)."""
+        from rollout.weights.lora_adapters import as_state_dict  # noqa: PLC0415
+
+        check_mode(in_flight, "in_flight")
+        state, fields = as_state_dict(adapter, config)
+        answers = self._push(list(state.items()), {"lora_name": name, "lora_config": fields}, in_flight)
+        return [int(a["lora_version"]) for a in answers]
+
+    def _push(self, items: list, start: dict, in_flight: InFlight) -> list[dict]:
+        """One transfer of `items` ((name, tensor) pairs) opened with the `start` body; each member's answer."""
         check_mode(in_flight, "in_flight")
         if self.group is None:
             self.init()
-        items = named_tensors(model)
-        self._all(lambda u: self._post(u, "/start_weight_update", {"is_checkpoint_format": True}))
+        self._all(lambda u: self._post(u, "/start_weight_update", start))
         sent = 0
         for bucket in buckets(items, self.bucket_bytes):
             info = {"names": [n for n, _ in bucket],
@@ -164,10 +179,9 @@ class WeightBroadcaster:
             sent += flat.numel() * flat.element_size()
         finish = f"/finish_weight_update?in_flight={in_flight}"
         answers = self._all(lambda u: self._post(u, finish))
-        versions = [int(a["weight_version"]) for a in answers]
-        logger.info("weights broadcast to %d server(s): %.1f MB, versions %s", len(self.members), sent / 2**20,
-                    versions)
-        return versions
+        logger.info("%s broadcast to %d server(s): %.1f MB, versions %s", start.get("lora_name") or "weights",
+                    len(self.members), sent / 2**20, [a.get("lora_version", a["weight_version"]) for a in answers])
+        return answers
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """The bucket as one flat tensor on the group's device: a lone contiguous tensor as it is (a view, no

@@ -90,6 +90,32 @@ def _config_dict(config) -> dict:
     raise ValueError(f"config must be a peft LoraConfig or its dict, got {type(config).__name__}")
 
 
+# NOTE: the LoraConfig fields rollout reads (a pushed adapter's config travels as these, JSON-safe)
+CONFIG_FIELDS = ("peft_type", "r", "lora_alpha", "use_rslora", "rank_pattern", "alpha_pattern", "use_dora",
+                 "modules_to_save", "fan_in_fan_out", "lora_bias", "bias", "trainable_token_indices")
+
+
+def config_fields(config) -> dict:
+    """The fields of a LoraConfig (or its dict) that rollout reads, as plain JSON values."""
+    out = {}
+    for name, value in _config_dict(config).items():
+        if name in CONFIG_FIELDS:
+            value = getattr(value, "value", value)  # NOTE: PeftType is an enum
+            out[name] = sorted(value) if isinstance(value, (set, frozenset)) else value
+    return out
+
+
+def as_state_dict(adapter, config=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """An adapter (any `read_adapter` source) as a PEFT-style state dict and its config fields, for a push: the
+    PeftModel's own scale is kept exact by sending each module's alpha (`alpha_pattern`) beside its rank."""
+    weights = read_adapter(adapter, config)
+    state = {}
+    for module, m in weights.modules.items():
+        state[f"{module}.lora_A.weight"], state[f"{module}.lora_B.weight"] = m.a, m.b
+    alphas = {re.escape(module): m.scale * m.rank for module, m in weights.modules.items()}
+    return state, {"peft_type": "LORA", "lora_alpha": 1.0, "alpha_pattern": alphas}
+
+
 def _check_config(config: dict, where: str) -> None:
     """Refuse what rollout's unmerged product does not compute, by the config field that asks for it."""
     peft_type = str(getattr(config.get("peft_type"), "value", config.get("peft_type") or "LORA"))

@@ -80,3 +80,13 @@ def test_a_peft_policy_mixes_with_added_adapters():
             engine.add_lora("third", other)
     for i, prompt in enumerate(prompts):
         assert out.completion_ids[i].tolist() == hf_greedy(other if i in (1, 2) else policy, prompt, NEW), i
+
+
+def test_a_peft_policy_that_cannot_run_unmerged_runs_through_peft_layers():
+    """DoRA: refused by the unmerged path, so the engine runs PEFT's own layers (one adapter), as before LoRA."""
+    base = make_model("qwen3")
+    policy = make_peft(base, seed=1, r=2, use_dora=True)
+    prompts = random_prompts(2, 5, 20, seed=6)
+    with _engine(policy) as engine:
+        assert engine.list_loras() == []
+        _check(engine.generate(prompts, temps=0.0), policy, prompts)

@@ -24,7 +24,7 @@ from rollout.attention import backends
 from rollout.attention.backends.triton import TritonBackend
 from rollout.engine.core import EngineCore
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.triton, pytest.mark.timeout(180)]
 GREEDY = GenerationConfig(do_sample=False, eos_token_id=None)
 
 

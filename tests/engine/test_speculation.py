@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+from support.distributions import chi_square_pvalue
 from support.greedy import ARCHS
 from support.sampling import repeating_prompt
 from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
@@ -19,7 +20,6 @@ from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core import EngineCore
 from rollout.sampling.speculative import ACCEPTANCE
-from support.distributions import chi_square_pvalue
 
 pytestmark = pytest.mark.timeout(900)
 MAX_NEW = 64
@@ -106,6 +106,24 @@ def test_group_sibling_drafts():
     assert ahead.generated == late.generated == want
     stats = core.cache_stats()
     assert stats["spec_accepted_tokens"] >= 30, stats  # NOTE: its first 40 tokens are the sibling's
+
+
+def test_rejected_drafts_give_their_pages_back_at_once():
+    """After every step each running row holds exactly the pages of its computed tokens (as a plain step
+    leaves it): a rejected draft's pages go back to the pool in the step that rejected it."""
+    model = make_model("llama")  # NOTE: its drafts are mostly rejected
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)] + random_prompts(2, 5, 40, seed=3)
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=256, **SPEC))
+    for p in prompts:
+        core.add(core.make_request(p))
+    while core.has_work():
+        core.step()
+        held = sum(len(r.page_ids) for r in core.scheduler.running)
+        for r in core.scheduler.running:
+            assert len(r.page_ids) == core.page_pool.pages_needed(r.num_computed_tokens), r.request_id
+        assert core.page_pool.num_free_pages >= core.page_pool.num_pages - held
+    stats = core.cache_stats()
+    assert stats["spec_draft_tokens"] - stats["spec_accepted_tokens"] >= 20, stats
 
 
 def test_budget_and_eos_stop_inside_a_draft():

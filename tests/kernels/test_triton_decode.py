@@ -16,7 +16,7 @@ from support.triton_interpreter import device, load
 
 from rollout.kernels import cpu_kernels
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.triton, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

@@ -2,6 +2,9 @@
 
 What "flex on CUDA", "no host sync per step" and "pinned offload" mean once a GPU is lent.
 
+The `triton` parametrisations (and `use_cuda_graph=True` in the RL loop) were added for issue 40 without a GPU:
+prepared, NOT yet run on one.
+
 Run on one H200 on 2026-11-30 (21 passed: benchmarks/logs/gpu/device_check_h200_run2_tests.log), except the
 last two, `test_seeded_sampling_on_cuda_is_reproducible_and_scored` and `test_grpo_trainer_colocated_on_cuda`,
 written after that session's device time was spent: prepared (their bodies pass on a CPU with the
@@ -43,8 +46,10 @@ def run(core: EngineCore, prompts: list[list[int]], n: int):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "gemma2"])
-@pytest.mark.parametrize("backend", ["auto", "flex", "sdpa"])
+@pytest.mark.parametrize("backend", ["auto", "flex", "sdpa", "triton"])
 def test_cuda_greedy_matches_generate_and_logprobs_match_teacher_forcing(arch, backend):
+    if backend == "triton":
+        pytest.importorskip("triton", reason="the triton extra is not installed")
     model = make_model(arch).cuda()
     prompts = random_prompts(6, 5, 70, seed=1, shared_prefix=20, n_shared=3)
     cfg = ContinuousBatchingConfig(page_size=16, num_blocks=64, max_batch_tokens=48, return_logprobs=True,
@@ -97,8 +102,9 @@ def test_flash_is_refused_with_a_reason():
         EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=8, attn_backend="flash"))
 
 
-@pytest.mark.parametrize("backend", ["flex", "sdpa"])
-def test_rl_loop_on_cuda_update_sleep_wake_close(backend):
+@pytest.mark.parametrize("backend,extra", [("flex", {}), ("sdpa", {}), ("triton", {}),
+                                           ("triton", {"use_cuda_graph": True})])
+def test_rl_loop_on_cuda_update_sleep_wake_close(backend, extra):
     """The RL loop on a CUDA model: rollouts exact (tokens vs `generate`, logprobs vs teacher forcing), an
     AdamW step on the trainer's own parameters then `update_weights` (new weights used), `sleep` gives
     the cache's GPU memory back, `wake` takes it again, and `close` leaves no GPU memory behind."""
@@ -107,7 +113,9 @@ def test_rl_loop_on_cuda_update_sleep_wake_close(backend):
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_model("qwen3").cuda()
     prompts = random_prompts(4, 10, 40, seed=5)
-    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=128, attn_backend=backend)
+    if backend == "triton":
+        pytest.importorskip("triton", reason="the triton extra is not installed")
+    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=128, attn_backend=backend, **extra)
     gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=8)
     torch.cuda.synchronize()
     torch._C._cuda_clearCublasWorkspaces()  # NOTE: torch keeps a cuBLAS workspace per handle (32 MiB on Hopper)

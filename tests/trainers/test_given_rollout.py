@@ -41,7 +41,7 @@ def test_a_given_engine_reproduces_the_trainers_own(tokenizer, dataset, tmp_path
         assert given.engine is engine
         history = given.train()
         state = trained_state(given)
-    assert engine.policy_version == 3
+        assert engine.policy_version == 3  # every step's sync reached it
     for want, got in zip(own_history, history, strict=True):
         for key in ("reward_mean", "loss", "response_length", "grad_norm", "policy_version"):
             assert got[key] == want[key], (got["step"], key)

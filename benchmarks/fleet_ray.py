@@ -1,0 +1,126 @@
+"""Rollout fleets on Ray (issue 47): two 1-CPU engine actors against one 2-thread engine in process, on an RL
+generation call, and the seconds of one weight update of the ~100M model to 2 engine actors.
+
+Questions:
+1. RL workload (`--prompts` prompts x `--group_size` samples, `--new_tokens` tokens each, T = 1, seeded, the 5M
+   Qwen3 of benchmarks/common.py, EOS off): wall seconds of `RolloutFleet(num_engines=2, {"CPU": 1})
+   .generate` against `RolloutEngine.generate` at `torch.set_num_threads(2)`, in turns (a warm-up each first,
+   then `--runs` rounds, median).
+2. `RolloutFleet.update_weights(model)` of the ~100M-parameter model (fp32, tied, ~400 MB; benchmarks/common.py
+   "100m") to 2 engines: one `ray.put` of the state dict, each engine reads it from the object store and copies it
+   in (median of `--runs` after a warm-up); every update checked: both engines report the new version.
+
+One local Ray cluster (2 CPUs, 127.0.0.1) for both fleets; each fleet is closed before the next starts.
+
+    python benchmarks/fleet_ray.py [--runs 3]      # -> benchmarks/logs/fleet_ray/results.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import make_model  # noqa: E402  (benchmarks/ sibling)
+
+from rollout import ContinuousBatchingConfig, RolloutEngine  # noqa: E402
+from rollout.fleet import RolloutFleet  # noqa: E402
+
+LOGS = Path(__file__).resolve().parent / "logs" / "fleet_ray"
+
+
+def timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def generation(args, tmp: str) -> dict:
+    model = make_model("5m", seed=0)
+    model.generation_config.eos_token_id = None
+    model_dir = os.path.join(tmp, "5m")
+    model.save_pretrained(model_dir)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 4096, (int(n),), generator=g).tolist()
+               for n in torch.randint(16, 128, (args.prompts,), generator=g)]
+    cbc = ContinuousBatchingConfig(page_size=32, num_blocks=1024)
+    call = dict(temps=1.0, group_size=args.group_size, max_new_tokens=args.new_tokens, seed=0)
+    torch.set_num_threads(2)
+    engine = RolloutEngine(model, config=cbc)
+    fleet = RolloutFleet(model_dir, num_engines=2, engine_config=cbc, resources_per_engine={"CPU": 1})
+    tokens = args.prompts * args.group_size * args.new_tokens
+    cases = {"in-process engine, 2 threads": lambda: engine.generate(prompts, **call),
+             "fleet of 2 engine actors, 1 CPU each": lambda: fleet.generate(prompts, **call)}
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    try:
+        for fn in cases.values():
+            batch = fn()
+            assert int(batch.completion_mask.sum()) == tokens  # NOTE: EOS off: every row runs the whole budget
+        for _ in range(args.runs):
+            for name, fn in cases.items():
+                times[name].append(timed(fn))
+    finally:
+        fleet.close()
+        engine.close()
+    return {name: {"median_s": statistics.median(t), "runs_s": t, "tokens_per_s": tokens / statistics.median(t)}
+            for name, t in times.items()}
+
+
+def weight_update(args, tmp: str) -> dict:
+    torch.set_num_threads(1)
+    model = make_model("100m", seed=0)
+    size_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
+    model_dir = os.path.join(tmp, "100m")
+    model.save_pretrained(model_dir)
+    fleet = RolloutFleet(model_dir, num_engines=2, engine_config=ContinuousBatchingConfig(page_size=16, num_blocks=64),
+                         resources_per_engine={"CPU": 1}, start_timeout_s=900)
+    runs = []
+    try:
+        fleet.update_weights(model)  # warm-up
+        for _ in range(args.runs):
+            runs.append(timed(lambda: fleet.update_weights(model)))
+            assert fleet.engine_versions() == [fleet.policy_version] * 2
+    finally:
+        fleet.close()
+    return {"state_mb": size_mb, "engines": 2, "median_s": statistics.median(runs), "runs_s": runs}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--group_size", type=int, default=8)
+    p.add_argument("--new_tokens", type=int, default=96)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--skip_update", action="store_true", help="question 1 only")
+    p.add_argument("--logs", default=str(LOGS))
+    args = p.parse_args()
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    report = {"args": vars(args), "load_before": os.getloadavg()[0]}
+    try:
+        with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
+            report["generation"] = generation(args, tmp)
+            print(json.dumps(report["generation"], indent=1))
+            if not args.skip_update:
+                report["weight_update_100m"] = weight_update(args, tmp)
+                print(json.dumps(report["weight_update_100m"], indent=1))
+    finally:
+        ray.shutdown()
+    report["load_after"] = os.getloadavg()[0]
+    logs = Path(args.logs)
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / "results.json").write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
