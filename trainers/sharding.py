@@ -6,9 +6,9 @@ weight sync a stream of full tensors gathered one bucket (one decoder layer) at 
 or the accelerate launch config asked for FSDP (`distributed_type: FSDP`, which accelerate itself ignores on
 a CPU: it starts plain gloo ranks, so the trainer applies `fully_shard` from the same config). The launch
 config's `fsdp_config` gives the settings: `fsdp_version` (2 only), `fsdp_reshard_after_forward`,
-`fsdp_offload_params` (parameters, gradients and optimizer state on the CPU), `fsdp_activation_checkpointing`
-and `transformer_cls_names_to_wrap` (default: the model's `_no_split_modules`); `mixed_precision: bf16`
-becomes `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
+`fsdp_offload_params` (parameters, gradients and optimizer state on the CPU; nothing to do on CPU ranks),
+`fsdp_activation_checkpointing` and `transformer_cls_names_to_wrap` (default: the model's `_no_split_modules`);
+`mixed_precision: bf16` becomes `MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)`.
 
 Memory: each rank holds its shards (parameters, gradients, AdamW state: about 1/N of DDP's), the engine's full
 copy (inference weights only), and during a sync one bucket's full tensors more (`SyncStats`). The gathers
@@ -96,8 +96,8 @@ def shard(module: torch.nn.Module, policy: torch.nn.Module, settings: FSDPSettin
     kwargs = dict(mesh=mesh, reshard_after_forward=settings.reshard_after_forward)
     if settings.bf16:
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    if settings.offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+    if settings.offload and device.type != "cpu":  # NOTE: on a CPU rank everything is in host memory already
+        kwargs["offload_policy"] = CPUOffloadPolicy()  # (and FSDP's offload refuses a CPU mesh)
     else:
         module.to(device)
     for layer in layers:

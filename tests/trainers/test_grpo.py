@@ -30,6 +30,8 @@ STEP_FIELDS = (
     "time_generate",
     "time_train",
     "time_sync",
+    "sync_seconds",
+    "trainer_param_fraction",
     "logprob_mismatch_max",
     "logprob_mismatch_mean",
     "policy_version",
@@ -104,6 +106,7 @@ def test_grpo_smoke_updates_syncs_and_logs(tokenizer, dataset, tmp_path):
         missing = [f for f in STEP_FIELDS if f not in line]
         assert not missing, f"metrics.jsonl lacks {missing}"
         assert line["entropy"] > 0 and line["rollout_tokens_per_s"] > 0
+        assert line["trainer_param_fraction"] == 1.0 and line["sync_seconds"] <= line["time_sync"]  # one process
     assert lines[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # the policy starts as its reference
     assert lines[-1]["kl"] > 0
 
