@@ -105,7 +105,8 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    # NOTE: engines at the learner's priority (Ray's default worker niceness is 15), as RolloutFleet's own cluster
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
     report = {"args": vars(args), "load_before": os.getloadavg()[0]}
     try:
         with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:

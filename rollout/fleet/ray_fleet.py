@@ -93,8 +93,10 @@ class RolloutFleet:
         if not ray.is_initialized():
             if address is None:
                 cpus = num_cpus or int(sum(bundle.get("CPU", 0) for _ in range(num_engines))) or 1
+                # NOTE: Ray runs workers at nice 15 by default; here the engines are the work
                 ray.init(num_cpus=cpus, num_gpus=int(bundle.get("GPU", 0) * num_engines), include_dashboard=False,
-                         _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+                         _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
+                         _system_config={"worker_niceness": 0})
             else:
                 ray.init(address=address, logging_level=logging.WARNING)
             self.started_ray = True
