@@ -15,11 +15,15 @@ One local Ray cluster (2 CPUs, 127.0.0.1) for both fleets; each fleet is closed 
     python benchmarks/fleet_ray.py [--runs 3]      # -> benchmarks/logs/fleet_ray/results.json
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: as recipes/grpo.py and async_rl.py (a shared 2-core box)
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -30,10 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import make_model  # noqa: E402  (benchmarks/ sibling)
+from common import make_model  # (benchmarks/ sibling)
 
-from rollout import ContinuousBatchingConfig, RolloutEngine  # noqa: E402
-from rollout.fleet import RolloutFleet  # noqa: E402
+from rollout import ContinuousBatchingConfig, RolloutEngine
+from rollout.fleet import RolloutFleet
 
 LOGS = Path(__file__).resolve().parent / "logs" / "fleet_ray"
 

@@ -32,7 +32,7 @@ import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.fleet.engine_health import EngineHealth
-from rollout.fleet.engine_worker import EngineWorker, WeightStore, tokenizer_in
+from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
 from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.sampling.sampling_fields import temperatures
@@ -273,7 +273,7 @@ class RolloutFleet:
         self._check_open()
         check_mode(in_flight, "in_flight")
         ray, health, start = self.ray, self.health, time.perf_counter()
-        ref = ray.put(state_dict_of(source))
+        ref = ray.put(to_payload(state_dict_of(source)))
         version = self.policy_version + 1
         ray.get(self.store.set.remote([ref], version), timeout=self.start_timeout_s)  # NOTE: before any engine
         health.current = (ref, version)  # NOTE: a recovering engine gets it when its probe answers

@@ -202,3 +202,14 @@ def test_without_ray_the_fleet_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # NOTE: `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"\[ray\]"):
         RolloutFleet("any-dir", num_engines=1)
+
+
+def test_the_weight_payload_round_trips_every_dtype():
+    from rollout.fleet.engine_worker import from_payload, to_payload
+
+    state = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "h": torch.randn(2).half(),
+             "i": torch.arange(4)}
+    back = from_payload(to_payload(state))
+    assert list(back) == list(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name
