@@ -55,6 +55,13 @@ def test_a_rollout_without_the_engine_api_is_refused(tokenizer, dataset, tmp_pat
         GRPOTrainer(model, tokenizer, addition_reward, dataset, config(tmp_path), rollout=object.__new__(_OnlyGenerate))
 
 
+def test_async_on_an_engine_sharing_the_trainers_weights_is_refused(tokenizer, dataset, tmp_path):
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0)
+    with RolloutEngine(model, tokenizer=tokenizer, config=ENGINE) as engine, \
+            pytest.raises(ValueError, match="build it on a copy"):
+        GRPOTrainer(model, tokenizer, addition_reward, dataset, config(tmp_path, async_rollout=True), rollout=engine)
+
+
 class _OnlyGenerate:
     def generate(self, *args, **kwargs):
         raise AssertionError("never called")
