@@ -5,6 +5,7 @@ RolloutEngine API.
 - seeded samples equal the in-process engine's, bit for bit (both batch-invariant), though the call is split;
 - after `update_weights` every engine equals HF on the new weights and reports the new version;
 - an actor killed mid-call: the call completes, exact, the replacement serves the current weights, one log line;
+- a hung engine (SIGSTOP) is dropped at its shard's deadline: the call completes on the other, the actor replaced;
 - `close()` leaves no engine process, no Ray process of the cluster it started;
 - without Ray, building a fleet raises an ImportError naming the `[ray]` extra.
 The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture closes it and checks nothing is left.
@@ -175,6 +176,30 @@ def test_an_engine_killed_mid_call_is_replaced_and_its_groups_resubmitted(fleet_
     assert fleet.pids[0] != old_pid and _gone(old_pid)
     outs = ray.get(fleet.actors[0].generate.remote(PROMPTS, [0.0] * 5, 1, None, 0, {"max_new_tokens": MAX_NEW}))
     assert [o.generated_tokens for o in outs] == greedy_oracle(state["model"], PROMPTS, MAX_NEW)
+
+
+def test_a_hung_engine_is_dropped_at_its_deadline_and_replaced(fleet_setup, caplog):
+    fleet, _, state = fleet_setup
+    import signal
+
+    hung_pid = fleet.pids[1]
+    os.kill(hung_pid, signal.SIGSTOP)  # NOTE: alive but silent, as a wedged engine
+    fleet.request_timeout_s, timeout = 20.0, fleet.request_timeout_s
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollout.fleet"):
+            start = time.monotonic()
+            batch = fleet.generate(PROMPTS, temps=0.0, max_new_tokens=MAX_NEW)
+            took = time.monotonic() - start
+    finally:
+        fleet.request_timeout_s = timeout
+        if not _gone(hung_pid):
+            os.kill(hung_pid, signal.SIGCONT)
+    assert rows(batch) == greedy_oracle(state["model"], PROMPTS, MAX_NEW)  # its groups ran on engine 0
+    assert 20.0 <= took < 20.0 + 120.0
+    lines = [r.getMessage() for r in caplog.records if r.name == "rollout.fleet" and "failed" in r.getMessage()]
+    assert len(lines) == 1 and "engine 1" in lines[0] and "no answer within 20 s" in lines[0], lines
+    assert fleet.engine_versions() == [fleet.policy_version] * 2  # the replacement is up, on the current weights
+    assert fleet.pids[1] != hung_pid and _gone(hung_pid)
 
 
 def _gone(pid: int) -> bool:
