@@ -307,7 +307,8 @@ def plot(results: dict[str, list[dict]], path: Path, speedup: float) -> None:
     ax.set_ylabel("reward_mean")
     fast = ("async, rollout server + learner" if "async_disagg" in results else
             "async, one-engine Ray fleet + learner" if "async_fleet" in results else "async (1+1 threads)")
-    ax.set_title(f"GRPO, copy task (128-token completions), 2 cores\n{fast}, staleness 1, vs sync "
+    tokens = results.get("args", {}).get("max_new_tokens", 128)
+    ax.set_title(f"GRPO, copy task ({tokens}-token completions), 2 cores\n{fast}, staleness 1,\nvs sync "
                  f"(2 threads): {speedup:.2f}x wall-clock per step", fontsize=10)
     ax.legend()
     fig.tight_layout()

@@ -15,11 +15,15 @@ One local Ray cluster (2 CPUs, 127.0.0.1) for both fleets; each fleet is closed 
     python benchmarks/fleet_ray.py [--runs 3]      # -> benchmarks/logs/fleet_ray/results.json
 """
 
+# ruff: noqa: E402
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # NOTE: as recipes/grpo.py and async_rl.py (a shared 2-core box)
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -30,10 +34,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import make_model  # noqa: E402  (benchmarks/ sibling)
+from common import make_model  # (benchmarks/ sibling)
 
-from rollout import ContinuousBatchingConfig, RolloutEngine  # noqa: E402
-from rollout.fleet import RolloutFleet  # noqa: E402
+from rollout import ContinuousBatchingConfig, RolloutEngine
+from rollout.fleet import RolloutFleet
 
 LOGS = Path(__file__).resolve().parent / "logs" / "fleet_ray"
 
@@ -105,7 +109,8 @@ def main() -> None:
     args = p.parse_args()
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    # NOTE: engines at the learner's priority (Ray's default worker niceness is 15), as RolloutFleet's own cluster
+    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1", _system_config={"worker_niceness": 0})
     report = {"args": vars(args), "load_before": os.getloadavg()[0]}
     try:
         with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:

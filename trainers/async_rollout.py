@@ -13,6 +13,10 @@ synchronous trainer). A token sampled under an older version (staleness = learne
 are treated exactly as in the synchronous trainer, so `max_staleness=0` (generation waits for every
 update) reproduces the synchronous update bit for bit.
 
+The producer starts with `train()` or, in a user's own loop, at the first `step()`, and stops at `close()` (or
+`config.max_steps`: a later `step()` is refused by name). With `rollout=` (`trainers.given_rollout`) it asks that
+rollout (a `RolloutFleet` or `RolloutPool` generating in other processes) instead of a copy-engine of its own.
+
 Threads: `torch.set_num_threads` acts per calling thread for the OpenMP pool that torch's CPU kernels use
 (each thread keeps its own team size; a new thread starts from the last value set anywhere), so with
 `rollout_threads=1` / `learner_threads=1` rollout runs on one core and the learner on the other.

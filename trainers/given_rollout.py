@@ -33,4 +33,16 @@ class GivenRolloutMixin:
             return super().build_engine()
         if self.config.engine_dtype is not None:
             raise ValueError("engine_dtype does not apply to a given rollout: build it in that dtype instead")
+        if getattr(self.config, "async_rollout", False) and shares_weights(self.given_rollout, self.policy):
+            raise ValueError("async_rollout with a rollout engine built on the trainer's own model: the optimizer "
+                             "would change its weights under a running generation; build it on a copy of the model")
         return self.given_rollout
+
+
+def shares_weights(rollout, policy) -> bool:
+    """Whether `rollout` is an in-process engine running on `policy`'s own parameter storage."""
+    model = getattr(rollout, "model", None)
+    if not hasattr(model, "parameters"):
+        return False
+    ours = {p.data_ptr() for p in policy.parameters()}
+    return any(p.data_ptr() in ours for p in model.parameters())

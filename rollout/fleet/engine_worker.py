@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -52,6 +53,30 @@ def tokenizer_in(source):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(source))
+
+
+def to_payload(state: Mapping[str, torch.Tensor]) -> dict[str, tuple]:
+    """CPU tensors as (numpy array, torch dtype name) pairs for the object store: Ray reads numpy arrays without a
+    copy (views of its shared memory), where it would unpickle tensors (3.5 s `put` + 2 s read for 100M fp32 here,
+    against 0.2-1.2 s + 0.01 s). Dtypes numpy lacks (bfloat16, ...) travel as integers of the same width."""
+    out = {}
+    for name, t in state.items():
+        try:
+            array = t.numpy()
+        except TypeError:
+            array = t.view(_SAME_WIDTH[t.element_size()]).numpy()
+        out[name] = (array, str(t.dtype).removeprefix("torch."))
+    return out
+
+
+_SAME_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def from_payload(payload: Mapping[str, tuple]) -> dict[str, torch.Tensor]:
+    """The tensors of `to_payload` (read-only views of the object store's arrays, copied in by `update_weights`)."""
+    with warnings.catch_warnings():  # NOTE: the arrays are read-only; the engine only reads them
+        warnings.simplefilter("ignore", UserWarning)
+        return {name: torch.from_numpy(array).view(getattr(torch, dtype)) for name, (array, dtype) in payload.items()}
 
 
 def load_policy(source, dtype: str | None, device: str):
@@ -114,7 +139,7 @@ class EngineWorker:
 
             version, refs = ray.get(store.latest.remote())
             if refs:  # NOTE: a replacement (or a late joiner) starts on the fleet's current weights
-                self.engine.update_weights(ray.get(refs[0]))
+                self.engine.update_weights(from_payload(ray.get(refs[0])))
                 self.engine.manager.core.policy_version = version
                 self.restored_version = version
 
@@ -132,9 +157,10 @@ class EngineWorker:
     def score(self, prompts: list[list[int]], completions: list[list[int]], kwargs: dict):
         return self.engine.score(prompts, completions, **kwargs)
 
-    def update_weights(self, state: dict, version: int, in_flight: str) -> int:
-        """Copy `state` in (resolved by Ray from the one object-store copy) and take the fleet's `version`."""
-        self.engine.update_weights(state, in_flight=in_flight)
+    def update_weights(self, payload: dict, version: int, in_flight: str) -> int:
+        """Copy the weights in (`payload`: `to_payload`'s, resolved by Ray from the one object-store copy) and take
+        the fleet's `version`."""
+        self.engine.update_weights(from_payload(payload), in_flight=in_flight)
         self.engine.manager.core.policy_version = version  # NOTE: the fleet's count, the same on every engine
         return self.engine.policy_version
 

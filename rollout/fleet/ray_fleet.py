@@ -32,7 +32,7 @@ import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.fleet.engine_health import EngineHealth
-from rollout.fleet.engine_worker import EngineWorker, WeightStore, tokenizer_in
+from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
 from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.sampling.sampling_fields import temperatures
@@ -93,8 +93,10 @@ class RolloutFleet:
         if not ray.is_initialized():
             if address is None:
                 cpus = num_cpus or int(sum(bundle.get("CPU", 0) for _ in range(num_engines))) or 1
+                # NOTE: Ray runs workers at nice 15 by default; here the engines are the work
                 ray.init(num_cpus=cpus, num_gpus=int(bundle.get("GPU", 0) * num_engines), include_dashboard=False,
-                         _node_ip_address="127.0.0.1", logging_level=logging.WARNING)
+                         _node_ip_address="127.0.0.1", logging_level=logging.WARNING,
+                         _system_config={"worker_niceness": 0})
             else:
                 ray.init(address=address, logging_level=logging.WARNING)
             self.started_ray = True
@@ -271,7 +273,7 @@ class RolloutFleet:
         self._check_open()
         check_mode(in_flight, "in_flight")
         ray, health, start = self.ray, self.health, time.perf_counter()
-        ref = ray.put(state_dict_of(source))
+        ref = ray.put(to_payload(state_dict_of(source)))
         version = self.policy_version + 1
         ray.get(self.store.set.remote([ref], version), timeout=self.start_timeout_s)  # NOTE: before any engine
         health.current = (ref, version)  # NOTE: a recovering engine gets it when its probe answers

@@ -5,6 +5,7 @@ RolloutEngine API.
 - seeded samples equal the in-process engine's, bit for bit (both batch-invariant), though the call is split;
 - after `update_weights` every engine equals HF on the new weights and reports the new version;
 - an actor killed mid-call: the call completes, exact, the replacement serves the current weights, one log line;
+- a hung engine (SIGSTOP) is dropped at its shard's deadline: the call completes on the other, the actor replaced;
 - `close()` leaves no engine process, no Ray process of the cluster it started;
 - without Ray, building a fleet raises an ImportError naming the `[ray]` extra.
 The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture closes it and checks nothing is left.
@@ -177,6 +178,30 @@ def test_an_engine_killed_mid_call_is_replaced_and_its_groups_resubmitted(fleet_
     assert [o.generated_tokens for o in outs] == greedy_oracle(state["model"], PROMPTS, MAX_NEW)
 
 
+def test_a_hung_engine_is_dropped_at_its_deadline_and_replaced(fleet_setup, caplog):
+    fleet, _, state = fleet_setup
+    import signal
+
+    hung_pid = fleet.pids[1]
+    os.kill(hung_pid, signal.SIGSTOP)  # NOTE: alive but silent, as a wedged engine
+    fleet.request_timeout_s, timeout = 20.0, fleet.request_timeout_s
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollout.fleet"):
+            start = time.monotonic()
+            batch = fleet.generate(PROMPTS, temps=0.0, max_new_tokens=MAX_NEW)
+            took = time.monotonic() - start
+    finally:
+        fleet.request_timeout_s = timeout
+        if not _gone(hung_pid):
+            os.kill(hung_pid, signal.SIGCONT)
+    assert rows(batch) == greedy_oracle(state["model"], PROMPTS, MAX_NEW)  # its groups ran on engine 0
+    assert 20.0 <= took < 20.0 + 120.0
+    lines = [r.getMessage() for r in caplog.records if r.name == "rollout.fleet" and "failed" in r.getMessage()]
+    assert len(lines) == 1 and "engine 1" in lines[0] and "no answer within 20 s" in lines[0], lines
+    assert fleet.engine_versions() == [fleet.policy_version] * 2  # the replacement is up, on the current weights
+    assert fleet.pids[1] != hung_pid and _gone(hung_pid)
+
+
 def _gone(pid: int) -> bool:
     """No such process, or only its zombie."""
     try:
@@ -202,3 +227,14 @@ def test_without_ray_the_fleet_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # NOTE: `import ray` raises ImportError
     with pytest.raises(ImportError, match=r"\[ray\]"):
         RolloutFleet("any-dir", num_engines=1)
+
+
+def test_the_weight_payload_round_trips_every_dtype():
+    from rollout.fleet.engine_worker import from_payload, to_payload
+
+    state = {"w": torch.randn(3, 4), "b": torch.randn(5).to(torch.bfloat16), "h": torch.randn(2).half(),
+             "i": torch.arange(4)}
+    back = from_payload(to_payload(state))
+    assert list(back) == list(state)
+    for name, tensor in state.items():
+        assert back[name].dtype == tensor.dtype and torch.equal(back[name], tensor), name

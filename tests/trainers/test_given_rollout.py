@@ -55,6 +55,13 @@ def test_a_rollout_without_the_engine_api_is_refused(tokenizer, dataset, tmp_pat
         GRPOTrainer(model, tokenizer, addition_reward, dataset, config(tmp_path), rollout=object.__new__(_OnlyGenerate))
 
 
+def test_async_on_an_engine_sharing_the_trainers_weights_is_refused(tokenizer, dataset, tmp_path):
+    model = build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0)
+    with RolloutEngine(model, tokenizer=tokenizer, config=ENGINE) as engine, \
+            pytest.raises(ValueError, match="build it on a copy"):
+        GRPOTrainer(model, tokenizer, addition_reward, dataset, config(tmp_path, async_rollout=True), rollout=engine)
+
+
 class _OnlyGenerate:
     def generate(self, *args, **kwargs):
         raise AssertionError("never called")
@@ -82,3 +89,27 @@ def test_async_is_honoured_by_a_loop_of_step(tokenizer, dataset, tmp_path):
     state, engine_state = trained_state(run), run.engine.model.state_dict()
     for name, tensor in state.items():
         assert torch.equal(engine_state[name], tensor), name  # every sync reached the engine's copy
+
+
+def test_ppo_takes_a_given_engine_too(tokenizer, dataset, tmp_path):
+    from trainers import PolicyWithValue, PPOConfig, PPOTrainer
+
+    def value_model() -> PolicyWithValue:
+        with torch.random.fork_rng():  # NOTE: the value head's initialisation, the same in both runs
+            torch.manual_seed(0)
+            return PolicyWithValue(build_tiny_model(tokenizer, hidden_size=64, num_layers=2, seed=0))
+
+    cfg = dict(max_steps=2, prompts_per_step=8, group_size=2, max_new_tokens=6, learning_rate=1e-3, num_minibatches=2,
+               value_clip=None, log_stdout=False, progress=False, engine_config=ENGINE)
+    with PPOTrainer(value_model(), tokenizer, digit_share, dataset, PPOConfig(output_dir=str(tmp_path / "own"), **cfg)) as own:
+        own_history = own.train()
+    model = value_model()
+    engine = RolloutEngine(model.policy, tokenizer=tokenizer, config=ENGINE)
+    with PPOTrainer(model, tokenizer, digit_share, dataset, PPOConfig(output_dir=str(tmp_path / "given"), **cfg),
+                    rollout=engine) as given:
+        assert given.engine is engine
+        history = given.train()
+        assert engine.policy_version == 2
+    for want, got in zip(own_history, history, strict=True):
+        for key in ("reward_mean", "loss", "response_length"):
+            assert got[key] == want[key], (got["step"], key)
