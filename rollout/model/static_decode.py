@@ -26,14 +26,17 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from rollout.attention.backends import AttentionMetadata
 from rollout.kv.device_page_tables import DevicePageTables
 from rollout.kv.kv_cache import PagedKVCache
-from rollout.model.compiled import CompiledForward
 from rollout.tensors import int_tensor
+
+if TYPE_CHECKING:  # NOTE: imported where used: rollout.model.compiled imports torch._dynamo (and with it triton)
+    from rollout.model.compiled import CompiledForward
 
 logger = logging.getLogger("rollout")
 
