@@ -231,8 +231,9 @@ def sample_rows(model, spec: bool, rule: str = "exact"):
     if spec:
         core.speculator.max_rows = ROWS  # NOTE: past the cost model, so every row of this batch speculates
         core.speculator.rule = ACCEPTANCE[rule]
+    # NOTE: drafts from 1-grams too (`max_matching_ngram_size=1`): a draft at nearly every position
     reqs, core = run(model, [PROMPT] * ROWS, cfg, gc=core.generation_config, core=core, seed=list(range(ROWS)),
-                     **SAMPLING)
+                     max_matching_ngram_size=1, **SAMPLING)
     return [tuple(r.generated) for r in reqs], core.cache_stats()
 
 
