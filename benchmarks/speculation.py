@@ -10,7 +10,8 @@
           (no slowdown)
 
 Each engine is built and warmed up outside the timing; systems alternate per repeat. Reported: wall seconds and
-CPU seconds of this process, tok/s, the speedup (wall), drafted / accepted tokens, greedy identical.
+CPU seconds of this process, tok/s, the speedup (wall and CPU), the engine steps (forwards) of each, drafted /
+accepted tokens, greedy identical. On a box shared with other jobs the steps are the stable figure.
 
     python benchmarks/speculation.py --model 100m --threads 2
 """
@@ -43,17 +44,21 @@ def engine(model, spec_k: int) -> EngineCore:
 
 
 def run(core: EngineCore, wl: Workload, tag: str) -> tuple[float, float, list[list[int]], dict]:
+    """(wall s, CPU s of this process, tokens, counters: drafted / accepted / generated tokens, engine steps)."""
     before = dict(core.cache_stats())
     reqs = [core.make_request(p, request_id=f"{tag}_{i}", max_new_tokens=n)
             for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
     c0, w0 = time.process_time(), time.perf_counter()
     for r in reqs:
         core.add(r)
+    steps = 0
     while core.has_work():
         core.step()
+        steps += 1
     wall, cpu = time.perf_counter() - w0, time.process_time() - c0
     st = core.cache_stats()
     delta = {k: st[k] - before[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "generated_tokens")}
+    delta["steps"] = steps
     return wall, cpu, [r.generated for r in reqs], delta
 
 
@@ -103,13 +108,13 @@ def main() -> None:
                 results[k] = epochs
                 del core
             for e, wl in enumerate(wls[name]):
-                (w0, c0, out0, _), (w1, c1, out1, st) = results[0][e], results[args.k][e]
+                (w0, c0, out0, st0), (w1, c1, out1, st) = results[0][e], results[args.k][e]
                 same = out0 == out1
                 rate = st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])
                 print(f"{name}{'' if len(wls[name]) == 1 else f' epoch {e + 1}'} [{wl.describe()}]: "
                       f"plain {w0:.2f} s ({c0:.2f} cpu s, {wl.useful_tokens / w0:.1f} tok/s), "
                       f"speculative {w1:.2f} s ({c1:.2f} cpu s, {wl.useful_tokens / w1:.1f} tok/s): "
-                      f"{w0 / w1:.2f}x wall, {c0 / c1:.2f}x cpu; drafted {st['spec_draft_tokens']}, accepted "
+                      f"{w0 / w1:.2f}x wall, {c0 / c1:.2f}x cpu; steps {st0['steps']} -> {st['steps']}; drafted {st['spec_draft_tokens']}, accepted "
                       f"{st['spec_accepted_tokens']} ({rate:.0%}); greedy identical: {same}", flush=True)
                 if not same:
                     raise SystemExit(f"{name}: speculative greedy tokens differ from plain decoding")

@@ -10,7 +10,8 @@ from rollout.serve.bridge import EngineBridge
 
 # cache_stats() keys that only ever grow are counters; the rest are gauges.
 COUNTERS = ("computed_prompt_tokens", "cached_prompt_tokens", "generated_tokens", "recomputed_tokens",
-            "preemptions", "offloaded_pages", "restored_pages", "offload_fallbacks", "recycled_pages")
+            "preemptions", "offloaded_pages", "restored_pages", "offload_fallbacks", "recycled_pages",
+            "spec_draft_tokens", "spec_accepted_tokens")
 
 
 class EngineCollector:
