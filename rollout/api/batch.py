@@ -59,6 +59,12 @@ class RolloutBatch:
     def __len__(self) -> int:
         return self.prompt_ids.shape[0]
 
+    def rows(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each row's prompt and completion ids, unpadded (what `score` takes to score this batch)."""
+        prompts = [r[m.bool()].tolist() for r, m in zip(self.prompt_ids, self.prompt_mask, strict=True)]
+        completions = [r[m.bool()].tolist() for r, m in zip(self.completion_ids, self.completion_mask, strict=True)]
+        return prompts, completions
+
     def to(self, device: torch.device | str) -> RolloutBatch:
         moved = {
             f.name: getattr(self, f.name).to(device) if isinstance(getattr(self, f.name), torch.Tensor)

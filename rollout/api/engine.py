@@ -257,9 +257,7 @@ class RolloutEngine(LoraMethods):
         width = None
         if isinstance(prompt_ids, RolloutBatch):
             batch = prompt_ids
-            prompts = [row[m.bool()].tolist() for row, m in zip(batch.prompt_ids, batch.prompt_mask, strict=True)]
-            completion_ids = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask,
-                                                                       strict=True)]
+            prompts, completion_ids = batch.rows()
             temps = batch.temperatures.tolist() if temps is None else temps
             width = batch.completion_ids.shape[1]
         else:

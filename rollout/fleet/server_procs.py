@@ -79,7 +79,7 @@ class ServerProcesses:
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "ROLLOUT_PARENT_PID": str(os.getpid()),
                "ROLLOUT_SERVER_CPUS": ",".join(str(c) for c in cpus or ())}
         # NOTE: the children import this very package (a source checkout on PYTHONPATH included)
-        root = str(Path(__file__).resolve().parents[1])
+        root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         try:
             for i in range(n):

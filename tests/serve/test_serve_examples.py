@@ -5,18 +5,14 @@ chat, its extra fields and a streamed completion."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import httpx
 import pytest
-from support.serving import free_port
 from support.training import save_tiny_addition_checkpoint
 
 pytest.importorskip("uvicorn")
@@ -37,37 +33,17 @@ def shell_lines(block: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def example_server(tmp_path_factory):
-    """README's `rollout serve` line on a tiny demo-tokenizer model, on a free port."""
+    """README's `rollout serve` line on a tiny demo-tokenizer model (`ServerProcesses`: a free port, stopped after)."""
+    from rollout.fleet.server_procs import ServerProcesses
+
     readme_serve = next(b for b in blocks(ROOT / "README.md", "bash") if "rollout serve" in b)
     serve, curl = shell_lines(readme_serve)
     argv = shlex.split(serve)
     assert argv[:3] == [".venv/bin/rollout", "serve", "runs/grpo/final"], serve
     model = save_tiny_addition_checkpoint(tmp_path_factory.mktemp("demo") / "final")
-    port = free_port()
-    cmd = [sys.executable, "-m", "rollout", "serve", model, *argv[3:], "--port", str(port), "--log-level", "warning"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    log = tmp_path_factory.mktemp("log") / "serve.log"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, f"rollout serve exited: {log.read_text()[-2000:]}"
-            assert time.monotonic() < deadline, f"rollout serve did not start: {log.read_text()[-2000:]}"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield port, curl
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+    with ServerProcesses(model, serve_args=[*argv[3:], "--log-level", "warning"], start_timeout_s=120,
+                         log_dir=str(tmp_path_factory.mktemp("log"))) as procs:
+        yield int(procs.urls[0].rsplit(":", 1)[1]), curl
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on this machine")

@@ -11,15 +11,12 @@ ValueError naming the extra.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 
 import torch
 
-from rollout.attention.backends.base import StepInputs
-from rollout.attention.backends.cpu import DTYPES, CpuGroupMetadata, build_cpu_group, static_group
-from rollout.attention.backends.sdpa import SdpaBackend, attend_gathered
-from rollout.kv.memory_plan import AttnMemory, KVShape
+from rollout.attention.backends.cpu import DTYPES, CpuBackend, CpuGroupMetadata
+from rollout.attention.backends.sdpa import attend_gathered
 
 
 def triton_attend(kernel, meta, group: CpuGroupMetadata, query, key, value, k_cache, v_cache, scale: float,
@@ -43,15 +40,12 @@ def triton_attend(kernel, meta, group: CpuGroupMetadata, query, key, value, k_ca
     return out
 
 
-class TritonBackend(SdpaBackend):
-    """`sdpa` with decode rows sent to the Triton kernel (see the module docstring)."""
+class TritonBackend(CpuBackend):
+    """The `cpu` backend's metadata and memory plan, decode rows sent to the Triton kernel (see the module
+    docstring)."""
 
     name = "triton"
     supports_sinks = True  # NOTE: the kernel's sink term; prompt chunks use `sdpa`'s explicit softmax
-    reads_unwritten_slots = False  # NOTE: the kernel reads each row's own positions only
-
-    def __init__(self, kernel) -> None:
-        self.kernel = kernel
 
     @classmethod
     def create(cls, device: torch.device, dtype: torch.dtype, **_) -> TritonBackend:
@@ -66,21 +60,6 @@ class TritonBackend(SdpaBackend):
             raise ValueError(f"attn_backend='triton' runs on CUDA (or on a CPU under Triton's interpreter, "
                              f"TRITON_INTERPRET=1, for tests); the model is on {device}")
         return cls(triton_decode.paged_decode_attention)
-
-    @classmethod
-    def attn_memory(cls, shape: KVShape, page_size: int, max_batch_tokens: int | None, softcap: bool,
-                    max_pages: int) -> AttnMemory:
-        # NOTE: decode rows are read in place: only `sdpa`'s prompt-chunk gathers and softcap chunks remain
-        return dataclasses.replace(super().attn_memory(shape, page_size, max_batch_tokens, softcap, max_pages),
-                                   per_cache_byte=0.0)
-
-    def build_group(self, window: int | None, tables: list[list[int]], step: StepInputs,
-                    page_size: int) -> CpuGroupMetadata:
-        return build_cpu_group(window, step, page_size)
-
-    def static_group(self, window, slots, table, rows, start, end) -> CpuGroupMetadata:
-        """Decode rows over persistent buffers (`rollout.attention.backends.cpu.static_group`)."""
-        return static_group(window, slots, table, rows, start, end)
 
     def attend(self, meta, group, layer, query, key, value, k_cache, v_cache, scale, softcap,
                sinks: torch.Tensor | None = None) -> torch.Tensor:
