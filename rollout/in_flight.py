@@ -41,3 +41,9 @@ def check_mode(mode: object, field: str) -> InFlight:
     raise ValueError(
         f"{field} must be one of {', '.join(repr(m) for m in IN_FLIGHT_MODES)}{hint}, got {mode!r}"
     )
+
+
+def check_recompute_kv(in_flight: InFlight, recompute_kv: bool) -> None:
+    """`recompute_kv=True` redoes the KV of requests kept in flight: refused, by name, with any other mode."""
+    if recompute_kv and in_flight != "keep":
+        raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")

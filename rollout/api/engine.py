@@ -24,7 +24,7 @@ from rollout.api.score_batch import ScoreBatch, pack_scores
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.collect import collect
 from rollout.engine.manager import ContinuousBatchingManager
-from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_recompute_kv
 from rollout.model.model_facts import eos_ids_of
 from rollout.prompts import check_token_ids
 from rollout.requests import RequestStatus
@@ -332,36 +332,44 @@ class RolloutEngine(LoraMethods):
         check_mode(in_flight, "in_flight")
         if self._policy_lora is not None and is_peft_model(source):  # NOTE: the adapter's tensors only
             return self._update_policy(source, in_flight, recompute_kv)
-        if recompute_kv and in_flight != "keep":
-            raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
+        check_recompute_kv(in_flight, recompute_kv)
+        return self._swap_weights(lambda core: copy_weights(core.view, source), in_flight, recompute_kv, "weights")
+
+    def _swap_weights(self, copy_into, in_flight: InFlight, recompute_kv: bool, what: str) -> int:
+        """`copy_into(core)` (returns how many tensors it copied) as an update of the policy under `in_flight`:
+        between two steps, the prefix cache dropped, `policy_version` bumped; returns the new version."""
+        with self._between_steps(in_flight) as core:
+            try:
+                copied = copy_into(core)
+            finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
+                core.reset_prefix_cache()
+                if recompute_kv:
+                    core.scheduler.drop_kv()
+            core.policy_version += 1
+        logger.info("policy %s updated (version %d, %d tensors copied)", what, core.policy_version, copied)
+        return core.policy_version
+
+    @contextlib.contextmanager
+    def _between_steps(self, in_flight: InFlight):
+        """The engine's core, held between two steps once the requests in flight were aborted ("abort") or
+        have finished ("wait", "abort"); "keep" neither waits nor takes `_lock` (a generate() on another thread
+        holds it), only the step lock."""
         if in_flight == "abort":
             self.manager.abort_live()
-        # NOTE: "keep" does not wait for a generate() running on another thread (it holds `_lock`).
         with contextlib.nullcontext() if in_flight == "keep" else self._lock:
             if in_flight != "keep":
                 self.manager.wait_idle()
-            with self.manager.step_lock:  # NOTE: between two steps
-                core = self.manager.core
-                try:
-                    copied = copy_weights(core.view, source)
-                finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
-                    core.reset_prefix_cache()
-                    if recompute_kv:
-                        core.scheduler.drop_kv()
-                core.policy_version += 1
-            logger.info("policy weights updated (version %d, %d tensors copied)", core.policy_version, copied)
-            return core.policy_version
+            with self.manager.step_lock:
+                yield self.manager.core
 
     # ---------------------------------------------------------------- memory
     def sleep(self) -> int:
         """Release the KV cache (and any offload buffer) between rollouts; returns the bytes freed."""
         self._check_open()
-        with self._lock:
-            self.manager.wait_idle()
-            with self.manager.step_lock:
-                freed = self.manager.core.release_memory()
+        with self._between_steps("wait") as core:
+            freed = core.release_memory()
             self._asleep = True
-            return freed
+        return freed
 
     def wake(self) -> int:
         """Take the KV cache memory back; returns its bytes."""

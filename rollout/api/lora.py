@@ -10,12 +10,11 @@ unknown adapter, a rank above `max_lora_rank`, target modules the base lacks, a 
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from collections.abc import Sequence
 
 from rollout.engine.tp import tp_size_of
-from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_recompute_kv
 from rollout.model.lora import EngineLoras, strip_peft_layers
 from rollout.weights.lora_adapters import active_adapter, read_adapter
 from rollout.weights.lora_table import LoraInfo
@@ -93,13 +92,8 @@ class LoraMethods:
         weights = read_adapter(adapter, config, adapter_name)
         loras = self._loras()
         loras.table.slot(name)  # NOTE: an unknown name is refused before anything waits or aborts
-        if in_flight == "abort":
-            self.manager.abort_live()
-        with contextlib.nullcontext() if in_flight == "keep" else self._lock:
-            if in_flight != "keep":
-                self.manager.wait_idle()
-            with self.manager.step_lock:
-                return loras.table.update(name, weights).version
+        with self._between_steps(in_flight):
+            return loras.table.update(name, weights).version
 
     def remove_lora(self, name: str, in_flight: InFlight = UPDATE_DEFAULT) -> LoraInfo:
         """Unload adapter `name` once the requests in flight finished ("wait") or were aborted ("abort")."""
@@ -110,34 +104,15 @@ class LoraMethods:
                              "in_flight='wait' or 'abort'")
         loras = self._loras()
         loras.table.slot(name)
-        if in_flight == "abort":
-            self.manager.abort_live()
-        with self._lock:
-            self.manager.wait_idle()
-            with self.manager.step_lock:
-                return loras.table.remove(name)
+        with self._between_steps(in_flight):  # NOTE: "keep" was refused above
+            return loras.table.remove(name)
 
     def _update_policy(self, source, in_flight: InFlight, recompute_kv: bool) -> int:
         """`update_weights(peft_model)` of a PEFT policy: its adapter's tensors only; returns the new policy version."""
-        if recompute_kv and in_flight != "keep":
-            raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
+        check_recompute_kv(in_flight, recompute_kv)
         weights = read_adapter(source)
-        if in_flight == "abort":
-            self.manager.abort_live()
-        core = self.manager.core
-        with contextlib.nullcontext() if in_flight == "keep" else self._lock:
-            if in_flight != "keep":
-                self.manager.wait_idle()
-            with self.manager.step_lock:
-                try:
-                    copied = core.runner.lora.load_policy(weights)
-                finally:
-                    core.reset_prefix_cache()
-                    if recompute_kv:
-                        core.scheduler.drop_kv()
-                core.policy_version += 1
-            logger.info("policy adapter updated (version %d, %d LoRA tensors copied)", core.policy_version, copied)
-            return core.policy_version
+        return self._swap_weights(lambda core: core.runner.lora.load_policy(weights), in_flight, recompute_kv,
+                                  "adapter")
 
     def list_loras(self) -> list[LoraInfo]:
         """The loaded adapters, by slot."""
