@@ -3,6 +3,7 @@ with the numbers that mode is about: the staleness of async rollouts, the traine
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 
@@ -16,9 +17,8 @@ def mode_numbers(history: Sequence[dict]) -> dict:
     """The mode's own figures over the run: mean / max staleness (per-step `staleness_mean` / `_max`) and the
     largest trainer-engine logprob mismatch (`logprob_mismatch_max`), where the steps logged them."""
     out: dict = {}
-    for key, reduce, src in (("staleness_mean", mean, "staleness_mean"), ("staleness_max", max, "staleness_max"),
-                             ("logprob_mismatch_max", max, "logprob_mismatch_max")):
-        values = [h[src] for h in history if h.get(src) is not None]
+    for key, reduce in (("staleness_mean", statistics.mean), ("staleness_max", max), ("logprob_mismatch_max", max)):
+        values = [h[key] for h in history if h.get(key) is not None]
         if values:
             out[key] = reduce(values)
     return out
@@ -33,7 +33,3 @@ def mode_line(args, history: Sequence[dict]) -> str:
     if "logprob_mismatch_max" in nums:
         parts.append(f"logprob mismatch max {nums['logprob_mismatch_max']:.3g}")
     return f"mode: {mode_name(args)}" + (": " + "; ".join(parts) if parts else "")
-
-
-def mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values)

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.markdown import FENCE
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 MARKER = "<!-- quickstart -->"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
 MODEL_LINE = re.compile(r'^model_id = "([^"]+)"$', re.M)
 
 

@@ -273,7 +273,7 @@ class RolloutPool:
         check_mode(in_flight, "in_flight")
         if self.router is not None:  # NOTE: the servers drop their prefix KV with the old weights
             with self._lock:
-                self.router.owner.clear()
+                self.router.clear()
         if self.sync is None:
             return self._update_from_disk(model, in_flight)
         start = time.perf_counter()

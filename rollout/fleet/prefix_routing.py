@@ -60,6 +60,10 @@ class PrefixRouter:
         while len(self.owner) > self.max_entries:
             self.owner.popitem(last=False)
 
+    def clear(self) -> None:
+        """Forget every prefix (the servers dropped their caches: new weights)."""
+        self.owner.clear()
+
     def forget(self, url: str) -> None:
         """Drop a server (dead, or its cache reset): its prefixes route by load again."""
         for h in [h for h, u in self.owner.items() if u == url]:

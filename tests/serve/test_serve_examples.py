@@ -13,16 +13,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from support.markdown import fenced_blocks
 from support.training import save_tiny_addition_checkpoint
 
 pytest.importorskip("uvicorn")
 pytestmark = pytest.mark.timeout(300)
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def blocks(path: Path, lang: str) -> list[str]:
-    return re.findall(rf"```{lang}\n(.*?)```", path.read_text(), flags=re.S)
 
 
 def shell_lines(block: str) -> list[str]:
@@ -36,7 +33,7 @@ def example_server(tmp_path_factory):
     """README's `rollout serve` line on a tiny demo-tokenizer model (`ServerProcesses`: a free port, stopped after)."""
     from rollout.fleet.server_procs import ServerProcesses
 
-    readme_serve = next(b for b in blocks(ROOT / "README.md", "bash") if "rollout serve" in b)
+    readme_serve = next(b for b in fenced_blocks((ROOT / "README.md").read_text(), "bash") if "rollout serve" in b)
     serve, curl = shell_lines(readme_serve)
     argv = shlex.split(serve)
     assert argv[:3] == [".venv/bin/rollout", "serve", "runs/grpo/final"], serve
@@ -61,7 +58,7 @@ def test_readme_curl_completion_runs_on_the_demo_model(example_server):
 def test_serving_docs_python_example_runs_on_the_demo_model(example_server, tmp_path):
     pytest.importorskip("openai")
     port, _ = example_server
-    (code,) = [b for b in blocks(ROOT / "docs" / "serving.md", "python") if "OpenAI(" in b]
+    (code,) = [b for b in fenced_blocks((ROOT / "docs" / "serving.md").read_text(), "python") if "OpenAI(" in b]
     script = tmp_path / "example.py"
     script.write_text(code.replace("127.0.0.1:8000", f"127.0.0.1:{port}"))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)

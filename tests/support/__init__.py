@@ -15,5 +15,6 @@ mode, no `tests/__init__.py`), and scripts the tests spawn get `tests/` on their
 - `threads`: `guarded`, a call that fails the test instead of hanging.
 - `training`: helpers of the trainer tests on the addition task: the `digit_share` reward, `trained_state`
   (a trainer's weights), `save_tiny_addition_checkpoint`, `build_tiny_moe_model` (a Qwen3-MoE policy).
+- `markdown`: the fenced code blocks of the README and docs pages (`FENCE`, `fenced_blocks`).
 - `routes`: the oracle of recorded MoE routes (`hf_routes`: top-k of HF's router logits) and `assert_row_routes`.
 """
