@@ -20,7 +20,7 @@ from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.chat import chat_template_ids
 from rollout.api.lora import LoraChoice, LoraMethods, adopt_peft_policy, policy_config
 from rollout.api.per_prompt import per_prompt
-from rollout.api.score_batch import ScoreBatch, pack_scores
+from rollout.api.score_batch import ScoreBatch, pack_scores, score_inputs
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.collect import collect
 from rollout.engine.manager import ContinuousBatchingManager
@@ -254,20 +254,8 @@ class RolloutEngine(LoraMethods):
         (`return_routed_experts`: with `routed_experts` [N, P + T, L, k], prompt and completion tokens). `lora`: as
         `generate`'s, one adapter name or None per row."""
         self._check_open()
-        width = None
-        if isinstance(prompt_ids, RolloutBatch):
-            batch = prompt_ids
-            prompts, completion_ids = batch.rows()
-            temps = batch.temperatures.tolist() if temps is None else temps
-            width = batch.completion_ids.shape[1]
-        else:
-            if isinstance(prompt_ids, str) or completion_ids is None:
-                raise ValueError("score needs a list of prompts and a list of completions (or a RolloutBatch)")
-            prompts = [self._encode(p, False) for p in prompt_ids]
-        completions = [self._encode_completion(c) for c in completion_ids]
-        if len(completions) != len(prompts):
-            raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
-        temps = temperatures(1.0 if temps is None else temps, len(prompts))
+        prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps,
+                                                          lambda p: self._encode(p, False), self._encode_completion)
         per_row = per_prompt(len(prompts), min_p=min_p, repetition_penalty=repetition_penalty,
                               presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                               min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,

@@ -12,8 +12,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
-from rollout.api.batch import pack_routes
+from rollout.api.batch import RolloutBatch, pack_routes
 from rollout.requests import GenerationOutput
+from rollout.sampling.sampling_fields import temperatures
 
 
 @dataclass
@@ -75,3 +76,23 @@ def pack_scores(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
                        prompt_logprobs=prompt_lp, prompt_mask=prompt_mask,
                        routed_experts=pack_routes(prompts, outputs, p_len, t_len) if routed_experts else None)
     return batch.to(device)
+
+
+def score_inputs(prompt_ids, completion_ids, temps, encode_prompt, encode_completion):
+    """`score`'s rows: `(prompts, completions, temps, width)`, from a `RolloutBatch` (its rows, its temperatures
+    unless `temps` is given, `width` its completion width) or from lists of prompts and completions (encoded by
+    `encode_prompt` / `encode_completion`, `width` None); `temps` one per row, default 1.0. ValueError when the
+    completions are missing or their count is not the prompts'."""
+    width = None
+    if isinstance(prompt_ids, RolloutBatch):
+        prompts, completion_ids = prompt_ids.rows()
+        temps = prompt_ids.temperatures.tolist() if temps is None else temps
+        width = prompt_ids.completion_ids.shape[1]
+    else:
+        if isinstance(prompt_ids, str) or completion_ids is None:
+            raise ValueError("score needs a list of prompts and a list of completions (or a RolloutBatch)")
+        prompts = [encode_prompt(p) for p in prompt_ids]
+    completions = [encode_completion(c) for c in completion_ids]
+    if len(completions) != len(prompts):
+        raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
+    return prompts, completions, temperatures(1.0 if temps is None else temps, len(prompts)), width

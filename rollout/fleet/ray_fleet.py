@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.api.score_batch import score_inputs
 from rollout.fleet.engine_health import EngineHealth
 from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
 from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
@@ -194,22 +195,10 @@ class RolloutFleet:
               temps: float | Sequence[float] | None = None, **kwargs):
         """`RolloutEngine.score` over the engines (rows cut into contiguous shards); a `ScoreBatch` on the CPU."""
         self._check_open()
-        width = None
-        if isinstance(prompt_ids, RolloutBatch):
-            batch = prompt_ids
-            prompts, completion_ids = batch.rows()
-            temps = batch.temperatures.tolist() if temps is None else temps
-            width = batch.completion_ids.shape[1]
-        else:
-            if isinstance(prompt_ids, str) or completion_ids is None:
-                raise ValueError("score needs a list of prompts and a list of completions (or a RolloutBatch)")
-            prompts = [self._encode(p) for p in prompt_ids]
         if kwargs.get("return_routed_experts"):
             raise ValueError("RolloutFleet.score does not return routed experts: score on a RolloutEngine")
-        completions = [self._encode(c, special=False) for c in completion_ids]
-        if len(completions) != len(prompts):
-            raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
-        temps = temperatures(1.0 if temps is None else temps, len(prompts))
+        prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
+                                                          lambda c: self._encode(c, special=False))
 
         def call(actor, start: int, end: int):
             per_row = slice_per_prompt(kwargs, len(prompts), start, end)
