@@ -120,8 +120,9 @@ def test_runner_decode_only_prepare_equals_the_general_one():
         core.add(core.make_request(prompt, request_id=f"r{i}", max_new_tokens=24))
     prepare, seen = core.runner.prepare, []
 
-    def checked(out):
+    def checked(out, drafts=None):
         """The engine's own prepare, compared with the general loop's whenever the step is decode-only."""
+        assert drafts is None  # NOTE: no speculation configured
         fast, fast_sampled, fast_scored = prepare(out)
         if out.decode_only:
             seen.append(len(out.scheduled))
