@@ -20,25 +20,20 @@ from datasets import Dataset, load_dataset, load_from_disk
 
 from rollout import ContinuousBatchingConfig
 from trainers.base import checkpoints
-from trainers.tasks import (
-    AdditionTask,
-    addition_reward,
-    build_tiny_model,
-    greedy_accuracy,
-    make_addition_tokenizer,
-    sft_warm_start,
-)
+from trainers.tasks import AdditionTask, addition_reward, build_tiny_model, greedy_accuracy, make_addition_tokenizer
+from trainers.warm_start import sft_warm_start
 from trainers.verifiers import math_reward
 
 # NOTE: the embedded GRPO warm start (recipes/grpo.py and recipes/trl_grpo.py load the same checkpoint).
 # It has its own seed: SFT on this task learns through a sudden transition whose step varies with the seed
 # (seed 0: ~step 450; seed 1: past 1000), so `--seed` varies the RL run on one fixed, partly trained
-# policy. See trainers.tasks.sft_warm_start.
+# policy. See trainers.warm_start.sft_warm_start.
 GRPO_WARM_START = dict(target_exact=0.3, max_sft_steps=1000, seed=0)
 # NOTE: warm starts are built once per machine and settings, here, and copied to each run's OUTPUT_DIR/init
 # (the first recipe run pays the ~40-90 s; every later one, whatever its --output_dir, reuses it)
 WARM_START_CACHE = "~/.cache/rollout/warm_starts"  # NOTE: ROLLOUT_WARM_START_CACHE moves it
-WARM_START_BAND = 0.05  # the warm start lands within target_exact +- this (trainers.tasks.sft_warm_start)
+WARM_START_BAND = 0.05  # the warm start lands within target_exact +- this (trainers.warm_start.sft_warm_start)
+WARM_START_VERSION = 2  # NOTE: bumped with the stop rule, so a cache an older rule built is not reused
 # NOTE: the embedded sequences are ~15 tokens: small pages, and a cache sized to the batch, not to memory.
 GRPO_EMBEDDED_ENGINE = ContinuousBatchingConfig(page_size=16, num_blocks=1024, max_batch_tokens=2048)
 
@@ -231,6 +226,7 @@ def build_warm_start(
     hidden_size: int = 128,
     num_layers: int = 3,
     band: float = WARM_START_BAND,
+    version: int = WARM_START_VERSION,
 ) -> str:
     """Build the embedded addition model from scratch, warm-start it by SFT until greedy exact
     match reaches `target_exact` (a partly trained policy leaves RL room to improve), and
@@ -243,16 +239,17 @@ def build_warm_start(
     print(f"warm start: greedy exact {accuracy['exact']:.3f}, reward {accuracy['reward']:.3f} -> {path}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    settings = dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps, band=band)
+    settings = dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps, band=band, version=version)
     with open(os.path.join(path, WARM_START_FILE), "w") as f:
         json.dump({**settings, "hidden_size": hidden_size, "num_layers": num_layers, **accuracy}, f)
     return path
 
 
-def warm_start_cache_dir(seed: int, target_exact: float, max_sft_steps: int, band: float = WARM_START_BAND) -> str:
+def warm_start_cache_dir(seed: int, target_exact: float, max_sft_steps: int, band: float = WARM_START_BAND,
+                         version: int = WARM_START_VERSION) -> str:
     """Where the shared cache keeps the embedded addition model warm-started with these settings."""
     root = os.path.expanduser(os.environ.get("ROLLOUT_WARM_START_CACHE", WARM_START_CACHE))
-    return os.path.join(root, f"addition3_seed{seed}_target{target_exact:g}_steps{max_sft_steps}_band{band:g}")
+    return os.path.join(root, f"addition3_v{version}_seed{seed}_target{target_exact:g}_steps{max_sft_steps}_band{band:g}")
 
 
 def prepare_embedded_model(accelerator: Accelerator, path: str, **warm_start) -> str:
@@ -260,7 +257,7 @@ def prepare_embedded_model(accelerator: Accelerator, path: str, **warm_start) ->
     kept, else one from the shared cache (`warm_start_cache_dir`, built there first when missing) is copied in;
     then every rank may load it from disk."""
     if accelerator.is_main_process:
-        warm_start.setdefault("band", WARM_START_BAND)
+        warm_start = {"band": WARM_START_BAND, "version": WARM_START_VERSION, **warm_start}
         if saved_settings_match(path, warm_start):
             print(f"warm start: reusing {path}")
         else:

@@ -29,7 +29,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from rollout.agents import Action, ChatBridge
-from trainers.tasks import SupervisedSteps, pad_right
+from trainers.warm_start import SupervisedSteps, pad_right
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 ROLES = ("<|user|>", "<|assistant|>", "<|tool|>")

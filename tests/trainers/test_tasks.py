@@ -5,15 +5,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainers.tasks import (
-    AdditionTask,
-    _sft_batch,
-    addition_reward,
-    build_tiny_model,
-    greedy_accuracy,
-    score_answer,
-    sft_warm_start,
-)
+from trainers.tasks import AdditionTask, addition_reward, build_tiny_model, greedy_accuracy, score_answer
+from trainers.warm_start import _sft_batch, sft_warm_start
 
 # ------------------------------------------------------------------------------------------- task
 
@@ -264,30 +257,35 @@ def test_warm_start_stops_at_target(tokenizer, capsys):
 
 
 def test_warm_start_lands_in_its_band_going_back_where_a_step_jumps_past_it(tokenizer, monkeypatch, capsys):
-    """The stop's evaluations scripted: coarse every 5 steps until exact reaches target/4 (then measured again
-    on 512 problems), then every step; a
-    jump above target+band goes back to the last evaluation's weights (coarse: retrace every step; fine: at
-    half the learning rate too); a jump from within the band stops there, on those weights."""
-    import trainers.tasks as tasks
+    """The stop's evaluations scripted: coarse on 256 problems every 5 steps until exact reaches target/4 (then
+    measured again on 512), then on 512 every step; a check at or above target-band/2 is measured again on 2048
+    other problems and that figure decides: above target+band/2 goes back to the last check's weights (coarse:
+    retrace every step; fine: at half the learning rate too), below target-band/2 goes on, within stops there."""
+    import trainers.warm_start as warm_start
 
     task = AdditionTask(num_digits=2, seed=0)
     model = build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0)
-    script = iter([0.0, 0.6, 0.6, 0.1, 0.15, 0.9, 0.2, 0.29, 0.5])  # NOTE: steps 5, 10 (twice), then 11 to 16
+    # NOTE: step 5; step 10 (256, 512, confirm: back to step 5); 11; 12; 13 (confirm: back to 12, half rate);
+    # 14; 15 (confirm below: go on); 16 (confirm within: stop)
+    script = iter([0.0, 0.6, 0.6, 0.6, 0.1, 0.15, 0.9, 0.9, 0.2, 0.28, 0.22, 0.36, 0.31, 0.5])
     seen, lrs = [], []
 
     def fake_accuracy(model, tokenizer, task, n=256, seed=0, batch_size=256):
         seen.append((n, {k: v.clone() for k, v in model.state_dict().items()}))
         return {"exact": next(script), "reward": 0.0}
 
-    monkeypatch.setattr(tasks, "greedy_accuracy", fake_accuracy)
-    real_scale = tasks.SupervisedSteps.scale_lr
-    monkeypatch.setattr(tasks.SupervisedSteps, "scale_lr", lambda self, f: (lrs.append(f), real_scale(self, f)))
+    monkeypatch.setattr(warm_start, "greedy_accuracy", fake_accuracy)
+    real_scale = warm_start.SupervisedSteps.scale_lr
+    monkeypatch.setattr(warm_start.SupervisedSteps, "scale_lr", lambda self, f: (lrs.append(f), real_scale(self, f)))
     sft_warm_start(model, tokenizer, task, steps=100, batch_size=8, target_exact=0.3, band=0.05, eval_every=5)
     out = capsys.readouterr().out
-    assert [n for n, _ in seen] == [256, 256, 512, 512, 512, 512, 512, 512, 512]  # NOTE: 512 from target/4 on
-    assert "back to the last evaluation (0.000)" in out and "0.900 jumped past" in out
+    assert [n for n, _ in seen] == [256, 256, 512, 2048, 512, 512, 512, 2048, 512, 512, 2048, 512, 2048]
+    assert "0.600 jumped past" in out and "back to the last check (0.000)" in out
+    assert "0.900 jumped past" in out and "back to the last check (0.150), half the learning rate" in out
     assert lrs == [0.5]  # NOTE: only the jump met at every-step evaluation halves the rate
-    assert out.strip().splitlines()[-1].startswith("sft step 16/100 ") and "exact 0.29" in out.splitlines()[-1]
-    final = model.state_dict()  # NOTE: the weights of the in-band evaluation (0.29), not of the 0.5 step
-    assert all(torch.equal(final[k], v) for k, v in seen[7][1].items())
-    assert not all(torch.equal(final[k], v) for k, v in seen[8][1].items())
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("sft step 16/100 ") and "exact 0.310" in last  # NOTE: the confirmation's figure
+    final = model.state_dict()  # NOTE: the weights of the confirmed in-band check, step 16
+    assert all(torch.equal(final[k], v) for k, v in seen[12][1].items())
+    # NOTE: the 512-problem 0.36 at step 16 alone would have gone back; the 2048-problem 0.31 decided
+    assert not all(torch.equal(final[k], v) for k, v in seen[9][1].items())
