@@ -106,6 +106,7 @@ class Round:
     stepping: bool
     version: int
     flushes: int
+    loads: dict = dataclasses.field(default_factory=dict)  # NOTE: version -> checkpoint of the updates since
 
 
 class TensorParallelGroup:
@@ -142,6 +143,10 @@ class TensorParallelGroup:
         # NOTE: a pure follower (`rollout serve`'s other ranks: no code of their own calls the engine) replays
         # rank 0's prefix flushes instead of waiting for its own
         self.replay_flushes = False
+        # NOTE: rank 0 of `rollout serve`: the checkpoint each weight version was loaded from (`record_load`); a
+        # pure follower given `replay_loads` (path -> state dict) loads the same checkpoint into its own shards
+        self.loads: dict[int, str] = {}
+        self.replay_loads = None
         self.heartbeat_s = (self.timeout_s or 120.0) / 4
         self._last_sent = time.monotonic()
         self._weights_state = (0, 0)  # (policy version, flushes) of rank 0's previous round
@@ -195,7 +200,8 @@ class TensorParallelGroup:
         if self.leader:
             if not commands and not stepping and stop_mode is None and not self.wants_round():
                 return commands, stop_mode, stepping
-            message = Round(commands, stop_mode, stepping, core.policy_version, self.flushes)
+            loads = {v: p for v, p in self.loads.items() if v > self._weights_state[0]}
+            message = Round(commands, stop_mode, stepping, core.policy_version, self.flushes, loads)
             self.gather(message, "sending the round's requests")
             self._last_sent = time.monotonic()
             if self._weights_moved(message):  # NOTE: step only once every rank's weights caught up
@@ -221,9 +227,37 @@ class TensorParallelGroup:
         moved, self._weights_state = state != self._weights_state, state
         return moved
 
+    def record_load(self, version: int, path: str) -> None:
+        """Rank 0: weight `version` is (about to be) the checkpoint at `path`; the followers replaying loads load it
+        too before the first round at that version."""
+        with self.lock:
+            self.loads = {v: p for v, p in self.loads.items() if v >= self._weights_state[0]}
+            self.loads[version] = path
+
+    def forget_load(self, version: int) -> None:
+        """Rank 0: the update recorded for `version` did not happen (it was refused before any copy)."""
+        with self.lock:
+            self.loads.pop(version, None)
+
+    def _replay_load(self, core, path: str) -> None:
+        """A follower: what rank 0's update from `path` did (rollout.api.engine `_swap_weights`), on its shards."""
+        from rollout.weights.in_place import copy_weights
+
+        try:
+            copy_weights(core.view, self.replay_loads(path))
+        finally:
+            core.reset_prefix_cache()  # NOTE: counts itself in self.flushes, as rank 0's did
+        core.policy_version += 1
+
     def _catch_up(self, message: Round, core) -> str | None:
         """Wait until this rank's weights and prefix flushes are where rank 0's were; the error, if they do not
         within 0.8 x the timeout (so that rank 0, waiting for the answer, hears it before its own timeout)."""
+        while self.replay_loads is not None and core.policy_version + 1 in message.loads:
+            try:
+                self._replay_load(core, message.loads[core.policy_version + 1])
+            except Exception as e:  # NOTE: rank 0 loaded it; a follower that cannot is out of step: say so
+                return (f"tensor parallelism: rank {self.rank} could not load weight version {core.policy_version + 1} "
+                        f"from {message.loads[core.policy_version + 1]}: {type(e).__name__}: {e}")
         while self.replay_flushes and self.flushes < message.flushes:
             core.reset_prefix_cache()  # NOTE: counts itself in self.flushes
         deadline = time.monotonic() + 0.8 * (self.timeout_s or NO_TIMEOUT_S)

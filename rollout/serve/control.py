@@ -94,7 +94,15 @@ async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request,
     bridge = _bridge(request)
     _mode(in_flight, "in_flight")  # NOTE: before the checkpoint is read
     tensors = await asyncio.to_thread(_releasing(load_checkpoint), req.model_path)
-    version = await _apply(bridge, tensors, "model_path", in_flight)
+    tp = bridge.engine.tensor_parallel  # NOTE: the other ranks load the same checkpoint (rollout.serve.tp)
+    if tp is not None:
+        tp.record_load(bridge.weight_version + 1, req.model_path)
+    try:
+        version = await _apply(bridge, tensors, "model_path", in_flight)
+    except BaseException:
+        if tp is not None:
+            tp.forget_load(bridge.weight_version + 1)
+        raise
     return {"success": True, "weight_version": version, "message": f"loaded {len(tensors)} tensors"}
 
 

@@ -175,8 +175,8 @@ def _initial(ckpt):
 @pytest.mark.timeout(180)
 def test_rollout_serve_on_two_ranks(tmp_path):
     """`rollout serve --tensor-parallel-size 2` under torchrun: rank 0 serves (greedy = unsharded generate),
-    prefix flush and sleep / wake work (rank 1 replays the flushes), weight routes answer 400, SIGINT ends both
-    ranks."""
+    prefix flush and sleep / wake work (rank 1 replays the flushes), a checkpoint load from disk reaches both ranks'
+    shards, the tensor-push routes answer 400, SIGINT ends both ranks."""
     import urllib.error
     import urllib.request
 
@@ -223,7 +223,20 @@ def test_rollout_serve_on_two_ranks(tmp_path):
                 assert status == 200 and [c["token_ids"] for c in body["choices"]] == [expected] * 2
             else:
                 assert post(route)[0] == 200, route
-        status, body = post("/update_weights_from_disk", {"model_path": str(model_dir)})
+        # NOTE: a checkpoint load reaches every rank's shards: greedy = the new model's generate, version 1
+        new_dir = save_tiny(tmp_path / "new", seed=1)
+        new_ref = AutoModelForCausalLM.from_pretrained(new_dir)
+        new_expected = new_ref.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                        pad_token_id=0)[0, len(prompt):].tolist()
+        assert new_expected != expected
+        status, body = post("/update_weights_from_disk", {"model_path": str(new_dir)})
+        assert status == 200 and body["weight_version"] == 1, body
+        status, body = post("/v1/completions", {"model": str(model_dir), "prompt": prompt, "max_tokens": 8, "n": 2,
+                                                "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+        assert status == 200 and [c["token_ids"] for c in body["choices"]] == [new_expected] * 2
+        status, body = post("/update_weights_from_disk", {"model_path": str(tmp_path / "missing")})
+        assert status == 404, body  # NOTE: refused before any rank copies anything; the server goes on
+        status, body = post("/update_weights", {"names": [], "dtypes": [], "shapes": []})
         assert status == 400 and "tensor-parallel" in body["error"]["message"]
     finally:
         proc.send_signal(signal.SIGINT)
