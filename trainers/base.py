@@ -42,7 +42,7 @@ from trainers.invariant import BatchInvariantMixin
 from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
-from trainers.rollouts import completion_id_lists, encode_prompt
+from trainers.rollouts import completion_id_lists, encode_prompt, speculation_counts, speculation_metrics
 from trainers.routing_replay import RoutingReplayMixin
 from trainers.sharding import ShardingMixin
 
@@ -201,7 +201,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
 
     def sample_rollouts(self, rows: list[dict], step: int, sleep: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
         """`rows`' rollouts seeded for RL step `step`, timed; `sleep`: then free the KV cache for the trainer's passes."""
-        cfg, acc, start = self.config, self.accelerator, time.perf_counter()
+        cfg, acc, start, spec = self.config, self.accelerator, time.perf_counter(), speculation_counts(self.engine)
         batch = self.engine.generate(
             [encode_prompt(self.tokenizer, row["prompt"], cfg.chat_template) for row in rows],
             temps=cfg.temperatures(rows),
@@ -219,6 +219,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
             "time_generate": elapsed,
             "rollout_tokens_per_s": batch.completion_mask.sum().item() / max(elapsed, 1e-9),
             "response_length": batch.completion_lengths.float().mean().item(),
+            **speculation_metrics(spec, speculation_counts(self.engine)),  # NOTE: an engine that speculates
         }
 
     def score(self, rows: list[dict], batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:

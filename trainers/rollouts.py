@@ -107,3 +107,23 @@ def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
 def completion_id_lists(batch: RolloutBatch) -> list[list[int]]:
     """The generated ids of each row, unpadded (what reward functions get as `completion_ids`)."""
     return [ids[mask.bool()].tolist() for ids, mask in zip(batch.completion_ids, batch.completion_mask, strict=True)]
+
+
+def speculation_counts(engine) -> tuple[int, int] | None:
+    """(drafted, accepted) tokens so far of an in-process engine built to speculate (`speculative_method`), else
+    None (pools, fleets and plain engines log no speculation metrics)."""
+    core = getattr(getattr(engine, "manager", None), "core", None)
+    if core is None or not core.config.speculative_method:
+        return None
+    stats = engine.cache_stats()
+    return stats["spec_draft_tokens"], stats["spec_accepted_tokens"]
+
+
+def speculation_metrics(before: tuple[int, int] | None, after: tuple[int, int] | None) -> dict[str, float]:
+    """`spec_draft_tokens`, `spec_accepted_tokens` and `spec_acceptance_rate` (accepted / drafted; 0.0 when
+    nothing was drafted) of the rollouts between two `speculation_counts`."""
+    if before is None or after is None:
+        return {}
+    drafted, accepted = after[0] - before[0], after[1] - before[1]
+    return {"spec_draft_tokens": float(drafted), "spec_accepted_tokens": float(accepted),
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0}

@@ -131,3 +131,30 @@ def test_optimize_averages_metrics_over_optimizer_steps_with_token_shares(tmp_pa
     assert logged["grad_norm"] == pytest.approx(sum(norms) / 4, rel=1e-9)
     shares = [[tokens for *_, tokens in u] for u in updates]
     assert any(a != b for a, b in shares), "every micro-batch held as many tokens: the shares were not tested"
+
+
+def test_grpo_logs_speculation_of_an_engine_that_speculates(tmp_path):
+    """`spec_draft_tokens` / `spec_accepted_tokens` per step add up to the engine's own counters, and
+    `spec_acceptance_rate` is their ratio; the same prompts every step (a near-zero learning rate, near-greedy
+    sampling) so the prompt's earlier rollouts draft. A plain engine logs none of them."""
+    tokenizer = make_addition_tokenizer()
+    dataset = AdditionTask(num_digits=2, seed=0).to_dataset(2)
+    speculating = ContinuousBatchingConfig(page_size=8, num_blocks=256, max_batch_tokens=256,
+                                           speculative_method="ngram", num_speculative_tokens=4)
+    config = GRPOConfig(output_dir=str(tmp_path), max_steps=3, prompts_per_step=2, group_size=2, max_new_tokens=12,
+                        temperature=0.05, learning_rate=1e-12, log_stdout=False, progress=False,
+                        engine_config=speculating)
+    with GRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0), tokenizer,
+                     digit_share, dataset, config) as trainer:
+        history = trainer.train()
+        totals = trainer.engine.cache_stats()
+    assert sum(m["spec_draft_tokens"] for m in history) == totals["spec_draft_tokens"] > 0
+    assert sum(m["spec_accepted_tokens"] for m in history) == totals["spec_accepted_tokens"] > 0
+    for m in history:
+        assert m["spec_acceptance_rate"] == pytest.approx(m["spec_accepted_tokens"] / max(1.0, m["spec_draft_tokens"]))
+    plain = GRPOConfig(output_dir=str(tmp_path / "plain"), max_steps=1, prompts_per_step=2, group_size=2,
+                       max_new_tokens=4, log_stdout=False, progress=False,
+                       engine_config=ContinuousBatchingConfig(page_size=8, num_blocks=256, max_batch_tokens=256))
+    with GRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0), tokenizer,
+                     digit_share, dataset, plain) as trainer:
+        assert not any(k.startswith("spec_") for k in trainer.step())
