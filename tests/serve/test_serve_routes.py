@@ -20,8 +20,8 @@ from support.serving import make_tokenizer, save_tiny, serving  # noqa: E402
 from support.tiny_models import make_model, random_prompts  # noqa: E402
 
 from rollout import ContinuousBatchingConfig, RolloutEngine  # noqa: E402
-from rollout.fleet.pool import RolloutPool  # noqa: E402
 from rollout.api.route_wire import decode_routes, encode_routes  # noqa: E402
+from rollout.fleet.pool import RolloutPool  # noqa: E402
 from rollout.serve.app import build_app  # noqa: E402
 from rollout.serve.cli import load  # noqa: E402
 
