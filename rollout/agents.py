@@ -114,6 +114,7 @@ class _Episode:
     turns: int = 0
     done: bool = False
     finish_reason: str = "max_turns"
+    routes: torch.Tensor | None = None  # [len(prompt) + tokens up to its last model turn, L, k] (routed experts)
 
 
 def run_episodes(
@@ -129,6 +130,7 @@ def run_episodes(
     bridge: ChatBridge | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    return_routed_experts: bool = False,
 ) -> RolloutBatch:
     """Run `group_size` episodes per row (each its own `env_factory()`), at most `max_turns` model turns
     and `max_tokens` trajectory tokens after the first prompt; returns a `RolloutBatch` whose
@@ -138,7 +140,10 @@ def run_episodes(
     With `seed`, turn k is a `generate` call seeded `derive_seed(seed, k)` over the live episodes (one
     group each, in order; `rollout.sampling.seeding`): a call is reproducible, but an episode's stream
     depends on its position among the episodes still running at turn k; `top_k` / `top_p` filter every model turn as in
-    `RolloutEngine.generate`."""
+    `RolloutEngine.generate`. `return_routed_experts` (an MoE policy) adds `routed_experts [N, P + T, L, k]`
+    aligned with `input_ids`: each episode's routes from its last turn's request, which covers the whole context
+    (earlier turns' routes come back with their prefix-cache pages or were recomputed); -1 at padding, at the
+    last sampled token and at environment tokens no later turn ran."""
     if engine.tokenizer is None and bridge is None:
         raise ValueError("run_episodes needs a tokenizer: build the RolloutEngine with tokenizer=")
     if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
@@ -161,10 +166,15 @@ def run_episodes(
                   for e in live]
         out = engine.generate([e.prompt + e.tokens for e in live], temps=[e.temperature for e in live],
                               max_new_tokens=max(1, min(budget)) if max_tokens is not None else max_new_tokens,
-                              seed=None if seed is None else derive_seed(seed, turn), top_k=top_k, top_p=top_p)
+                              seed=None if seed is None else derive_seed(seed, turn), top_k=top_k, top_p=top_p,
+                              return_routed_experts=return_routed_experts)
+        width = out.prompt_ids.shape[1]
         for k, e in enumerate(live):
             n = int(out.completion_mask[k].sum())
             ids = out.completion_ids[k, :n].tolist()
+            if return_routed_experts:  # NOTE: this turn's context (left-padded in `out`), then its n tokens
+                context = len(e.prompt) + len(e.tokens)
+                e.routes = out.routed_experts[k, width - context : width + n].cpu()
             e.tokens += ids
             e.model += [True] * n
             e.logprobs += out.logprobs[k, :n].tolist()
@@ -184,11 +194,11 @@ def run_episodes(
                 e.model += [False] * len(new)
                 e.logprobs += [0.0] * len(new)
     return _to_batch(episodes, engine.pad_token_id, group_size, engine.policy_version, engine.device,
-                     engine.tokenizer)
+                     engine.tokenizer, return_routed_experts)
 
 
 def _to_batch(episodes: list[_Episode], pad: int, group_size: int, version: int, device: torch.device,
-              tokenizer) -> RolloutBatch:
+              tokenizer, routed: bool = False) -> RolloutBatch:
     n = len(episodes)
     p_len = max((len(e.prompt) for e in episodes), default=0)
     t_len = max((len(e.tokens) for e in episodes), default=0)
@@ -218,5 +228,17 @@ def _to_batch(episodes: list[_Episode], pad: int, group_size: int, version: int,
         finish_reasons=[e.finish_reason for e in episodes], policy_version=version, completions_text=texts,
         loss_mask=loss_mask, rewards=torch.tensor([e.reward for e in episodes], dtype=torch.float32),
         num_turns=torch.tensor([e.turns for e in episodes], dtype=torch.long),
+        routed_experts=_routes(episodes, p_len, t_len) if routed else None,
     )
     return batch.to(device)
+
+
+def _routes(episodes: list[_Episode], p_len: int, t_len: int) -> torch.Tensor:
+    """`[N, p_len + t_len, L, k]` int16: each episode's routes laid out as `input_ids`, -1 where none ran."""
+    shape = episodes[0].routes.shape[1:]
+    out = torch.full((len(episodes), p_len + t_len, *shape), -1, dtype=torch.int16)
+    for e in episodes:
+        p = len(e.prompt)
+        out[e.index, p_len - p : p_len] = e.routes[:p]
+        out[e.index, p_len : p_len + len(e.routes) - p] = e.routes[p:]
+    return out

@@ -113,6 +113,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             seed=rollout_seed(cfg.seed, self.step_count, acc.process_index),
             top_k=cfg.top_k,
             top_p=cfg.top_p,
+            return_routed_experts=cfg.routing_replay,  # NOTE: replayed over the whole trajectory (docs/moe.md)
         ).to(acc.device)
         if self.sleeps:  # NOTE: free the KV cache for the trainer's passes; woken before the sync
             self.engine.sleep()

@@ -210,7 +210,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             seed=rollout_seed(cfg.seed, step, acc.process_index),
-            **({"return_routed_experts": True} if cfg.routing_replay else {}),  # NOTE: pools and servers lack it
+            **({"return_routed_experts": True} if cfg.routing_replay else {}),  # NOTE: engines, pools (a Ray fleet refuses it)
         ).to(acc.device)
         if sleep:  # NOTE: woken before the sync; counted in time_generate as before
             self.engine.sleep()

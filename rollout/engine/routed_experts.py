@@ -13,6 +13,13 @@ from rollout.model.routes import RequestRoutes, RoutedOffloader, RouteRecorder
 def request_routes(core, capacity: int) -> RequestRoutes:
     """The route store of a new request of `capacity` tokens; ValueError naming `return_routed_experts` where the
     engine cannot record them."""
+    check_routes(core)
+    return RequestRoutes(capacity, *route_shape(core.routers))
+
+
+def check_routes(core) -> None:
+    """ValueError naming `return_routed_experts` where this engine cannot record routes (a dense model, tensor
+    parallelism, the compiled forward); `rollout serve --enable-return-routed-experts` asks it at start-up."""
     name = type(core.model).__name__
     if not core.routers:
         raise ValueError(f"return_routed_experts=True: {name} has no mixture-of-experts router (a dense model)")
@@ -26,7 +33,6 @@ def request_routes(core, capacity: int) -> RequestRoutes:
             "return_routed_experts=True needs the eager forward: the compiled one (default_compile_level >= 1) "
             "does not run the routers' hooks; set default_compile_level=0"
         )
-    return RequestRoutes(capacity, *route_shape(core.routers))
 
 
 def start_recording(core) -> None:

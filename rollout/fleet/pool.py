@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
+from rollout.api.route_wire import decode_routes
 from rollout.fleet.prefix_routing import PrefixRouter
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput, RequestStatus
@@ -211,9 +212,11 @@ class RolloutPool:
 
     def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] = 1.0,
                  group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None) -> RolloutBatch:
+                 top_p: float | None = None, seed: int | None = None,
+                 return_routed_experts: bool = False) -> RolloutBatch:
         """`group_size` samples per prompt from the servers; returns a `RolloutBatch` on the CPU, rows grouped
-        by prompt, `policy_version` the oldest weight version that answered."""
+        by prompt, `policy_version` the oldest weight version that answered. `return_routed_experts` (an MoE
+        policy) adds `batch.routed_experts` [N, P + T, L, k], from each choice's `routed_experts`."""
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         ids = [self._encode(p) for p in prompts]
@@ -221,7 +224,8 @@ class RolloutPool:
         bodies = [{"prompt": p, "n": group_size, "temperature": temps[i], "logprobs": 0, "return_token_ids": True,
                    "top_k": -1 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
                    **({} if max_new_tokens is None else {"max_tokens": int(max_new_tokens)}),
-                   **({} if seed is None else {"seed": group_seed(seed, i)})}
+                   **({} if seed is None else {"seed": group_seed(seed, i)}),
+                   **({"return_routed_experts": True} if return_routed_experts else {})}
                   for i, p in enumerate(ids)]
         futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
         # NOTE: each future ends within max_attempts x (request deadline + health probe)
@@ -230,8 +234,10 @@ class RolloutPool:
         for i, f in enumerate(futures):
             answer = f.result(timeout=bound)
             outputs += self.outputs_from_answer(i, ids[i], group_size, answer, answer["weight_version"])
+        if return_routed_experts and any(o.routed_experts is None for o in outputs):
+            raise RuntimeError("return_routed_experts: a server answered without routed_experts (an old server?)")
         return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
-                          self.tokenizer)
+                          self.tokenizer, routed_experts=return_routed_experts)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -260,7 +266,8 @@ class RolloutPool:
             outs.append(GenerationOutput(
                 request_id=f"pool_{i}_{j}", prompt_ids=prompt, generated_tokens=tokens, logprobs=lps,
                 status=RequestStatus.FINISHED, finish_reason=c["finish_reason"],
-                policy_version=min(versions) if versions else version, versions=versions))
+                policy_version=min(versions) if versions else version, versions=versions,
+                routed_experts=_routes(i, c, len(prompt) + len(tokens))))
         return outs
 
     # ------------------------------------------------------------------------- weights
@@ -333,3 +340,18 @@ class RolloutPool:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _routes(i: int, choice: dict, num_tokens: int) -> torch.Tensor | None:
+    """A choice's `routed_experts` ([num_tokens - 1, L, k] on the wire) as the engine's `[num_tokens, L, k]`
+    int16, -1 at the last sampled token; None when the server sent none."""
+    if choice.get("routed_experts") is None:
+        return None
+    try:
+        routes = decode_routes(choice["routed_experts"])
+    except ValueError as e:
+        raise RuntimeError(f"group {i}: {e}") from None
+    if routes.shape[0] != num_tokens - 1:
+        raise RuntimeError(f"group {i}: routed_experts has {routes.shape[0]} rows for {num_tokens} tokens "
+                           f"(want prompt + completion - 1)")
+    return torch.cat([routes, torch.full((1, *routes.shape[1:]), -1, dtype=routes.dtype)])

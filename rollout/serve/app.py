@@ -112,7 +112,7 @@ async def _reply(send, status: int, body: dict) -> None:
 def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "model", api_key: str | None = None,
               max_model_len: int | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
               tool_call_parser: str | None = None, model_root: str | None = None,
-              metrics_require_api_key: bool = False) -> FastAPI:
+              metrics_require_api_key: bool = False, enable_return_routed_experts: bool = False) -> FastAPI:
     """The server app over `engine` (which the caller owns and closes).
 
     Args:
@@ -127,13 +127,15 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
             `rollout.serve.tools`), None to return tool calls as text.
         model_root: the model's path, `root` of its `/v1/models` entry (None: `served_model_name`).
         metrics_require_api_key: put `/metrics` behind `api_key` too.
+        enable_return_routed_experts: every non-streamed choice carries `routed_experts` (vLLM's flag; a request
+            asks alone with `return_routed_experts`); ValueError naming it on a dense model.
     """
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser must be one of {TOOL_CALL_PARSERS}, got {tool_call_parser!r}")
     # NOTE: the OpenAPI schema at /openapi.json (behind the key, as every route but the open ones), as `vllm serve`
     # publishes it, for client generators and API fuzzers; no docs pages.
     app = FastAPI(title="rollout serve", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    bridge = EngineBridge(engine, max_model_len)
+    bridge = EngineBridge(engine, max_model_len, enable_return_routed_experts)
     app.state.bridge = bridge
     app.state.tokenizer = tokenizer
     app.state.served_model_name = served_model_name

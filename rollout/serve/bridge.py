@@ -18,6 +18,7 @@ import torch
 
 from rollout.api.engine import RolloutEngine
 from rollout.engine.openmp import team_released_after
+from rollout.engine.routed_experts import check_routes
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput
 from rollout.sampling.seeding import group_seed, sample_seed
@@ -44,6 +45,7 @@ class Sampling:
     min_tokens: int = 0
     logit_bias: tuple[tuple[int, float], ...] = ()
     bad_words_ids: tuple[tuple[int, ...], ...] = ()
+    routes: bool = False  # record the routed experts (an MoE model)
 
     def processors(self) -> dict:
         """The `make_request` keywords of the logits processors."""
@@ -61,13 +63,17 @@ class EngineBridge:
         max_model_len: context limit of prompt + completion (None: the model's own).
     """
 
-    def __init__(self, engine: RolloutEngine, max_model_len: int | None = None) -> None:
+    def __init__(self, engine: RolloutEngine, max_model_len: int | None = None,
+                 return_routed_experts: bool = False) -> None:
         self.engine = engine
         self.manager = engine.manager
         core = self.manager.core
         self.vocab_size: int = core.vocab_size
         limits = [x for x in (core.max_context, max_model_len) if x]
         self.max_model_len: int | None = min(limits) if limits else None
+        if return_routed_experts:
+            check_routes(core)  # NOTE: a dense model (or TP, or the compiled forward) refuses to start, by name
+        self.return_routed_experts = return_routed_experts  # every non-streamed choice carries its routes
         self._sinks: dict[str, Callable[[GenerationOutput], None]] = {}
         self._ids = itertools.count()
         self._control = threading.Lock()  # one pause / resume / update / sleep at a time
@@ -113,6 +119,14 @@ class EngineBridge:
                 f"({max_tokens}) = {prompt_len + max_tokens}", "max_tokens")
         return max_tokens
 
+    def wants_routes(self, req) -> bool:
+        """Whether `req`'s choices carry `routed_experts`: asked (`return_routed_experts`, SGLang's and vLLM's
+        `/inference/v1/generate` name) or on for the server (`--enable-return-routed-experts`), never streamed."""
+        if req.return_routed_experts and req.stream:
+            raise APIError("return_routed_experts is not supported with stream: as vLLM, routed experts come with "
+                           "non-streamed choices", "return_routed_experts")
+        return (req.return_routed_experts or self.return_routed_experts) and not req.stream
+
     def sampling(self, req, max_new_tokens: int, prompt: int, sample: int) -> Sampling:
         """Engine parameters of sample `sample` of prompt `prompt` of a request; seeded, its stream is the
         engine's for the same call (`rollout.sampling.seeding`: the request is a call, its prompts the groups)."""
@@ -129,7 +143,7 @@ class EngineBridge:
             min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
             presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
             min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
-            bad_words_ids=self._bad_words(req.bad_words),
+            bad_words_ids=self._bad_words(req.bad_words), routes=self.wants_routes(req),
         )
 
     def _logit_bias(self, bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...]:
@@ -177,7 +191,7 @@ class EngineBridge:
                 reqs.append(core.make_request(
                     ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
                     sp.seed, sp.stop_token_ids, sp.ignore_eos, score_from=sp.score_from, top_logprobs=sp.top_logprobs,
-                    **sp.processors(),
+                    return_routed_experts=sp.routes, **sp.processors(),
                 ))
                 reqs[-1].lora_slot, reqs[-1].cache_salt = adapter
         except ValueError as e:
@@ -282,7 +296,7 @@ class EngineBridge:
 
 def _param_of(message: str) -> str | None:
     """The request field an engine ValueError is about."""
-    for key, param in (("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
+    for key, param in (("return_routed_experts", "return_routed_experts"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
                        ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
                        ("min_new_tokens", "min_tokens"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
                        ("generation_config", None), ("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),

@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for vLLM compatibility: --tool-call-parser alone enables tool_choice auto")
     p.add_argument("--enable-lora", action="store_true",
                    help="serve LoRA adapters (vLLM's /v1/load_lora_adapter; --max-loras defaults to 1 with it)")
+    p.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE models: every non-streamed choice carries routed_experts (vLLM's flag; without it a "
+                        "request asks with return_routed_experts)")
     engine = p.add_argument_group("engine (ContinuousBatchingConfig fields)")
     for f in dataclasses.fields(ContinuousBatchingConfig):
         if f.name.startswith("_") or f.name in SKIP_FIELDS or not f.init:
@@ -127,9 +130,13 @@ def main(argv: list[str] | None = None) -> int:
         follow(engine)  # NOTE: rollout.serve.tp: the other ranks follow rank 0's rounds
         return 0
     try:
-        app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key, args.max_model_len,
-                        args.max_body_bytes, args.tool_call_parser, model_root=args.model_path,
-                        metrics_require_api_key=args.metrics_require_api_key)
+        try:
+            app = build_app(engine, tokenizer, args.served_model_name or args.model_path, api_key,
+                            args.max_model_len, args.max_body_bytes, args.tool_call_parser, model_root=args.model_path,
+                            metrics_require_api_key=args.metrics_require_api_key,
+                            enable_return_routed_experts=args.enable_return_routed_experts)
+        except ValueError as e:  # NOTE: e.g. --enable-return-routed-experts on a dense model
+            raise SystemExit(f"rollout serve: {e}") from None
         if tp is not None:
             refuse_rank0_only_routes(app)
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower())

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from rollout.api.chat import chat_template_ids
 from rollout.api.content import ContentPartError
+from rollout.api.route_wire import encode_routes
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.logprobs import chat_logprobs, completion_logprobs, prompt_logprobs
 from rollout.serve.lora_routes import lora_of, model_entries
@@ -106,8 +107,9 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     if req.stream:
         events = _stream(bridge, req, by_rid, queue, rid, model, chat, tool_parser, tool_prefix)
         return StreamingResponse(events, media_type="text/event-stream")
-    try:
-        while not all(s.done for s in samples):
+    routes = bool(plan) and plan[0][1].routes
+    try:  # NOTE: with routes, a sample cut by a stop string waits for its final (cancelled) output, which has them
+        while not all(s.done and (s.final is not None or not routes) for s in samples):
             try:
                 out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
@@ -165,6 +167,8 @@ def _response(req, samples: list[SampleText], prompts, rid: str, model: str, cha
             choice["weight_versions"] = s.versions[: len(s.tokens)]
             if not chat:
                 choice["prompt_token_ids"] = list(s.prompt_ids)
+        if (routes := s.routes()) is not None:  # NOTE: vLLM's field: [prompt + completion - 1, L, k], base64 .npy
+            choice["routed_experts"] = encode_routes(routes)
         choices.append(choice)
     body = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": choices, "usage": _usage(samples, prompts, req.n)}

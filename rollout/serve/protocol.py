@@ -68,6 +68,7 @@ class SamplingRequest(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
+    return_routed_experts: bool = False  # MoE: each choice's `routed_experts` (`rollout.api.route_wire`)
     skip_special_tokens: bool = True
     # vLLM's sampling fields, its names and ranges (rollout.sampling.processors applies them)
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0

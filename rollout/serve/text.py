@@ -46,9 +46,17 @@ class SampleText:
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    def routes(self):
+        """`[len(prompt) + len(tokens) - 1, L, k]`: the routed experts of every token returned but the last (vLLM's
+        rows), from the final output; None if it recorded none."""
+        routes = None if self.final is None else self.final.routed_experts
+        return None if routes is None else routes[: len(self.prompt_ids) + len(self.tokens) - 1]
+
     def absorb(self, out: GenerationOutput) -> str:
         """Take a (partial or final) output; returns the new text to emit (possibly empty)."""
         if self.done:
+            if out.status.is_final and self.final is None:
+                self.final = out  # NOTE: cut by a stop string, then cancelled: its routed experts come with this
             return ""
         self.tokens = list(out.generated_tokens)
         self.logprobs = out.logprobs

@@ -1,7 +1,7 @@
 """Routing replay (R3) in the trainers on a tiny Qwen3-MoE addition policy: `GRPOConfig(routing_replay=True)`
 logs `routing_mismatch_fraction` and keeps the parity probe at float error; under replay the experts the
 trainer's forward runs are the recorded ones even when its router weights have moved, with the router still
-getting its gradient through the gate weights."""
+getting its gradient through the gate weights; the agent trainer replays its multi-turn episodes' routes."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import copy
 
 import pytest
 import torch
+from support.routes import assert_row_routes, batch_rows
 from support.training import build_tiny_moe_model, digit_share
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
+from rollout.agents import run_episodes
 from rollout.model.routers import moe_routers
 from trainers import GRPOConfig, GRPOTrainer
+from trainers.agent_grpo import AgentGRPOConfig, AgentGRPOTrainer
+from trainers.calculator import calculator_problems, make_calculator_tokenizer
 from trainers.common import completion_forward
 from trainers.rollouts import batch_tensors
 from trainers.routing_replay import RoutingReplay
@@ -127,3 +131,44 @@ def test_routing_replay_off_asks_the_engine_for_nothing(tokenizer, tmp_path):
         metrics = trainer.step()
         assert trainer.engine.manager.core.runner.routes is None
     assert "routing_mismatch_fraction" not in metrics
+
+
+class ToolEveryTurn:
+    """An environment that answers every model turn with a tool message (so each episode runs `max_turns` turns),
+    rewarding turns of odd length."""
+
+    def reset(self, row):
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        return [{"role": "tool", "content": "42"}], float(len(action.ids) % 2), False
+
+
+def test_episode_routes_cover_every_turn_and_equal_hf(keep_rng):
+    tok = make_calculator_tokenizer()
+    model = build_tiny_moe_model(tok).eval()
+    rows = calculator_problems(2, num_digits=4, seed=1)
+    with RolloutEngine(model, tokenizer=tok, config=CFG) as eng:
+        batch = run_episodes(eng, ToolEveryTurn, rows, group_size=2, max_turns=3, max_new_tokens=5, seed=0,
+                             return_routed_experts=True)
+        plain = run_episodes(eng, ToolEveryTurn, rows, group_size=1, max_turns=2, max_new_tokens=3, seed=0)
+    assert plain.routed_experts is None
+    assert (batch.num_turns == 3).all() and batch.routed_experts.shape[:2] == batch.input_ids.shape
+    env_tokens = (batch.completion_mask - batch.loss_mask).sum()
+    assert env_tokens > 0  # NOTE: two environment turns per row, run through the model by the next turn
+    for tokens, routes in batch_rows(batch):  # every position but the last ran, with HF's top-k
+        assert_row_routes(model, tokens, routes)
+
+
+def test_agent_trainer_replays_the_episodes_routes(tmp_path, keep_rng):
+    tok = make_calculator_tokenizer()
+    config = AgentGRPOConfig(output_dir=str(tmp_path), max_steps=1, prompts_per_step=2, group_size=2, max_turns=2,
+                             max_new_tokens=4, learning_rate=5e-3, log_stdout=False, progress=False, engine_config=CFG,
+                             routing_replay=True)
+    with AgentGRPOTrainer(build_tiny_moe_model(tok), tok, ToolEveryTurn, calculator_problems(8, num_digits=4, seed=1),
+                          config) as trainer:
+        metrics = trainer.step()
+        forced = trainer.routing.forced
+    assert 0.0 <= metrics["routing_mismatch_fraction"] <= 0.01
+    assert metrics["logprob_mismatch_max"] <= 1e-4 and metrics["num_turns"] == 2.0
+    assert forced >= 2 * 2  # both layers, recomputation and loss passes
