@@ -60,7 +60,9 @@ class LoraFields:
         if self.lora_rank is None:
             return
         if isinstance(self.lora_rank, bool) or not isinstance(self.lora_rank, int) or self.lora_rank < 1:
-            raise ValueError(f"lora_rank must be a positive int (None = full fine-tuning), got {self.lora_rank!r}")
+            raise ValueError(
+                f"lora_rank must be a positive int (None = full fine-tuning), got {self.lora_rank!r}"
+            )
         if not self.lora_alpha > 0:
             raise ValueError(f"lora_alpha must be positive, got {self.lora_alpha!r}")
         targets = self.lora_target_modules
@@ -72,13 +74,17 @@ class LoraFields:
         else:
             self.lora_target_modules = tuple(targets)
         if self.batch_invariant:
-            raise ValueError("lora_rank does not run with batch_invariant=True yet (the engine's adapters are not "
-                             "batch-invariant)")
+            raise ValueError(
+                "lora_rank does not run with batch_invariant=True yet (the engine's adapters are not "
+                "batch-invariant)"
+            )
         from rollout.api.lora import compiles
 
         if self.engine_config is not None and compiles(self.engine_config):
-            raise ValueError("lora_rank does not run with a compiled engine forward yet (engine_config: "
-                             "default_compile_level >= 1, varlen_compile_config, decode_compile_config, use_cuda_graph)")
+            raise ValueError(
+                "lora_rank does not run with a compiled engine forward yet (engine_config: "
+                "default_compile_level >= 1, varlen_compile_config, decode_compile_config, use_cuda_graph)"
+            )
 
 
 def lora_policy(model: torch.nn.Module, config: LoraFields) -> torch.nn.Module:
@@ -90,18 +96,28 @@ def lora_policy(model: torch.nn.Module, config: LoraFields) -> torch.nn.Module:
     from transformers import PreTrainedModel
 
     if isinstance(model, PeftModel) or not isinstance(model, PreTrainedModel):
-        raise ValueError(f"lora_rank needs the base causal LM (a transformers PreTrainedModel), got "
-                         f"{type(model).__name__}: pass the model without an adapter or value head")
+        raise ValueError(
+            f"lora_rank needs the base causal LM (a transformers PreTrainedModel), got "
+            f"{type(model).__name__}: pass the model without an adapter or value head"
+        )
     targets = config.lora_target_modules
     if targets != "all-linear":
-        names = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        names = {
+            name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+        }
         missing = sorted(set(targets) - names)
         if missing:
-            raise ValueError(f"lora_target_modules: {missing} are not linear modules of {type(model).__name__} "
-                             f"(it has {sorted(names)})")
-    lora_config = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=0.0, bias="none",
-                             target_modules=targets if targets == "all-linear" else list(targets),
-                             )  # NOTE: no task_type: PeftModelForCausalLM adds forward arguments the engine refuses
+            raise ValueError(
+                f"lora_target_modules: {missing} are not linear modules of {type(model).__name__} "
+                f"(it has {sorted(names)})"
+            )
+    lora_config = LoraConfig(
+        r=config.lora_rank,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=targets if targets == "all-linear" else list(targets),
+    )  # NOTE: no task_type: PeftModelForCausalLM adds forward arguments the engine refuses
     return get_peft_model(model, lora_config)
 
 
@@ -125,8 +141,10 @@ class LoraMixin:
         """The engine must serve the policy's adapter unmerged (else each sync would copy the whole model)."""
         if self.lora and not engine.list_loras():
             engine.close()
-            raise ValueError("lora_rank: the rollout engine could not run the adapter unmerged (see the warning "
-                             "above), so every sync would copy the whole model")
+            raise ValueError(
+                "lora_rank: the rollout engine could not run the adapter unmerged (see the warning "
+                "above), so every sync would copy the whole model"
+            )
 
     def save_adapter(self, path: str) -> None:
         """LoRA: the adapter in `path/adapter` (PEFT's `save_pretrained`), loadable by `RolloutEngine.add_lora`."""

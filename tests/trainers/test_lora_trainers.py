@@ -25,22 +25,39 @@ def base_model(tokenizer):
 
 
 def lora_settings(tmp_path, **overrides) -> dict:
-    settings = dict(output_dir=str(tmp_path), max_steps=3, prompts_per_step=4, group_size=4, max_new_tokens=6,
-                    learning_rate=1e-2, lora_rank=4, log_stdout=False, progress=False,
-                    engine_config=ContinuousBatchingConfig(**ENGINE))
+    settings = dict(
+        output_dir=str(tmp_path),
+        max_steps=3,
+        prompts_per_step=4,
+        group_size=4,
+        max_new_tokens=6,
+        learning_rate=1e-2,
+        lora_rank=4,
+        log_stdout=False,
+        progress=False,
+        engine_config=ContinuousBatchingConfig(**ENGINE),
+    )
     settings.update(overrides)
     return settings
 
 
 def lora_trainer(tokenizer, dataset, tmp_path, **overrides) -> GRPOTrainer:
-    return GRPOTrainer(base_model(tokenizer), tokenizer, [addition_reward, digit_share], dataset,
-                       GRPOConfig(**lora_settings(tmp_path, **overrides)))
+    return GRPOTrainer(
+        base_model(tokenizer),
+        tokenizer,
+        [addition_reward, digit_share],
+        dataset,
+        GRPOConfig(**lora_settings(tmp_path, **overrides)),
+    )
 
 
 def split_state(policy) -> tuple[dict, dict]:
     """(base tensors, LoRA tensors) of a PeftModel, cloned."""
     state = {k: v.detach().clone() for k, v in policy.state_dict().items()}
-    return ({k: v for k, v in state.items() if ".lora_" not in k}, {k: v for k, v in state.items() if ".lora_" in k})
+    return (
+        {k: v for k, v in state.items() if ".lora_" not in k},
+        {k: v for k, v in state.items() if ".lora_" in k},
+    )
 
 
 def greedy(engine, tokenizer, **kwargs):
@@ -51,7 +68,9 @@ def engine_vs_trainer(trainer, tokenizer) -> float:
     """Greedy rollout of a fixed prompt: max |engine logprob - the trainer's own log_softmax| (the adapter on)."""
     batch = greedy(trainer.engine, tokenizer)
     with torch.no_grad():
-        logits = trainer.policy(input_ids=batch.input_ids).logits.float()[:, batch.prompt_ids.shape[1] - 1 : -1]
+        logits = trainer.policy(input_ids=batch.input_ids).logits.float()[
+            :, batch.prompt_ids.shape[1] - 1 : -1
+        ]
     mine = torch.log_softmax(logits, -1).gather(-1, batch.completion_ids[..., None]).squeeze(-1)  # [1, T]
     return (mine - batch.logprobs)[batch.completion_mask.bool()].abs().max().item()
 
@@ -64,7 +83,9 @@ def test_lora_grpo_trains_the_adapter_only_and_syncs_its_bytes(tokenizer, datase
 
     monkeypatch.setattr(engine_module, "copy_weights", full_copy)
     trainer = lora_trainer(tokenizer, dataset, tmp_path)
-    assert [info.name for info in trainer.engine.list_loras()] == ["default"]  # NOTE: served unmerged, in a slot
+    assert [info.name for info in trainer.engine.list_loras()] == [
+        "default"
+    ]  # NOTE: served unmerged, in a slot
     optimized = {id(p) for group in trainer.optimizer.param_groups for p in group["params"]}
     assert optimized == {id(p) for n, p in trainer.policy.named_parameters() if ".lora_" in n}
     base, lora = split_state(trainer.policy)
@@ -91,7 +112,9 @@ def test_reference_is_the_base_with_the_adapter_disabled(tokenizer, dataset, tmp
     assert isinstance(trainer.reference, AdapterDisabledReference)
     metrics = trainer.step()
     assert metrics["kl"] > 1e-3
-    data = batch_tensors(trainer.engine.generate([tokenizer(PROMPT).input_ids] * 2, temps=1.0, max_new_tokens=6, seed=0))
+    data = batch_tensors(
+        trainer.engine.generate([tokenizer(PROMPT).input_ids] * 2, temps=1.0, max_new_tokens=6, seed=0)
+    )
     trainer.policy.train()
     ref = trainer.reference(data, 1)  # [N, T]
     assert trainer.policy.training  # NOTE: its mode as found
@@ -137,14 +160,17 @@ def test_learning_rate_default_scales_with_lora():
     assert LORA_LR_FACTOR == 10.0
 
 
-@pytest.mark.parametrize(("fields", "named"), [
-    (dict(lora_rank=0), "lora_rank"),
-    (dict(lora_rank=-2), "lora_rank"),
-    (dict(lora_rank=True), "lora_rank"),
-    (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha"),
-    (dict(lora_rank=4, lora_target_modules=[]), "lora_target_modules"),
-    (dict(lora_rank=4, batch_invariant=True), "batch_invariant"),
-])
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        (dict(lora_rank=0), "lora_rank"),
+        (dict(lora_rank=-2), "lora_rank"),
+        (dict(lora_rank=True), "lora_rank"),
+        (dict(lora_rank=4, lora_alpha=0.0), "lora_alpha"),
+        (dict(lora_rank=4, lora_target_modules=[]), "lora_target_modules"),
+        (dict(lora_rank=4, batch_invariant=True), "batch_invariant"),
+    ],
+)
 def test_bad_lora_config_is_refused_by_name(fields, named):
     with pytest.raises(ValueError, match=named):
         GRPOConfig(**fields)
@@ -161,5 +187,11 @@ def test_unknown_target_modules_fsdp_and_given_rollouts_are_refused(tokenizer, d
         generate = update_weights = sleep = wake = close = staticmethod(lambda *a, **k: None)
 
     with pytest.raises(ValueError, match="lora_rank with rollout=RolloutPool.*no adapter name"):
-        GRPOTrainer(base_model(tokenizer), tokenizer, digit_share, dataset, GRPOConfig(**lora_settings(tmp_path)),
-                    rollout=RolloutPool())
+        GRPOTrainer(
+            base_model(tokenizer),
+            tokenizer,
+            digit_share,
+            dataset,
+            GRPOConfig(**lora_settings(tmp_path)),
+            rollout=RolloutPool(),
+        )
