@@ -195,3 +195,18 @@ def test_unknown_target_modules_fsdp_and_given_rollouts_are_refused(tokenizer, d
             GRPOConfig(**lora_settings(tmp_path)),
             rollout=RolloutPool(),
         )
+
+
+def test_async_lora_engine_copy_gets_adapter_only_syncs(tokenizer, dataset, tmp_path, monkeypatch):
+    import rollout.api.engine as engine_module
+
+    def full_copy(*args, **kwargs):
+        raise AssertionError("a LoRA sync took the full-weight path (copy_weights)")
+
+    monkeypatch.setattr(engine_module, "copy_weights", full_copy)
+    trainer = lora_trainer(tokenizer, dataset, tmp_path, async_rollout=True, max_staleness=0)
+    assert trainer.engine.model is not trainer.policy  # NOTE: async generates on its own copy
+    history = trainer.train()
+    assert [h["sync_bytes"] for h in history] == [adapter_nbytes(trainer.policy)] * 3
+    assert max(h["logprob_mismatch_max"] for h in history) < 1e-4  # NOTE: max_staleness 0: on the current adapter
+    trainer.close()
