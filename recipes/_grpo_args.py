@@ -7,11 +7,14 @@ import argparse
 
 from _common import GRPO_WARM_START, REWARDS
 
+from trainers.lora import LORA_LR_FACTOR, default_learning_rate
+
 STEPS = 200  # RL steps
 PROMPTS_PER_STEP = 32  # per process
 GROUP_SIZE = 8  # samples per prompt: 256 rollouts per step and process
 TEMPERATURE = 1.2  # a little more exploration than 1.0: the reward rose further in the same 200 steps
 LR = 5e-4  # the embedded model is tiny and trained from scratch; a hub model wants ~1e-6
+LORA_ALPHA = 32.0  # with --lora_rank: the default lr is LR x 10 (LoRA Without Regret; trainers/lora.py)
 ITERATIONS = 2  # passes over each rollout batch ...
 MINIBATCHES = 2  # ... in 2 optimizer steps each: 4 AdamW steps per rollout batch
 MAX_NEW_TOKENS = 5  # an answer has at most 4 digits, then eos
@@ -30,7 +33,10 @@ def add_grpo_args(p: argparse.ArgumentParser, output_dir: str) -> None:
     p.add_argument("--prompts_per_step", type=int, default=PROMPTS_PER_STEP)
     p.add_argument("--group_size", type=int, default=GROUP_SIZE)
     p.add_argument("--temperature", type=float, default=TEMPERATURE)
-    p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate (default {LR}, x{LORA_LR_FACTOR:g} with --lora_rank)")
+    p.add_argument("--lora_rank", type=int, default=None, help="train a LoRA adapter of this rank (all linears)")
+    p.add_argument("--lora_alpha", type=float, default=LORA_ALPHA, help="LoRA alpha (scale alpha / rank)")
     p.add_argument("--iterations", type=int, default=ITERATIONS, help="passes over each rollout batch")
     p.add_argument("--minibatches", type=int, default=MINIBATCHES, help="optimizer steps per pass")
     p.add_argument("--max_new_tokens", type=int, default=MAX_NEW_TOKENS)
@@ -51,7 +57,9 @@ def grpo_config_kwargs(args: argparse.Namespace) -> dict:
         group_size=args.group_size,
         temperature=args.temperature,
         max_new_tokens=args.max_new_tokens,
-        learning_rate=args.lr,
+        learning_rate=default_learning_rate(LR, args.lora_rank) if args.lr is None else args.lr,
+        lora_rank=args.lora_rank,
+        lora_alpha=args.lora_alpha,
         num_iterations=args.iterations,
         num_minibatches=args.minibatches,
         seed=args.seed,

@@ -8,9 +8,10 @@ from collections.abc import Sequence
 
 
 def mode_name(args) -> str:
-    """"sync", "async (max_staleness N)", with ", batch-invariant" when that mode is on."""
+    """"sync", "async (max_staleness N)", with ", batch-invariant" and ", LoRA rank r" when those are on."""
     name = f"async (max_staleness {args.max_staleness})" if getattr(args, "async_rollout", False) else "sync"
-    return name + (", batch-invariant" if getattr(args, "batch_invariant", False) else "")
+    name += ", batch-invariant" if getattr(args, "batch_invariant", False) else ""
+    return name + (f", LoRA rank {args.lora_rank}" if getattr(args, "lora_rank", None) is not None else "")
 
 
 def mode_numbers(history: Sequence[dict]) -> dict:

@@ -39,6 +39,7 @@ from trainers.common import (
     scored_logprobs,
 )
 from trainers.invariant import BatchInvariantMixin
+from trainers.lora import LoraMixin, lora_policy
 from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
 from trainers.rewards import RewardFn, score_completions
@@ -47,7 +48,7 @@ from trainers.routing_replay import RoutingReplayMixin
 from trainers.sharding import ShardingMixin
 
 
-class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
+class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
     """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
 
     config: RLConfig
@@ -68,7 +69,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
         self.accelerator = acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.algorithm = get_algorithm(config.algorithm)
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
-        module = self.trainable_module(model)
+        module = self.trainable_module(lora_policy(model, config))  # NOTE: lora_rank: a PeftModel (trainers.lora)
         if config.disable_dropout:
             disable_dropout(module)
         optimizer = optimizer or torch.optim.AdamW(
@@ -91,6 +92,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
         acc.register_for_checkpointing(self.scheduler)
         self.policy = self.policy_module(acc.unwrap_model(self.model))  # the HF causal LM, unwrapped
         self.engine = self.build_engine()
+        self.check_lora_engine(self.engine)
         self.sleeps = config.sleep_engine
         if self.sleeps is None:  # NOTE: colocated on one GPU: the update needs the cache's memory
             self.sleeps = self.engine.device.type == "cuda" and self.engine.device == acc.device
@@ -154,6 +156,8 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
         """The frozen reference for KL: the one given, else a copy of the initial policy."""
         if not self.uses_reference:
             return None
+        if ref_model is None and self.lora:  # NOTE: the base, the adapter disabled in its pass: no second copy
+            return self.policy
         ref = ref_model if ref_model is not None else copy.deepcopy(self.unsharded_policy())
         if self.config.disable_dropout:
             disable_dropout(ref)
@@ -186,6 +190,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
         if self.sleeps:
             self.engine.wake()
         metrics["sync_seconds"] = self.sync_weights()
+        metrics.update(self.lora_sync_metrics())
         metrics["time_sync"] = time.perf_counter() - start  # NOTE: the wake and the sync
         self.step_count += 1
         metrics = {"step": self.step_count, **reduce_metrics(self.accelerator, metrics)}
@@ -349,6 +354,7 @@ class RLTrainer(ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
         path = path or os.path.join(self.config.output_dir, f"checkpoint-{self.step_count}")
         self.accelerator.save_state(path)
         self.save_shards(path)  # NOTE: FSDP: model and optimizer as sharded DCP
+        self.save_adapter(path)  # NOTE: LoRA: the adapter as PEFT saves it
         if self.accelerator.is_main_process:
             with open(os.path.join(path, STATE_FILE), "w") as f:
                 json.dump({"step": self.step_count}, f)

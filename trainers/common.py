@@ -18,13 +18,14 @@ from torch import Tensor
 from rollout.config import ContinuousBatchingConfig
 from rollout.sampling.sampling_fields import check_temperature
 from rollout.sampling.seeding import derive_seed
+from trainers.lora import LoraFields
 from trainers.losses import entropy_from_logits, masked_mean, token_logprobs
 
 # ------------------------------------------------------------------------------------------ config
 
 
 @dataclass
-class RLConfig:
+class RLConfig(LoraFields):
     """Fields shared by `GRPOConfig` and `PPOConfig` (all per process unless said otherwise).
 
     Args:
@@ -40,7 +41,8 @@ class RLConfig:
         num_iterations: epochs over each rollout batch (PPO-style reuse; 1 = on-policy).
         num_minibatches: optimizer steps per epoch.
         gradient_accumulation_steps: micro-batches (forward/backward passes) per optimizer step.
-        learning_rate, weight_decay, adam_betas: AdamW (used when no optimizer is passed).
+        learning_rate, weight_decay, adam_betas: AdamW (used when no optimizer is passed); learning_rate None:
+            1e-5, x10 with LoRA (`trainers.lora`). lora_rank, lora_alpha, lora_target_modules: `LoraFields`.
         max_grad_norm: clip the global grad norm (None disables).
         lr_schedule: key of `LR_SCHEDULES` ("constant", "linear", "cosine"); `warmup_steps` of
             linear warmup first; counted in RL steps over `max_steps`.
@@ -86,7 +88,7 @@ class RLConfig:
     num_iterations: int = 1
     num_minibatches: int = 1
     gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-5
+    learning_rate: float | None = None
     weight_decay: float = 0.0
     adam_betas: tuple[float, float] = (0.9, 0.999)
     max_grad_norm: float | None = 1.0
@@ -114,6 +116,7 @@ class RLConfig:
     fsdp: bool | str = "auto"
 
     def __post_init__(self) -> None:
+        self.check_lora()
         if self.batch_invariant:  # NOTE: the engine must run the same invariant ops
             self.engine_config = (self.engine_config or ContinuousBatchingConfig()).replace(batch_invariant=True)
         for name in ("max_steps", "prompts_per_step", "group_size", "max_new_tokens", "num_iterations",

@@ -13,6 +13,12 @@ generates in its own processes). The trainer closes it with itself, as it would 
 
 from __future__ import annotations
 
+# NOTE: why a LoRA policy cannot use each given rollout yet (each would sync or serve the whole model)
+LORA_REFUSALS = {
+    "RolloutPool": "its requests carry no adapter name and its update_weights broadcasts every weight",
+    "RolloutFleet": "its engine actors load full state dicts on every update",
+    "RolloutEngine": "an engine built before the trainer wraps the policy with PEFT serves no adapter",
+}
 ENGINE_API = ("generate", "update_weights", "policy_version", "pad_token_id", "sleep", "wake", "close")
 
 
@@ -31,6 +37,10 @@ class GivenRolloutMixin:
     def build_engine(self):
         if self.given_rollout is None:
             return super().build_engine()
+        if self.config.lora_rank is not None:
+            raise ValueError(f"lora_rank with rollout={type(self.given_rollout).__name__} is not supported yet: "
+                             f"{LORA_REFUSALS.get(type(self.given_rollout).__name__, LORA_REFUSALS['RolloutEngine'])}; "
+                             "leave rollout= out (the trainer's own engine syncs the adapter only)")
         if self.config.engine_dtype is not None:
             raise ValueError("engine_dtype does not apply to a given rollout: build it in that dtype instead")
         if getattr(self.config, "async_rollout", False) and shares_weights(self.given_rollout, self.policy):

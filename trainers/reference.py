@@ -1,6 +1,7 @@
 """Reference-model logprobs through a rollout engine: `RolloutEngine.score` over the frozen reference's
 weights instead of a padded forward (a group's shared prompt is computed once, padding costs nothing, only
-the completion positions reach the LM head).
+the completion positions reach the LM head). A LoRA policy's reference is its base with the adapter disabled
+(`AdapterDisabledReference`, a padded forward).
 
 `EngineReference(model, engine_config)(data, chunks, top_k, top_p)` returns `[N, T]` fp32 logprobs of the
 completions, processed at each row's temperature exactly as `trainers.common.scored_logprobs` computes them
@@ -69,13 +70,44 @@ class EngineReference:
             self.engine = None
 
 
+class AdapterDisabledReference:
+    """The KL reference of a LoRA policy (`trainers.lora`): the policy's own base weights, its adapter disabled for
+    the pass (`with policy.disable_adapter():`), in eval mode; no copy of any weight. Called as `EngineReference`.
+
+    Args:
+        policy: the trainer's `PeftModel`.
+    """
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        self.policy = policy
+        self.seconds = 0.0
+
+    @torch.no_grad()
+    def __call__(self, data: dict[str, Tensor], chunks: int, top_k: int | None = None,
+                 top_p: float | None = None) -> Tensor:
+        start, training = time.perf_counter(), self.policy.training
+        self.policy.eval()
+        try:
+            with self.policy.disable_adapter():
+                out = reference_logprobs(self.policy, data, chunks, top_k=top_k, top_p=top_p)  # [N, T]
+        finally:
+            self.policy.train(training)
+        self.seconds = time.perf_counter() - start
+        return out
+
+    def close(self) -> None:
+        pass
+
+
 class EngineReferenceMixin:
     """For a trainer (`RLTrainer` subclass): `self.reference`, an `EngineReference` over `self.ref_model`
     with the trainer's engine configuration, built on first use and closed with the trainer."""
 
     @functools.cached_property
-    def reference(self) -> EngineReference:
+    def reference(self) -> EngineReference | AdapterDisabledReference:
         cfg = self.config
+        if self.ref_model is self.policy:  # NOTE: LoRA without a given ref_model (RLTrainer.build_reference)
+            return AdapterDisabledReference(self.policy)
         device = next(self.ref_model.parameters()).device
         config = colocated_engine_config(cfg.engine_config, cfg.engine_memory_fraction, device)
         return EngineReference(self.ref_model, config, cfg.reference_engine)

@@ -189,6 +189,8 @@ class ShardingMixin:
             return acc.prepare(module, optimizer)
         if cfg.batch_invariant:
             raise ValueError("batch_invariant does not run on FSDP-sharded parameters: use DDP (fsdp=False)")
+        if cfg.lora_rank is not None:  # NOTE: the engine's full copy would be a second base, each sync every tensor
+            raise ValueError("lora_rank does not run under FSDP yet: use DDP (fsdp=False) for LoRA")
         policy = self.policy_module(module)
         if acc.num_processes > 1:
             broadcast_module(module.to(acc.device))  # NOTE: as DDP: every rank starts from rank 0's weights
