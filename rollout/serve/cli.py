@@ -71,6 +71,19 @@ def check_bind(host: str, api_key: str | None) -> None:
                          "(or serve on 127.0.0.1)")
 
 
+def wait_policy_advice(environ, num_threads: int) -> str | None:
+    """The startup warning of a multi-threaded server whose OpenMP workers spin between regions (no
+    `OMP_WAIT_POLICY`), or None. NOTE: the policy is read when torch loads OpenMP, before this code runs, so it
+    can only be advised here; measured in benchmarks/RESULTS.md ("Serving load with guidellm")."""
+    if num_threads <= 1 or environ.get("OMP_WAIT_POLICY"):
+        return None
+    return (f"OMP_WAIT_POLICY is unset and torch runs {num_threads} threads: on a machine where other processes are "
+            "busy, spinning OpenMP workers wait on descheduled siblings and inter-token latency at low concurrency "
+            "can grow 10-30x; start rollout serve with OMP_NUM_THREADS=1 (or OMP_WAIT_POLICY=PASSIVE) there "
+            "(docs/serving.md, 'Latency on a shared machine'), or set OMP_WAIT_POLICY=ACTIVE to keep spinning "
+            "on a machine of its own")
+
+
 def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     names = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
     given = {k: v for k, v in vars(args).items() if k in names and v is not None}
@@ -123,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         raise SystemExit(f"rollout serve: {e}") from None
     model, tokenizer, gc = load(args.model_path, args.dtype, args.tensor_parallel_size)
+    import torch
+
+    advice = wait_policy_advice(os.environ, torch.get_num_threads())
+    if advice:
+        logging.getLogger("rollout.serve").warning(advice)
     engine = RolloutEngine(model, tokenizer=tokenizer, config=config, generation_config=gc)
     release_thread_team()  # NOTE: loading ran torch work here; the engine thread steps from now on
     tp = engine.tensor_parallel

@@ -50,7 +50,7 @@ async def completions(req: CompletionRequest, request: Request):
     state = request.app.state
     lora = lora_of(req.model, state)  # NOTE: `"model": lora_name` runs that adapter (rollout.serve.lora_routes)
     texts = req.prompts()
-    prompts = [_encode_prompt(state.tokenizer, p) for p in texts]
+    prompts = [encode_prompt(state.tokenizer, p) for p in texts]
     return await _serve(request, req, prompts, "prompt", chat=False, texts=texts, lora=lora)
 
 
@@ -58,6 +58,12 @@ async def completions(req: CompletionRequest, request: Request):
 async def chat_completions(req: ChatCompletionRequest, request: Request):
     state = request.app.state
     lora = lora_of(req.model, state)
+    ids, parser, prefix = chat_prompt(state, req)
+    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser, tool_prefix=prefix, lora=lora)
+
+
+def chat_prompt(state, req: ChatCompletionRequest) -> tuple[list[int], str | None, str]:
+    """(prompt ids, tool-call parser or None, forced tool-call prefix) of a chat request."""
     if state.tokenizer is None or not getattr(state.tokenizer, "chat_template", None):
         raise APIError("this model's tokenizer has no chat template", "messages")
     kwargs = dict(req.chat_template_kwargs or {})
@@ -73,10 +79,10 @@ async def chat_completions(req: ChatCompletionRequest, request: Request):
     prefix = forced_prefix(req.tools, req.tool_choice, parser, newline)
     if prefix:  # NOTE: "required" / a named function: the call's opening is forced (rollout.serve.tools)
         ids = list(ids) + list(state.tokenizer(prefix, add_special_tokens=False)["input_ids"])
-    return await _serve(request, req, [ids], "messages", chat=True, tool_parser=parser, tool_prefix=prefix, lora=lora)
+    return list(ids), parser, prefix
 
 
-def _encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
+def encode_prompt(tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, str):
         if tokenizer is None:
             raise APIError("this server has no tokenizer: send token ids", "prompt")

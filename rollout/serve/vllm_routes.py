@@ -7,15 +7,21 @@ policy tokenizes every request on each worker first):
   `/v1/chat/completions` would (`rollout.api.chat`, content parts included); `add_special_tokens: true` on
   messages tokenizes the rendered text with the tokenizer's specials, as vLLM does.
 - `POST /detokenize`: `{"tokens": [ids]}` -> `{"prompt": text}` (special tokens kept, as vLLM).
+- `POST /v1/completions/render` (a completions body -> a list, one per prompt) and `POST
+  /v1/chat/completions/render` (a chat body -> one) of vLLM's token-in `GenerateRequest`s: `{"request_id",
+  "token_ids", "sampling_params", "model", "stream", "stream_options", "token_offsets": null}`, the prompt ids
+  the generating route would run; nothing is generated. vllm-router 0.1.17 calls the one matching each request
+  on every worker before `/tokenize`.
 - `GET /version`: `{"version"}` (rollout's); `GET|POST /ping`: 200 while the engine runs, 503 otherwise (as
   `/health`).
 
-`/version` and `/ping` are open like `/health`; `/tokenize` and `/detokenize` are behind the API key like the
+`/version` and `/ping` are open like `/health`; `/tokenize`, `/detokenize` and the render routes are behind the API key like the
 `/v1/` routes (`rollout.serve.app`). Bad input is a 400 naming the field.
 """
 
 from __future__ import annotations
 
+import uuid
 from importlib.metadata import PackageNotFoundError, version
 from typing import Annotated, Any
 
@@ -24,7 +30,15 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from rollout.api.chat import chat_template_ids, chat_template_text
 from rollout.api.content import ContentPartError
-from rollout.serve.protocol import APIError, check_messages
+from rollout.serve.lora_routes import lora_of
+from rollout.serve.openai_routes import chat_prompt, encode_prompt
+from rollout.serve.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    check_messages,
+)
 
 router = APIRouter()
 
@@ -98,6 +112,35 @@ async def detokenize(req: DetokenizeRequest, request: Request) -> dict:
     _check(req.model, state)
     state.bridge.check_ids(req.tokens, "tokens")
     return {"prompt": state.tokenizer.decode(req.tokens)}
+
+
+# NOTE: the request fields that are vLLM `SamplingParams` fields under the same name
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
+                   "max_tokens", "min_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                   "skip_special_tokens", "logit_bias")
+
+
+def _generate_request(req: SamplingRequest, ids: list[int], model: str, prefix: str) -> dict:
+    params = {k: getattr(req, k) for k in SAMPLING_FIELDS}
+    params["logprobs"] = None if req.logprobs is None or req.logprobs is False else req.num_top_logprobs
+    return {"request_id": f"{prefix}-{uuid.uuid4().hex}", "token_ids": ids, "sampling_params": params,
+            "model": model, "stream": req.stream, "stream_options": req.stream_options, "token_offsets": None}
+
+
+@router.post("/v1/completions/render")
+async def render_completion(req: CompletionRequest, request: Request) -> list[dict]:
+    state = request.app.state
+    lora_of(req.model, state)  # NOTE: an unknown model is a 400 here as on the generating route
+    model = req.model or state.served_model_name
+    return [_generate_request(req, encode_prompt(state.tokenizer, p), model, "cmpl") for p in req.prompts()]
+
+
+@router.post("/v1/chat/completions/render")
+async def render_chat(req: ChatCompletionRequest, request: Request) -> dict:
+    state = request.app.state
+    lora_of(req.model, state)
+    ids, _, _ = chat_prompt(state, req)
+    return _generate_request(req, ids, req.model or state.served_model_name, "chatcmpl")
 
 
 @router.get("/version")

@@ -107,3 +107,13 @@ def test_dtype_and_logprobs_mode_flags(served, model_dir):
     assert (reported - processed).abs().min() > 0.1  # raw, not processed
     # bf16, not fp32: the served numbers sit closer to the bf16 model than to the fp32 one
     assert (reported - raw_bf16).abs().mean() < (reported - raw_fp32).abs().mean()
+
+
+def test_wait_policy_advice_only_for_spinning_multithreaded_servers():
+    from rollout.serve.cli import wait_policy_advice
+
+    advice = wait_policy_advice({}, 2)
+    assert advice and "OMP_WAIT_POLICY=PASSIVE" in advice and "OMP_NUM_THREADS=1" in advice
+    assert wait_policy_advice({"OMP_WAIT_POLICY": "PASSIVE"}, 2) is None
+    assert wait_policy_advice({"OMP_WAIT_POLICY": "ACTIVE"}, 8) is None  # NOTE: a choice made, not advised
+    assert wait_policy_advice({}, 1) is None  # NOTE: one thread has no siblings to wait on

@@ -1,6 +1,6 @@
 """What clients of `vllm serve` rely on, against `rollout serve` on 127.0.0.1: chat content as a list of parts
 (joined for a string template, passed as parts to a template that iterates them, a non-text part refused),
-`/tokenize` and `/detokenize`, `/version`, `/ping`, `/v1/models` fields, `usage` on every streamed chunk with
+`/tokenize` and `/detokenize`, vLLM's render routes, `/version`, `/ping`, `/v1/models` fields, `usage` on every streamed chunk with
 `continuous_usage_stats`, and `/metrics` open while `/v1/*` stays behind the key (guarded with the flag).
 
 Two servers for the module: `plain` (the string template of `support.serving`) and `parts` (`PARTS_TEMPLATE`,
@@ -123,6 +123,31 @@ def test_tokenize_bad_input_is_400_naming_the_field(plain, path, body, param):
     r = post(plain, path, body)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
+
+
+def test_render_routes_give_the_generating_routes_prompt_ids_and_generate_nothing(plain, parts):
+    for server, tok in ((plain, make_tokenizer()), (parts, make_parts_tokenizer())):
+        before = server.engine.cache_stats()["generated_tokens"]
+        r = post(server, "/v1/completions/render", {"prompt": ["Once upon", "a time"], "max_tokens": 3,
+                                                    "temperature": 0.5, "stream": True})
+        assert r.status_code == 200, r.text
+        first, second = r.json()  # NOTE: vLLM's shape: one token-in GenerateRequest per prompt
+        assert first["token_ids"] == tok("Once upon")["input_ids"] and second["token_ids"] == tok("a time")["input_ids"]
+        assert first["request_id"].startswith("cmpl-") and first["request_id"] != second["request_id"]
+        assert first["model"] == "tiny" and first["stream"] is True and first["token_offsets"] is None
+        assert first["sampling_params"]["max_tokens"] == 3 and first["sampling_params"]["temperature"] == 0.5
+        generated = post(server, "/v1/completions", {"prompt": "Once upon", **GREEDY}).json()
+        assert generated["choices"][0]["prompt_token_ids"] == first["token_ids"]
+        messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": PARTS}]
+        r = post(server, "/v1/chat/completions/render", {"messages": messages, "logprobs": True, "top_logprobs": 2})
+        assert r.status_code == 200, r.text
+        chat = r.json()
+        assert chat["request_id"].startswith("chatcmpl-") and chat["sampling_params"]["logprobs"] == 2
+        assert chat["token_ids"] == post(server, "/v1/chat/completions", {"messages": messages, **GREEDY}).json()[
+            "prompt_token_ids"]
+        assert server.engine.cache_stats()["generated_tokens"] == before + 2 * GREEDY["max_tokens"]
+        assert post(server, "/v1/completions/render", {"prompt": "a", "model": "nope"}).json()["error"]["param"] == "model"
+        assert post(server, "/v1/chat/completions/render", {"messages": messages}, key=None).status_code == 401
 
 
 def test_version_ping_and_models_entry(plain):
