@@ -51,6 +51,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("runs", nargs="+", help="LABEL=RUN_DIR (the label may contain '=': the last one splits)")
     p.add_argument("--out", default="lora_grpo.png")
+    p.add_argument("--title", default="embedded GRPO demo: LoRA against the full fine-tune")
     args = p.parse_args()
     import matplotlib
 
@@ -72,7 +73,7 @@ def main() -> None:
         print(row(label, history, summary))
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward (EMA 0.2)")
-    ax.set_title("embedded GRPO demo: LoRA against the full fine-tune")
+    ax.set_title(args.title)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
