@@ -2,7 +2,9 @@
 
 An engine that fails a call (its actor died, or it hung and was killed) is restarted by Ray and marked
 recovering: no new work goes to it until a `ready()` probe answers; then, if it holds an older weight version than
-the fleet (it read the weight store before the latest update landed there), it gets the current weights first.
+the fleet (it read the weight store before the latest update landed there), it gets the current weights first:
+the object-store copy of the latest update, or, when that update came by broadcast (no such copy), a survivor's
+copy of its own weights (`copy_of`), put in the object store then and kept in the weight store for the next one.
 An engine that failed more than `max_restarts` times is dropped for good.
 """
 
@@ -25,15 +27,16 @@ class EngineHealth:
         max_restarts: failures an engine may have before it is dropped; start_timeout_s: a recovery's deadline.
     """
 
-    def __init__(self, ray, actors: list, infos: list[dict], max_restarts: int, start_timeout_s: float) -> None:
-        self.ray, self.actors, self.infos = ray, actors, list(infos)
+    def __init__(self, ray, actors: list, infos: list[dict], max_restarts: int, start_timeout_s: float,
+                 store=None) -> None:
+        self.ray, self.actors, self.infos, self.store = ray, actors, list(infos), store
         self.max_restarts, self.start_timeout_s = max_restarts, start_timeout_s
         self.load = [0] * len(actors)  # groups (or scored rows) in flight on each engine
         self.failures = [0] * len(actors)
         self.recovering: set[int] = set()
         self.restarts = 0  # engine failures seen (each restarted by Ray, up to max_restarts)
         self.resubmitted = 0  # shards sent again after their engine died or hung
-        self.current: tuple[object, int] | None = None  # (object-store ref of the weights, version)
+        self.current: tuple[object, int] | None = None  # (object-store ref of the weights or None, version)
         self.lock = threading.RLock()
 
     # ------------------------------------------------------------------ which engines
@@ -74,9 +77,10 @@ class EngineHealth:
             info = ray.get(ref)
             current = self.current
             if current is not None and info["version"] != current[1]:
-                info["version"] = ray.get(self.actors[k].update_weights.remote(current[0], current[1], "wait"),
+                ref = current[0] if current[0] is not None else self.copy_of(current[1], k)
+                info["version"] = ray.get(self.actors[k].update_weights.remote(ref, current[1], "wait"),
                                           timeout=self.start_timeout_s)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, LookupError):
             return False
         with self.lock:
             self.infos[k] = info
@@ -84,6 +88,25 @@ class EngineHealth:
                 self.recovering.discard(k)
                 logger.info("rollout engine %d is back (pid %d, weights v%d)", k, info["pid"], info["version"])
         return True
+
+    def copy_of(self, version: int, k: int):
+        """An object-store copy of weights `version` from a serving engine other than `k` (LookupError if none
+        has it); it becomes `current` and the weight store's, for the next replacement."""
+        for j in self.alive():
+            if j == k or j in self.recovering:
+                continue
+            try:
+                (ref,) = self.ray.get(self.actors[j].export_weights.remote(version), timeout=self.start_timeout_s)
+            except Exception as err:  # NOTE: dead, or on another version: ask the next one
+                logger.info("rollout engine %d has no copy of weights v%d: %s", j, version, err)
+                continue
+            if self.store is not None:
+                (ref,) = self.ray.get(self.store.adopt.remote([ref], version), timeout=self.start_timeout_s)
+            if self.current is not None and self.current[1] == version:
+                self.current = (ref, version)
+            logger.info("rollout engine %d gets weights v%d copied from engine %d", k, version, j)
+            return ref
+        raise LookupError(f"no serving engine holds weights v{version}")
 
     def wait_all(self) -> list[dict]:
         """Every alive engine's `ready()` answer, waiting (up to `start_timeout_s`) for the recovering ones."""

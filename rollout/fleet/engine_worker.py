@@ -4,7 +4,9 @@ The class is plain Python (Ray is imported only where an actor runs it): `Rollou
 `ray.remote(max_restarts=..., max_concurrency=...)`. A threaded actor, so an update with `in_flight="keep"`
 lands while a `generate` runs (between two engine steps, as in process). At start (the first time or after
 Ray restarted a dead actor) it loads the fleet's current weights and version from the `WeightStore` before it
-serves anything, so a replacement never answers with stale weights.
+serves anything, so a replacement never answers with stale weights. On the collective path it is a member of the
+fleet's weight group (`rollout.fleet.weight_group`): `receive_weights` copies the broadcast buckets in as they
+come; `export_weights` puts its own copy in the object store for a replacement (its weights came by broadcast).
 
 Generation answers are `GenerationOutput`s (token ids, logprobs, per-token versions): the fleet packs the
 groups of every engine into one `RolloutBatch`, in the call's order.
@@ -12,6 +14,7 @@ groups of every engine into one `RolloutBatch`, in the call's order.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import warnings
@@ -23,23 +26,45 @@ from rollout.api.batch import RolloutBatch
 from rollout.api.engine import RolloutEngine
 from rollout.config import ContinuousBatchingConfig
 from rollout.requests import GenerationOutput, RequestStatus
+from rollout.weights.in_place import strip_prefixes
 
 
 class WeightStore:
-    """The fleet's current weights (one object-store reference, shared by every engine) and their version.
+    """The fleet's weight version, the latest object-store copy of its weights (one reference, shared by every
+    engine) and that copy's version; after a broadcast update (no copy in the store), the engines holding it.
 
     `set([ref], version)` takes the reference inside a list, so Ray hands the reference, not the tensors."""
 
     def __init__(self) -> None:
-        self.version = 0
+        self.version = self.refs_version = 0
         self.refs: list = []
+        self.holders: dict = {}  # engine index -> actor handle, of the engines on `version` (broadcast updates)
 
     def set(self, refs: list, version: int) -> int:
-        self.refs, self.version = list(refs), int(version)
+        self.refs, self.refs_version = list(refs), int(version)
+        self.version = max(self.version, self.refs_version)
         return self.version
 
+    def advance(self, version: int, holders: dict) -> int:
+        """Version `version` reached `holders` by broadcast: a replacement copies it from one of them."""
+        self.version, self.holders = int(version), dict(holders)
+        return self.version
+
+    def adopt(self, refs: list, version: int) -> list:
+        """Keep a copy of the weights behind `[ref]` (an engine's `export_weights`) owned by this actor, so it
+        outlives that engine; it becomes the store's copy of `version`. Returns [the new ref]."""
+        import ray
+
+        own = [ray.put(ray.get(refs[0]))]
+        self.set(own, version)
+        return own
+
     def latest(self) -> tuple[int, list]:
-        return self.version, self.refs
+        """The object-store copy's (version, [ref])."""
+        return self.refs_version, self.refs
+
+    def current(self) -> tuple[int, dict]:
+        return self.version, self.holders
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -113,6 +138,18 @@ def outputs_of(batch: RolloutBatch, prompts: Sequence[Sequence[int]], group_size
     return outs
 
 
+def copy_from(ray, holders: dict, version: int):
+    """An object-store copy of weights `version` from the first of `holders` (actors) that has it, or None."""
+    for actor in holders.values():
+        try:
+            (ref,) = ray.get(actor.export_weights.remote(version), timeout=300)
+            return ref
+        except Exception as err:  # NOTE: dead too, or on another version: ask the next one
+            logging.getLogger("rollout.fleet").warning("no copy of weights v%d from %s: %s", version, actor, err)
+            continue
+    return None
+
+
 class EngineWorker:
     """One engine of a fleet (run as a Ray actor).
 
@@ -123,10 +160,12 @@ class EngineWorker:
         store: the fleet's `WeightStore` actor (None: keep the initial weights).
         num_threads: torch threads of this engine (its CPU share).
         dtype: cast the policy ("bfloat16", ...; None: as loaded).
+        engine_index: this engine's index in the fleet (a replacement copies broadcast weights from another).
     """
 
     def __init__(self, source, tokenizer=None, engine_config: ContinuousBatchingConfig | None = None,
-                 generation_config=None, store=None, num_threads: int | None = None, dtype: str | None = None) -> None:
+                 generation_config=None, store=None, num_threads: int | None = None, dtype: str | None = None,
+                 engine_index: int | None = None) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -134,10 +173,16 @@ class EngineWorker:
         self.engine = RolloutEngine(model, tokenizer=tokenizer or own_tokenizer, config=engine_config,
                                     generation_config=generation_config)
         self.restored_version = 0
+        self.member = None  # the weight group's end (rollout.fleet.weight_group.GroupMember), when joined
         if store is not None:
             import ray
 
             version, refs = ray.get(store.latest.remote())
+            current, holders = ray.get(store.current.remote())
+            if current != version:  # NOTE: the latest update came by broadcast: copy it from an engine holding it
+                ref = copy_from(ray, {j: a for j, a in holders.items() if j != engine_index}, current)
+                if ref is not None:
+                    version, refs = current, ray.get(store.adopt.remote([ref], current))
             if refs:  # NOTE: a replacement (or a late joiner) starts on the fleet's current weights
                 self.engine.update_weights(from_payload(ray.get(refs[0])))
                 self.engine.manager.core.policy_version = version
@@ -163,6 +208,37 @@ class EngineWorker:
         self.engine.update_weights(from_payload(payload), in_flight=in_flight)
         self.engine.manager.core.policy_version = version  # NOTE: the fleet's count, the same on every engine
         return self.engine.policy_version
+
+    def join_weight_group(self, info: dict) -> int:
+        """Join the fleet's (new) weight group as rank `info["rank"]`, leaving an older one; returns this pid."""
+        from rollout.fleet.weight_group import GroupMember
+
+        if self.member is not None:
+            self.member.close()
+            self.member = None
+        self.member = GroupMember(info, next(self.engine.model.parameters()).device)
+        return os.getpid()
+
+    def receive_weights(self, token: str, plan: list, version: int, in_flight: str) -> int:
+        """Receive the buckets of `plan` from rank 0 of weight group `token` into the engine (as `update_weights`,
+        under `in_flight`), and take the fleet's `version`."""
+        if self.member is None:
+            raise RuntimeError("this engine is in no weight group (a replacement): the group is stale")
+        targets = {strip_prefixes(n): t for n, t in self.engine.model.state_dict(keep_vars=True).items()}
+        self.member.check(token, plan, targets)
+        self.engine.update_weights(self.member.receive(plan, version), in_flight=in_flight)
+        self.engine.manager.core.policy_version = version
+        return self.engine.policy_version
+
+    def export_weights(self, version: int) -> list:
+        """This engine's weights put in the object store ([ref], so Ray hands the reference), when it holds
+        `version`: a replacement's copy when the latest update came by broadcast."""
+        import ray
+
+        if self.engine.policy_version != version:
+            raise RuntimeError(f"this engine holds v{self.engine.policy_version}, not v{version}")
+        state = {strip_prefixes(n): t.detach().to("cpu").contiguous() for n, t in self.engine.model.state_dict().items()}
+        return [ray.put(to_payload(state))]  # NOTE: `WeightStore.adopt` makes it outlive this engine
 
     def sleep(self) -> int:
         return self.engine.sleep()

@@ -35,6 +35,7 @@ from rollout.api.score_batch import score_inputs
 from rollout.fleet.engine_health import EngineHealth
 from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
 from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
+from rollout.fleet.weight_group import DEFAULT_BUCKET_BYTES, LearnerGroup, collective_update, resolve_transfer
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.sampling.sampling_fields import temperatures
 from rollout.weights.in_place import strip_prefixes
@@ -74,7 +75,8 @@ class RolloutFleet:
                  tokenizer=None, generation_config=None, dtype: str | None = None,
                  threads_per_engine: int | None = None, address: str | None = None, num_cpus: int | None = None,
                  max_restarts: int = 3, max_attempts: int = 3, request_timeout_s: float = 600.0,
-                 start_timeout_s: float = 300.0, placement_strategy: str = "PACK") -> None:
+                 start_timeout_s: float = 300.0, placement_strategy: str = "PACK", weight_transfer: str = "auto",
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_group_timeout_s: float = 120.0) -> None:
         ray = require_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -87,6 +89,7 @@ class RolloutFleet:
         bundle = {k: float(v) for k, v in (resources_per_engine or {"CPU": 1}).items()}
         if not bundle or any(v < 0 for v in bundle.values()) or not any(v > 0 for v in bundle.values()):
             raise ValueError(f"resources_per_engine must ask for some resources, got {resources_per_engine!r}")
+        self.weight_transfer, backend = resolve_transfer(weight_transfer, bundle)
         if max_attempts < 1 or max_restarts < 0:
             raise ValueError(f"max_attempts must be >= 1 and max_restarts >= 0, got {max_attempts}, {max_restarts}")
         self.ray = ray
@@ -109,7 +112,9 @@ class RolloutFleet:
         self.device = torch.device("cpu")  # NOTE: batches are packed here; the trainer moves them
         self.closed = False
         self.policy_version = 0
-        self.last_update_s = float("nan")
+        self.last_update_s, self.last_update_path = float("nan"), ""
+        self.weight_group = LearnerGroup(backend or "gloo", bucket_bytes, weight_group_timeout_s, request_timeout_s)
+        self.group_address = ray.util.get_node_ip_address()  # NOTE: 127.0.0.1 on the local cluster
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=placement_strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=start_timeout_s)
         if not ready:
@@ -126,7 +131,7 @@ class RolloutFleet:
             worker.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=max_restarts,
                            max_task_retries=0, max_concurrency=4,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k))
-            .remote(*self.init_args, self.store, threads, dtype)
+            .remote(*self.init_args, self.store, threads, dtype, k)
             for k in range(num_engines)
         ]
         try:
@@ -134,7 +139,13 @@ class RolloutFleet:
         except Exception:
             self.close()
             raise
-        self.health = EngineHealth(ray, self.actors, infos, max_restarts, start_timeout_s)
+        self.health = EngineHealth(ray, self.actors, infos, max_restarts, start_timeout_s, self.store)
+        if self.weight_transfer == "collective":
+            try:
+                self.weight_group.form(ray, list(enumerate(self.actors)), self.group_address)
+            except Exception:
+                self.close()
+                raise
         logger.info("rollout fleet: %d engine(s) of %s up (pids %s)", num_engines, bundle, self.pids)
 
     # ------------------------------------------------------------------------ properties
@@ -254,20 +265,40 @@ class RolloutFleet:
 
     # ------------------------------------------------------------------------- weights
     def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT) -> int:
-        """New weights on every engine: one object-store copy of the state dict, read by each engine (and by a
-        replacement at its start); returns the new `policy_version`, the same on every engine. `in_flight` as
-        `RolloutEngine.update_weights` ("keep": running groups go on under the new weights, KV kept)."""
+        """New weights on every engine; returns the new `policy_version`, the same on every engine. `in_flight` as
+        `RolloutEngine.update_weights` ("keep": running groups go on under the new weights, KV kept). The path is
+        `weight_transfer`'s: one broadcast over the weight group, or one object-store copy read by each engine
+        (also the collective path's fallback, for an update a member fails; `last_update_path` says which)."""
         self._check_open()
         check_mode(in_flight, "in_flight")
-        ray, health, start = self.ray, self.health, time.perf_counter()
+        start, version = time.perf_counter(), self.policy_version + 1
+        path = "object_store"
+        if self.weight_transfer == "collective":
+            path = collective_update(self, source, version, in_flight)
+        if path == "object_store":
+            self._through_store(source, version, in_flight)
+        self.policy_version = version
+        self.last_update_s, self.last_update_path = time.perf_counter() - start, path
+        logger.info("weights v%d on %d engine(s) in %.2fs (%s)", version, len(self.health.alive()),
+                    self.last_update_s, path)
+        return version
+
+    def _through_store(self, source, version: int, in_flight: str) -> None:
+        """One object-store copy of the state dict, read by each engine (and by a replacement at its start)."""
+        ray, health = self.ray, self.health
         ref = ray.put(to_payload(state_dict_of(source)))
-        version = self.policy_version + 1
         ray.get(self.store.set.remote([ref], version), timeout=self.start_timeout_s)  # NOTE: before any engine
         health.current = (ref, version)  # NOTE: a recovering engine gets it when its probe answers
         health.poll()
         with health.lock:
             targets = [k for k in health.alive() if k not in health.recovering]
         refs = {self.actors[k].update_weights.remote(ref, version, in_flight): k for k in targets}
+        self._collect(refs, version)
+
+    def _collect(self, refs: dict, version: int) -> None:
+        """Wait for the engines' update calls (`refs`: ref -> engine); a dead or late engine is failed (Ray
+        restarts it; it gets `health.current`), a wrong version raises."""
+        ray, health = self.ray, self.health
         done, late = ray.wait(list(refs), num_returns=len(refs), timeout=self.request_timeout_s)
         for r in late:
             health.failed(refs[r], f"weight update not done within {self.request_timeout_s:.0f} s", 0, "group",
@@ -280,10 +311,6 @@ class RolloutFleet:
                 continue
             if got != version:
                 raise RuntimeError(f"engine {refs[r]} reports version {got} after update {version}")
-        self.policy_version = version
-        self.last_update_s = time.perf_counter() - start
-        logger.info("weights v%d on %d engine(s) in %.2fs", version, len(targets), self.last_update_s)
-        return version
 
     def engine_versions(self) -> list[int]:
         """Each live engine's weight version, asked of the actors (waiting for the recovering ones)."""
@@ -309,6 +336,8 @@ class RolloutFleet:
         pids = [i["pid"] for i in infos if i.get("host") == socket.gethostname()]
         for actor in getattr(self, "actors", []):
             ray.kill(actor, no_restart=True)
+        if hasattr(self, "weight_group"):
+            self.weight_group.close()
         if hasattr(self, "store"):
             ray.kill(self.store, no_restart=True)
         ray.util.remove_placement_group(self.pg)
