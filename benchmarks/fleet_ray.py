@@ -7,12 +7,16 @@ Questions:
    .generate` against `RolloutEngine.generate` at `torch.set_num_threads(2)`, in turns (a warm-up each first,
    then `--runs` rounds, median).
 2. `RolloutFleet.update_weights(model)` of the ~100M-parameter model (fp32, tied, ~400 MB; benchmarks/common.py
-   "100m") to 2 engines: one `ray.put` of the state dict, each engine reads it from the object store and copies it
-   in (median of `--runs` after a warm-up); every update checked: both engines report the new version.
+   "100m") to 2 engines, per `--transfers` (one fleet each, one after the other): "object_store" (one `ray.put` of
+   the state dict, each engine reads it from the object store and copies it in) and "collective" (one gloo
+   broadcast from the learner, rank 0, to both engine actors in buckets of `--bucket_mb`, each copied in as it
+   arrives); median of `--runs` after a warm-up; every update checked: both engines report the new version, the
+   collective one went by broadcast.
 
 One local Ray cluster (2 CPUs, 127.0.0.1) for both fleets; each fleet is closed before the next starts.
 
     python benchmarks/fleet_ray.py [--runs 3]      # -> benchmarks/logs/fleet_ray/results.json
+    python benchmarks/fleet_ray.py --skip_generation --transfers collective,object_store
 """
 
 # ruff: noqa: E402
@@ -79,23 +83,29 @@ def generation(args, tmp: str) -> dict:
             for name, t in times.items()}
 
 
-def weight_update(args, tmp: str) -> dict:
+def weight_update(args, tmp: str, transfer: str) -> dict:
     torch.set_num_threads(1)
     model = make_model("100m", seed=0)
     size_mb = sum(t.numel() * t.element_size() for t in model.state_dict().values()) / 2**20
     model_dir = os.path.join(tmp, "100m")
-    model.save_pretrained(model_dir)
+    if not os.path.isdir(model_dir):
+        model.save_pretrained(model_dir)
+    start = time.perf_counter()
     fleet = RolloutFleet(model_dir, num_engines=2, engine_config=ContinuousBatchingConfig(page_size=16, num_blocks=64),
-                         resources_per_engine={"CPU": 1}, start_timeout_s=900)
+                         resources_per_engine={"CPU": 1}, start_timeout_s=900, weight_transfer=transfer,
+                         bucket_bytes=int(args.bucket_mb * 2**20))
+    up_s = time.perf_counter() - start
     runs = []
     try:
         fleet.update_weights(model)  # warm-up
         for _ in range(args.runs):
             runs.append(timed(lambda: fleet.update_weights(model)))
+            assert fleet.last_update_path == transfer, fleet.last_update_path
             assert fleet.engine_versions() == [fleet.policy_version] * 2
     finally:
         fleet.close()
-    return {"state_mb": size_mb, "engines": 2, "median_s": statistics.median(runs), "runs_s": runs}
+    return {"state_mb": size_mb, "engines": 2, "transfer": transfer, "bucket_mb": args.bucket_mb,
+            "fleet_start_s": up_s, "median_s": statistics.median(runs), "runs_s": runs, "load": os.getloadavg()[0]}
 
 
 def main() -> None:
@@ -105,6 +115,9 @@ def main() -> None:
     p.add_argument("--new_tokens", type=int, default=96)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--skip_update", action="store_true", help="question 1 only")
+    p.add_argument("--skip_generation", action="store_true", help="question 2 only")
+    p.add_argument("--transfers", default="collective,object_store", help="question 2's weight_transfer paths")
+    p.add_argument("--bucket_mb", type=float, default=128.0, help="the collective path's bucket")
     p.add_argument("--logs", default=str(LOGS))
     args = p.parse_args()
     import ray
@@ -114,17 +127,21 @@ def main() -> None:
     report = {"args": vars(args), "load_before": os.getloadavg()[0]}
     try:
         with tempfile.TemporaryDirectory(prefix="fleet-bench-") as tmp:
-            report["generation"] = generation(args, tmp)
-            print(json.dumps(report["generation"], indent=1))
+            if not args.skip_generation:
+                report["generation"] = generation(args, tmp)
+                print(json.dumps(report["generation"], indent=1))
             if not args.skip_update:
-                report["weight_update_100m"] = weight_update(args, tmp)
-                print(json.dumps(report["weight_update_100m"], indent=1))
+                report["weight_update_100m"] = {}
+                for transfer in args.transfers.split(","):
+                    report["weight_update_100m"][transfer] = weight_update(args, tmp, transfer)
+                    print(json.dumps(report["weight_update_100m"][transfer], indent=1), flush=True)
     finally:
         ray.shutdown()
     report["load_after"] = os.getloadavg()[0]
     logs = Path(args.logs)
     logs.mkdir(parents=True, exist_ok=True)
-    (logs / "results.json").write_text(json.dumps(report, indent=1))
+    name = "results.json" if not args.skip_generation else "update_results.json"
+    (logs / name).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

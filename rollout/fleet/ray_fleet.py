@@ -2,7 +2,7 @@
 
     fleet = RolloutFleet("ckpt/", num_engines=2, engine_config=cbc, resources_per_engine={"CPU": 1})
     batch = fleet.generate(prompt_ids, temps=1.0, group_size=8, max_new_tokens=64, seed=0)   # a RolloutBatch
-    fleet.update_weights(policy)        # one object-store copy, read by every engine; the version bumps everywhere
+    fleet.update_weights(policy)        # one broadcast or one object-store copy; the version bumps everywhere
     fleet.close()                       # no actor, no placement group (and no local cluster it started) left
 
 Placement: one `EngineWorker` actor per engine, each in its own bundle of one placement group
@@ -14,9 +14,15 @@ flight (this call's and other threads') even out, least loaded first; a group ne
 is prefilled once there). Shard groups are seeded as the call's groups they are (`prompt_index`,
 `rollout.sampling.seeding`), so a seed gives the in-process engine's samples whatever the split.
 
+Weights (`weight_transfer`): "object_store", one `ray.put` of the state dict that every engine reads; "collective",
+a torch.distributed group formed once (learner rank 0, engine i rank i + 1; gloo on CPU, NCCL with GPU engines,
+`rollout.fleet.weight_group`) and one bucketed broadcast per update; "auto" (default): collective with GPU
+engines, the object store on CPU (measured faster there, docs/fleets.md). A member failing an update sends that
+update through the object store (one warning line) and the group is formed again at the next one.
+
 Failures: an actor that dies mid-call (killed, out of memory, node lost) is restarted by Ray (`max_restarts`); at
-start it loads the fleet's current weights from the `WeightStore` before serving, and its shards are resubmitted
-to the least loaded engine, with one warning line. A shard past `request_timeout_s` is a hung engine: the actor is
+start it loads the fleet's current weights from the `WeightStore` (after a broadcast update: a copy from an engine
+holding them) before serving, and its shards go to the least loaded engine, with one warning line. A shard past `request_timeout_s` is a hung engine: the actor is
 killed (Ray restarts it) and the shard resubmitted. Each shard is tried at most `max_attempts` times.
 """
 
@@ -68,6 +74,9 @@ class RolloutFleet:
         num_cpus: the local cluster's CPUs (default: the engines' CPUs).
         max_restarts: Ray restarts of each actor; max_attempts: tries of one shard.
         request_timeout_s: a shard's deadline; start_timeout_s: the deadline of placement and actor starts.
+        weight_transfer: "auto", "collective" or "object_store" (the module docstring); bucket_bytes: the
+            collective path's largest flat buffer; weight_group_timeout_s: the group's own timeout (joining it,
+            each broadcast; waiting for the engines to drain their requests is bounded by request_timeout_s).
     """
 
     def __init__(self, model_or_dir, num_engines: int = 1, engine_config=None,

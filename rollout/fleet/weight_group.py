@@ -122,6 +122,8 @@ class LearnerGroup:
                     raise TimeoutError(f"engines not ready for the weight update within {self.ready_timeout_s:.0f} s")
             for bucket in tensors:
                 self.group.broadcast(self.flat(bucket), 0).wait()
+            if self.device.type == "cuda":  # NOTE: NCCL's wait orders streams only: sent before the trainer steps
+                torch.cuda.synchronize(self.device)
         except BaseException:
             self.close()  # NOTE: the members' receives fail at once (their peer's sockets close) and unwind
             raise
@@ -179,6 +181,8 @@ class GroupMember:
             flat = buf[:n]
             self.group.broadcast(flat, 0).wait()
             yield from zip(names, unflatten(flat, shapes), strict=True)
+        if self.device.type == "cuda":  # NOTE: every bucket in before the engine reports the new version
+            torch.cuda.synchronize(self.device)
 
     def close(self) -> None:
         group, self.group, self.store = self.group, None, None

@@ -149,6 +149,7 @@ def test_an_engine_killed_after_a_broadcast_comes_back_on_the_broadcast_weights(
     assert rows(batch) == expected
     assert_every_engine_on(fleet, state["model"], fleet.policy_version)
     assert fleet.pids[0] != old_pid and _gone(old_pid)
+    assert fleet.health.infos[0]["restored"] == fleet.policy_version  # copied from engine 1 at its start
     formed = fleet.weight_group.formed
     new = new_weights(state)
     version = fleet.update_weights(new)  # the group again, with the replacement
