@@ -16,9 +16,9 @@ is prefilled once there). Shard groups are seeded as the call's groups they are 
 
 Weights (`weight_transfer`): "object_store", one `ray.put` of the state dict that every engine reads; "collective",
 a torch.distributed group formed once (learner rank 0, engine i rank i + 1; gloo on CPU, NCCL with GPU engines,
-`rollout.fleet.weight_group`) and one bucketed broadcast per update; "auto" (default): collective with GPU
-engines, the object store on CPU (measured faster there, docs/fleets.md). A member failing an update sends that
-update through the object store (one warning line) and the group is formed again at the next one.
+`rollout.fleet.weight_group`) and one bucketed broadcast per update; "auto" (default): collective (measured 2.7x
+faster on CPU, docs/fleets.md), the object store when the group cannot be formed. A member failing an update
+sends that update through the object store (one warning line); the group is formed again at the next one.
 
 Failures: an actor that dies mid-call (killed, out of memory, node lost) is restarted by Ray (`max_restarts`); at
 start it loads the fleet's current weights from the `WeightStore` (after a broadcast update: a copy from an engine
@@ -152,9 +152,13 @@ class RolloutFleet:
         if self.weight_transfer == "collective":
             try:
                 self.weight_group.form(ray, list(enumerate(self.actors)), self.group_address)
-            except Exception:
-                self.close()
-                raise
+            except Exception as err:
+                if weight_transfer != "auto":
+                    self.close()
+                    raise
+                self.weight_transfer = "object_store"  # NOTE: e.g. NCCL with the learner on an engine's GPU
+                logger.warning("rollout fleet: no weight group (%s: %s), updates go through the object store",
+                               type(err).__name__, err)
         logger.info("rollout fleet: %d engine(s) of %s up (pids %s)", num_engines, bundle, self.pids)
 
     # ------------------------------------------------------------------------ properties

@@ -34,13 +34,14 @@ DEFAULT_BUCKET_BYTES = 128 * 2**20
 
 
 def resolve_transfer(mode: str, bundle: Mapping[str, float]) -> tuple[str, str | None]:
-    """(path, backend) for `weight_transfer=mode`: "auto" takes the collective path (NCCL) when the engines have
-    GPUs and the learner CUDA, else the object store (measured faster than gloo on CPU, docs/fleets.md)."""
+    """(path, backend) for `weight_transfer=mode`: "auto" is the collective path, NCCL when the engines have GPUs
+    and the learner CUDA, else gloo (measured 2.7x faster than the object store on CPU, docs/fleets.md); the
+    fleet falls back to the object store when an "auto" group cannot be formed."""
     if mode not in TRANSFERS:
         raise ValueError(f"weight_transfer must be one of {TRANSFERS}, got {mode!r}")
-    gpus = bundle.get("GPU", 0) > 0 and torch.cuda.is_available()
-    if mode == "object_store" or (mode == "auto" and not gpus):
+    if mode == "object_store":
         return "object_store", None
+    gpus = bundle.get("GPU", 0) > 0 and torch.cuda.is_available()
     return "collective", "nccl" if gpus else "gloo"
 
 
@@ -58,6 +59,14 @@ def learner_state(source) -> dict[str, torch.Tensor]:
     """`source`'s tensors (a module, wrapper prefixes cut; a state dict; (name, tensor) pairs), detached, where
     they are (the broadcast packs them onto the group's device a bucket at a time)."""
     return {strip_prefixes(n): t.detach() for n, t in named_tensors(source)}
+
+
+class NotReady(TimeoutError):
+    """Members (their indices in the update's list) that did not enter their engine's update in time: hung."""
+
+    def __init__(self, late: list[int], message: str) -> None:
+        super().__init__(message)
+        self.late = late
 
 
 class LearnerGroup:
@@ -119,7 +128,8 @@ class LearnerGroup:
                     ray.get(done[0])  # raises the member's error
                     raise RuntimeError("an engine answered a weight update before it was sent")
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"engines not ready for the weight update within {self.ready_timeout_s:.0f} s")
+                    late = [i for i, key in enumerate(keys) if not self.store.check([key])]
+                    raise NotReady(late, f"engine(s) not ready for the update within {self.ready_timeout_s:.0f} s")
             for bucket in tensors:
                 self.group.broadcast(self.flat(bucket), 0).wait()
             if self.device.type == "cuda":  # NOTE: NCCL's wait orders streams only: sent before the trainer steps
@@ -213,6 +223,8 @@ def collective_update(fleet, source, version: int, in_flight: str) -> str:
         got = ray.get(refs, timeout=fleet.request_timeout_s)
     except Exception as err:
         group.close()
+        for i in getattr(err, "late", []):  # NOTE: hung engines: killed (Ray restarts them), as a late shard's
+            health.failed(targets[i], f"not ready for weight update v{version}", 0, "group", kill=True)
         logger.warning("weights v%d through the object store: the weight group failed (%s: %s); it is "
                        "rebuilt at the next update", version, type(err).__name__, (str(err).splitlines() or [""])[0][:200])
         return "object_store"

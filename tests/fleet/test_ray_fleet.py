@@ -8,7 +8,8 @@ RolloutEngine API.
 - a hung engine (SIGSTOP) is dropped at its shard's deadline: the call completes on the other, the actor replaced;
 - `close()` leaves no engine process, no Ray process of the cluster it started;
 - without Ray, building a fleet raises an ImportError naming the `[ray]` extra.
-The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture closes it and checks nothing is left.
+Weights go through the object store here (`weight_transfer="object_store"`); the collective path, the default,
+is tested in test_ray_fleet_collective.py. The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture closes it and checks nothing is left.
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ def fleet_setup(tmp_path_factory):
     make_model("qwen3", seed=0).save_pretrained(model_dir)  # NOTE: no tokenizer: no EOS, HF greedy is the oracle
     before = set(_descendants(os.getpid()))
     fleet = RolloutFleet(str(model_dir), num_engines=2, engine_config=ContinuousBatchingConfig(**ENGINE),
-                         resources_per_engine={"CPU": 1}, num_cpus=2, start_timeout_s=300, request_timeout_s=300)
+                         resources_per_engine={"CPU": 1}, num_cpus=2, start_timeout_s=300, request_timeout_s=300,
+                         weight_transfer="object_store")  # NOTE: the collective path: test_ray_fleet_collective.py
     assert fleet.started_ray and len(fleet.actors) == 2 and len(set(fleet.pids)) == 2
     state = {"model": make_model("qwen3", seed=0)}  # the oracle: the weights the fleet holds now
     yield fleet, model_dir, state

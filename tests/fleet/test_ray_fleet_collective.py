@@ -7,6 +7,8 @@ gloo group (learner rank 0, engine actors 1..N) and each update broadcasts the w
   engine, there is no object-store copy), and the next update forms the group again, with the replacement;
 - an engine dead when an update starts, or dying in the middle of the broadcast: that update goes through the
   object store with one warning line, every engine ends on it, the group is formed again at the next one;
+- an engine hung (SIGSTOP) when an update starts: killed at the group's ready deadline, the update goes through
+  the object store, the replacement starts on it;
 - `close()` leaves the group closed, no engine process, no Ray process of the cluster it started.
 The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture closes it and checks nothing is left.
 """
@@ -215,8 +217,33 @@ def test_an_engine_dying_mid_broadcast_leaves_every_engine_on_the_update(fleet_s
     assert fleet.last_update_path == "collective"
 
 
-def test_auto_takes_the_object_store_without_gpus():
-    assert resolve_transfer("auto", {"CPU": 1}) == ("object_store", None)
+def test_a_hung_engine_at_an_update_is_replaced_and_gets_it(fleet_setup, caplog):
+    import signal
+
+    fleet, state = fleet_setup
+    hung_pid = fleet.pids[1]
+    os.kill(hung_pid, signal.SIGSTOP)  # NOTE: alive but silent: it never enters the update
+    fleet.weight_group.ready_timeout_s, ready = 15.0, fleet.weight_group.ready_timeout_s
+    new = new_weights(state)
+    try:
+        with caplog.at_level(logging.WARNING, logger="rollout.fleet"):
+            start = time.monotonic()
+            version = fleet.update_weights(new)
+            took = time.monotonic() - start
+    finally:
+        fleet.weight_group.ready_timeout_s = ready
+        if not _gone(hung_pid):
+            os.kill(hung_pid, signal.SIGCONT)
+    state["model"] = new
+    assert fleet.last_update_path == "object_store" and 15.0 <= took < 15.0 + 60.0, (fleet.last_update_path, took)
+    lines = [r.getMessage() for r in caplog.records if r.name == "rollout.fleet"]
+    assert any("engine 1 failed (not ready for weight update" in m for m in lines), lines
+    assert_every_engine_on(fleet, new, version)  # the replacement started on the object-store copy
+    assert fleet.pids[1] != hung_pid and _gone(hung_pid)
+
+
+def test_auto_takes_the_collective_path():
+    assert resolve_transfer("auto", {"CPU": 1}) == ("collective", "gloo")
     assert resolve_transfer("collective", {"CPU": 1}) == ("collective", "gloo")
     assert resolve_transfer("object_store", {"GPU": 1}) == ("object_store", None)
     with pytest.raises(ValueError, match="weight_transfer"):
