@@ -38,14 +38,12 @@ import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.score_batch import score_inputs
+from rollout.fleet import weight_group
 from rollout.fleet.engine_health import EngineHealth
 from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
 from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
-from rollout.fleet.weight_group import DEFAULT_BUCKET_BYTES, LearnerGroup, collective_update, resolve_transfer
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.sampling.sampling_fields import temperatures
-from rollout.weights.in_place import strip_prefixes
-from rollout.weights.transfer import named_tensors
 
 logger = logging.getLogger("rollout.fleet")
 
@@ -85,7 +83,7 @@ class RolloutFleet:
                  threads_per_engine: int | None = None, address: str | None = None, num_cpus: int | None = None,
                  max_restarts: int = 3, max_attempts: int = 3, request_timeout_s: float = 600.0,
                  start_timeout_s: float = 300.0, placement_strategy: str = "PACK", weight_transfer: str = "auto",
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, weight_group_timeout_s: float = 120.0) -> None:
+                 bucket_bytes: int = weight_group.DEFAULT_BUCKET_BYTES, weight_group_timeout_s: float = 120.0) -> None:
         ray = require_ray()
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -98,7 +96,7 @@ class RolloutFleet:
         bundle = {k: float(v) for k, v in (resources_per_engine or {"CPU": 1}).items()}
         if not bundle or any(v < 0 for v in bundle.values()) or not any(v > 0 for v in bundle.values()):
             raise ValueError(f"resources_per_engine must ask for some resources, got {resources_per_engine!r}")
-        self.weight_transfer, backend = resolve_transfer(weight_transfer, bundle)
+        self.weight_transfer, backend = weight_group.resolve_transfer(weight_transfer, bundle)
         if max_attempts < 1 or max_restarts < 0:
             raise ValueError(f"max_attempts must be >= 1 and max_restarts >= 0, got {max_attempts}, {max_restarts}")
         self.ray = ray
@@ -122,7 +120,7 @@ class RolloutFleet:
         self.closed = False
         self.policy_version = 0
         self.last_update_s, self.last_update_path = float("nan"), ""
-        self.weight_group = LearnerGroup(backend or "gloo", bucket_bytes, weight_group_timeout_s, request_timeout_s)
+        self.weight_group = weight_group.LearnerGroup(backend or "gloo", bucket_bytes, weight_group_timeout_s, request_timeout_s)
         self.group_address = ray.util.get_node_ip_address()  # NOTE: 127.0.0.1 on the local cluster
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=placement_strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=start_timeout_s)
@@ -287,7 +285,7 @@ class RolloutFleet:
         start, version = time.perf_counter(), self.policy_version + 1
         path = "object_store"
         if self.weight_transfer == "collective":
-            path = collective_update(self, source, version, in_flight)
+            path = weight_group.collective_update(self, source, version, in_flight)
         if path == "object_store":
             self._through_store(source, version, in_flight)
         self.policy_version = version
@@ -299,7 +297,7 @@ class RolloutFleet:
     def _through_store(self, source, version: int, in_flight: str) -> None:
         """One object-store copy of the state dict, read by each engine (and by a replacement at its start)."""
         ray, health = self.ray, self.health
-        ref = ray.put(to_payload(state_dict_of(source)))
+        ref = ray.put(to_payload(weight_group.state_dict_of(source)))
         ray.get(self.store.set.remote([ref], version), timeout=self.start_timeout_s)  # NOTE: before any engine
         health.current = (ref, version)  # NOTE: a recovering engine gets it when its probe answers
         health.poll()
@@ -369,17 +367,6 @@ class RolloutFleet:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def state_dict_of(source) -> dict[str, torch.Tensor]:
-    """CPU tensors of `source` (an nn.Module, wrapper prefixes cut; a state dict; or (name, tensor) pairs), ready
-    for the object store."""
-    out = {}
-    for name, value in named_tensors(source):
-        if not isinstance(value, torch.Tensor):
-            raise ValueError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
-        out[strip_prefixes(name)] = value.detach().to("cpu").contiguous()
-    return out
 
 
 def _pad_of(source, generation_config) -> int:

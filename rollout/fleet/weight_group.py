@@ -61,6 +61,17 @@ def learner_state(source) -> dict[str, torch.Tensor]:
     return {strip_prefixes(n): t.detach() for n, t in named_tensors(source)}
 
 
+def state_dict_of(source) -> dict[str, torch.Tensor]:
+    """CPU tensors of `source` (an nn.Module, wrapper prefixes cut; a state dict; or (name, tensor) pairs), ready
+    for the object store."""
+    out = {}
+    for name, value in named_tensors(source):
+        if not isinstance(value, torch.Tensor):
+            raise ValueError(f"weight {name!r} is a {type(value).__name__}, not a tensor")
+        out[strip_prefixes(name)] = value.detach().to("cpu").contiguous()
+    return out
+
+
 class NotReady(TimeoutError):
     """Members (their indices in the update's list) that did not enter their engine's update in time: hung."""
 

@@ -90,6 +90,7 @@ def test_async_grpo_on_a_fleet_runs_ahead_by_one_version(setup, tmp_path):
         assert run.engine.fleet is fleet
         history = [run.step() for _ in range(4)]  # NOTE: a user's loop of step(): async all the same
     assert fleet.policy_version == start + 4
+    assert fleet.last_update_path == "collective"  # the default ("auto"): broadcast, in flight ("keep")
     assert history[0]["staleness_max"] == 0.0
     assert max(h["staleness_max"] for h in history) == 1.0
     assert any(h["stale_fraction"] > 0 for h in history)
