@@ -38,6 +38,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rollout import RolloutEngine
 from trainers import GRPOConfig, GRPOTrainer
+from trainers.common import completion_forward, safe_temperatures
 from trainers.losses import masked_mean
 from trainers.rollouts import batch_tensors
 from trainers.tasks import AdditionTask, greedy_accuracy
@@ -50,6 +51,11 @@ GROUP_SIZE = 4  # distillation needs no group baseline: fewer samples per prompt
 TEMPERATURE = 1.0  # the student's own distribution: the reverse KL is taken under it
 LR = 5e-4
 HELDOUT = 512
+# -(reverse KL) per token as it is; centred and scaled to unit std over the batch; or clamped to +-ADVANTAGE_CLIP
+# (a confident teacher puts -10 to -17 nats on a wrong digit: a few such tokens set the whole batch's gradient)
+ADVANTAGES = ("raw", "normalized", "clipped")
+ADVANTAGE_CLIP = 3.0
+LOSSES = ("sampled", "full_kl")  # the policy-gradient surrogate on sampled tokens, or the exact per-position KL
 GRPO_SETTINGS = dict(group_size=8, temperature=1.2, learning_rate=5e-4)  # recipes/grpo.py's defaults
 
 
@@ -70,8 +76,14 @@ class GRPOBaseline(HeldoutEval, GRPOTrainer):
 class DistillTrainer(GRPOTrainer):
     """GRPO's machinery with per-token advantages: teacher logprob - student logprob of each sampled token."""
 
-    def __init__(self, *args, teacher: torch.nn.Module, **kwargs) -> None:
+    def __init__(self, *args, teacher: torch.nn.Module, advantages: str = "raw", loss: str = "sampled",
+                 **kwargs) -> None:
+        if advantages not in ADVANTAGES or loss not in LOSSES:
+            raise ValueError(f"advantages must be one of {ADVANTAGES} and loss one of {LOSSES}, got "
+                             f"{advantages!r}, {loss!r}")
         super().__init__(*args, **kwargs)
+        self.advantages, self.loss_form = advantages, loss
+        self.teacher_model = teacher
         self.teacher = RolloutEngine(teacher, config=GRPO_EMBEDDED_ENGINE.replace(logprobs_mode="processed"))
 
     def collect(self):
@@ -88,12 +100,35 @@ class DistillTrainer(GRPOTrainer):
         t0 = time.perf_counter()
         teacher = self.teacher.score(batch).logprobs.to(mask.device)  # [N, T], at the sampling temperature
         metrics["time_teacher"] = time.perf_counter() - t0
-        data["advantages"] = torch.where(mask, teacher - own["logprobs"], 0.0)  # [N, T]
+        advantages = teacher - own["logprobs"]  # [N, T]
+        if self.advantages == "normalized":  # NOTE: a baseline and a scale, over the batch's completion tokens
+            mean = masked_mean(advantages, mask)
+            std = masked_mean((advantages - mean) ** 2, mask).sqrt()
+            advantages = (advantages - mean) / (std + 1e-6)
+        elif self.advantages == "clipped":
+            advantages = advantages.clamp(-ADVANTAGE_CLIP, ADVANTAGE_CLIP)
+        data["advantages"] = torch.where(mask, advantages, 0.0)  # [N, T]
         metrics["reverse_kl"] = masked_mean(own["logprobs"] - teacher, mask).item()
         metrics["time_train"] = time.perf_counter() - start
         if self.step_count % EVAL_EVERY == 0:
             metrics["heldout_exact"] = greedy_accuracy(self.policy, self.tokenizer, AdditionTask(3), n=HELDOUT)["exact"]
         return data, metrics
+
+    def loss(self, micro: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`sampled`: GRPO's clipped surrogate with the per-token advantages above. `full_kl`: the exact reverse
+        KL over the vocabulary at every completion position, sum_v p_s(v) (log p_s(v) - log p_t(v)), both under the
+        sampling temperature, token mean (on-policy GKD): the student's visited states, no sampled estimate."""
+        if self.loss_form == "sampled":
+            return super().loss(micro)
+        logits, _ = self.forward(self.model, micro)  # [n, T+1, V]
+        with torch.no_grad():
+            teacher = completion_forward(self.teacher_model, micro).logits  # [n, T+1, V]
+        temps = safe_temperatures(micro["temperatures"])[:, None, None]  # [n, 1, 1]
+        student = torch.log_softmax(logits[:, :-1].float() / temps, -1)  # [n, T, V]
+        teacher = torch.log_softmax(teacher[:, :-1].float() / temps, -1)  # [n, T, V]
+        kl = (student.exp() * (student - teacher)).sum(-1)  # [n, T]
+        loss = masked_mean(kl, micro["loss_mask"])
+        return loss, {"full_reverse_kl": loss.detach()}
 
     def close(self) -> None:
         super().close()
@@ -109,6 +144,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--prompts_per_step", type=int, default=PROMPTS_PER_STEP)
     p.add_argument("--group_size", type=int, default=GROUP_SIZE)
     p.add_argument("--lr", type=float, default=LR)
+    p.add_argument("--advantages", default="raw", choices=ADVANTAGES,
+                   help="raw: teacher - student logprob per token; normalized: centred, unit std over the batch; "
+                        "clipped: clamped to +-ADVANTAGE_CLIP")
+    p.add_argument("--loss", default="sampled", choices=LOSSES,
+                   help="sampled: the clipped surrogate with per-token advantages; full_kl: the exact reverse KL "
+                        "over the vocabulary at each position (the teacher runs a forward in the trainer)")
     p.add_argument("--no_grpo_baseline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/distill")
@@ -151,7 +192,8 @@ def main(argv=None) -> dict:
     print(f"teacher {teacher_path}: held-out exact {teacher_exact:.3f}; student {student_path}: {student_exact:.3f}")
     curves, walls = {}, {}
     curves["distill"], walls["distill"] = run(DistillTrainer, accelerator, args, student_path, tokenizer, dataset,
-                                              os.path.join(args.output_dir, "distill"), teacher=teacher)
+                                              os.path.join(args.output_dir, "distill"), teacher=teacher,
+                                              advantages=args.advantages, loss=args.loss)
     if not args.no_grpo_baseline:
         curves["grpo"], walls["grpo"] = run(GRPOBaseline, accelerator, args, student_path, tokenizer, dataset,
                                             os.path.join(args.output_dir, "grpo"), settings=GRPO_SETTINGS)

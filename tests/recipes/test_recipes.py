@@ -314,6 +314,34 @@ def test_distill_recipe_short_run(tmp_path, tiny_checkpoint, monkeypatch, keep_r
     assert json.loads((out / "summary.json").read_text())["steps"] == 2
 
 
+def test_distill_full_kl_loss_of_a_self_teacher_is_zero_and_of_another_positive(tmp_path, tiny_checkpoint,
+                                                                                  monkeypatch, keep_rng):
+    """`--loss full_kl`: the exact per-position reverse KL (lr ~0, so every minibatch sees the initial student): 0
+    for a student that is its own teacher, > 0 for a perturbed teacher; a bad mode is refused by name."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    distill = load_recipe("distill")
+    monkeypatch.setattr(distill, "EVAL_EVERY", 100)
+    monkeypatch.setattr(distill, "HELDOUT", 4)
+    common = ["--student", tiny_checkpoint, "--steps", "1", "--prompts_per_step", "4", "--group_size", "2", "--lr", "1e-12",
+              "--no_grpo_baseline"]
+    distill.main(["--teacher", tiny_checkpoint, "--loss", "full_kl", "--output_dir", str(tmp_path / "self"), *common])
+    record = json.loads((tmp_path / "self" / "distill" / "metrics.jsonl").read_text().splitlines()[0])
+    assert abs(record["full_reverse_kl"]) < 1e-6
+    other = AutoModelForCausalLM.from_pretrained(tiny_checkpoint)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    other.save_pretrained(tmp_path / "other")
+    distill.main(["--teacher", str(tmp_path / "other"), "--loss", "full_kl", "--output_dir", str(tmp_path / "kl"),
+                  *common])
+    record = json.loads((tmp_path / "kl" / "distill" / "metrics.jsonl").read_text().splitlines()[0])
+    assert record["full_reverse_kl"] > 1e-4
+    with pytest.raises(ValueError, match="advantages must be one of"):
+        distill.DistillTrainer(None, teacher=other, advantages="bogus")
+
+
 # ------------------------------------------------------------------------------- PPO and TRL GRPO runs
 @pytest.mark.timeout(400)
 def test_ppo_recipe_short_run_writes_outputs(tmp_path, keep_rng):
