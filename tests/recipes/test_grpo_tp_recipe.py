@@ -66,8 +66,8 @@ def test_grpo_recipe_tp2_on_two_cpu_ranks_matches_tp1(tmp_path, keep_rng):
     # both TP ranks are one data-parallel replica: the same prompts, the same rollouts, the same local losses
     assert len(r0["steps"]) == len(r1["steps"]) == 3
     for a, b in zip(r0["steps"], r1["steps"], strict=True):
-        assert a["data"] == b["data"] == [0, 1]
         assert a["prompts"] == b["prompts"] and len(a["prompts"]) == 4
+        assert a["data"] == b["data"] == [0, 1]  # data-parallel rank 0 of 1
         assert a["completion_ids"] == b["completion_ids"] and a["rewards"] == b["rewards"]
         assert a["local"]["loss"] == pytest.approx(b["local"]["loss"], abs=1e-6)
         assert a["local"]["grad_norm"] == pytest.approx(b["local"]["grad_norm"], rel=1e-5)
