@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
-from accelerate import Accelerator
 from _tp import tp_load_kwargs
+from accelerate import Accelerator
 from datasets import Dataset, load_dataset, load_from_disk
 
 from rollout import ContinuousBatchingConfig

@@ -74,9 +74,10 @@ class TensorParallelMixin:
         acc = self.accelerator
         self.tp_size = tp = tp_size_of(self.policy_module(module))
         self.data_rank, self.data_world = acc.process_index // tp, max(1, acc.num_processes // tp)
-        if tp == 1 or acc.num_processes == 1:
+        if tp > 1:
+            check_tp_trainer(self, tp)
+        if tp == 1 or acc.num_processes == 1:  # NOTE: one process per TP group: prepare is a pass-through
             return super().prepare_model(module, optimizer)
-        check_tp_trainer(self, tp)
         self.param_fraction = param_fraction(self.policy_module(module))
         # NOTE: only the optimizer: a prepared model would be DDP-wrapped over the TP ranks
         return module, acc.prepare(optimizer)
