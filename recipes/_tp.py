@@ -35,7 +35,8 @@ def check_tp_args(args, accelerator=None) -> None:
                          f"processes (torchrun --nproc-per-node {tp})")
     if world != tp:
         raise ValueError(f"--tp_size {tp} on {world} processes: data parallelism over several TP groups is not "
-                         f"implemented yet; launch exactly {tp} processes")
+                         "implemented yet (transformers needs dp_replicate_size for it, an HSDP model the engine "
+                         f"cannot run); launch exactly {tp} processes")
     from accelerate.utils import parse_flag_from_env
 
     if parse_flag_from_env("ACCELERATE_USE_FSDP") or getattr(args, "fsdp", False):

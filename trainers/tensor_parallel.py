@@ -49,6 +49,8 @@ def check_tp_trainer(trainer, tp: int) -> None:
         raise ValueError(f"the policy is tensor-parallel with tp_size={tp}, which does not divide the "
                          f"{world} processes: launch a multiple of tp_size processes")
     if world > tp:
+        # NOTE: transformers lays out world > tp_size only with dp_replicate_size, which fully_shards (HSDP) the model,
+        # and the engine's view cannot deep-copy an FSDP module
         raise ValueError(f"tp_size={tp} on {world} processes would make {world // tp} data-parallel groups of TP "
                          f"ranks, which is not implemented yet: launch --nproc-per-node {tp} (one TP group)")
     if fsdp_settings(cfg.fsdp, acc) is not None:
