@@ -47,8 +47,6 @@ def check_tp_args(args, accelerator=None) -> None:
         value = getattr(args, flag, off)
         if value != off and value:
             raise ValueError(f"--tp_size {tp} with --{flag} {value} is not supported yet")
-    if getattr(args, "beta", 0.0):
-        raise ValueError(f"--tp_size {tp} with --beta {args.beta} (a KL reference) is not supported yet")
 
 
 def tp_load_kwargs(args, model_path: str) -> dict:

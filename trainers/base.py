@@ -158,7 +158,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
             return None
         if ref_model is None and self.lora:  # NOTE: the base, the adapter disabled in its pass: no second copy
             return self.policy
-        ref = ref_model if ref_model is not None else copy.deepcopy(self.unsharded_policy())
+        ref = ref_model if ref_model is not None else self.reference_copy()  # NOTE: of the initial policy
         if self.config.disable_dropout:
             disable_dropout(ref)
         ref = ref.to(self.accelerator.device).eval()

@@ -18,8 +18,8 @@ recipes build), the trainer:
 An `Accelerator` that sees one process (no `cpu=True` on a CPU under torchrun) also works: `data_world` is then 1.
 
 Refused with the reason: `num_processes` not a multiple of `tp_size`, several TP groups (data parallelism over TP
-groups is not implemented yet), FSDP, LoRA, `batch_invariant`, `engine_dtype`, `async_rollout`, a KL reference
-(`beta > 0`) and checkpoints (`save_steps`).
+groups is not implemented yet), FSDP, LoRA, `batch_invariant`, `engine_dtype`, `async_rollout` and checkpoints
+(`save_steps`). A KL reference (`beta > 0`) is an unsharded copy of the initial policy on every rank.
 """
 
 from __future__ import annotations
@@ -60,9 +60,6 @@ def check_tp_trainer(trainer, tp: int) -> None:
         value = getattr(cfg, name, off)
         if value != off and value:
             raise ValueError(f"{name}={value!r} does not run on a tensor-parallel policy (tp_size={tp}) yet: {why}")
-    if trainer.uses_reference:
-        raise ValueError(f"a KL reference (beta > 0) does not run on a tensor-parallel policy (tp_size={tp}) yet: "
-                         "it would be a copy of the sharded model")
 
 
 class TensorParallelMixin:
@@ -83,6 +80,15 @@ class TensorParallelMixin:
         self.param_fraction = param_fraction(self.policy_module(module))
         # NOTE: only the optimizer: a prepared model would be DDP-wrapped over the TP ranks
         return module, acc.prepare(optimizer)
+
+    def reference_copy(self) -> torch.nn.Module:
+        """The KL reference's initial weights: a deep copy of the policy, or under TP an unsharded copy on every rank
+        (a TP model does not deep-copy; the reference scores the same rows on every rank through its own engine)."""
+        if self.tp_size > 1:
+            return unsharded_copy(self.policy)
+        import copy
+
+        return copy.deepcopy(self.unsharded_policy())
 
     def gather_replicas(self, rows: Tensor) -> Tensor:
         """`accelerator.gather(rows)` with each TP group's rows once (its rank 0's): `[n x data_world]`."""

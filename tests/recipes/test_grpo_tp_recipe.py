@@ -40,10 +40,10 @@ def records(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
-def launch_tp2(out: Path, record: Path) -> subprocess.CompletedProcess:
+def launch_tp2(out: Path, record: Path, extra: list[str]) -> subprocess.CompletedProcess:
     """torchrun of the worker in its own process group; past the timeout the whole group is killed."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-               str(free_port()), str(WORKER), "--record_dir", str(record), "--", *ARGS, "--tp_size", "2",
+               str(free_port()), str(WORKER), "--record_dir", str(record), "--", *ARGS, *extra, "--tp_size", "2",
                "--output_dir", str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=f"{ROOT}{os.pathsep}{ROOT / 'tests'}",
                CUDA_VISIBLE_DEVICES="")
@@ -59,8 +59,10 @@ def launch_tp2(out: Path, record: Path) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.skipif(not (dist.is_available() and dist.is_gloo_available()), reason="needs torch.distributed with gloo")
-def test_grpo_recipe_tp2_on_two_cpu_ranks_matches_tp1(tmp_path, keep_rng):
-    proc = launch_tp2(tmp_path / "tp2", tmp_path / "ranks")
+@pytest.mark.parametrize("beta", [0.0, 0.04], ids=["no_kl", "kl"])  # NOTE: kl: the reference is an unsharded copy
+def test_grpo_recipe_tp2_on_two_cpu_ranks_matches_tp1(tmp_path, keep_rng, beta):
+    extra = ["--beta", str(beta)]
+    proc = launch_tp2(tmp_path / "tp2", tmp_path / "ranks", extra)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     r0, r1 = (json.loads((tmp_path / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1))
     # both TP ranks are one data-parallel replica: the same prompts, the same rollouts, the same local losses
@@ -83,16 +85,17 @@ def test_grpo_recipe_tp2_on_two_cpu_ranks_matches_tp1(tmp_path, keep_rng):
 
     # the same seed in one process, tp_size 1: the same rollouts, so the same rewards; the loss to float error
     grpo = load_recipe("grpo")
-    grpo.main([*ARGS, "--output_dir", str(tmp_path / "tp1")])
+    grpo.main([*ARGS, *extra, "--output_dir", str(tmp_path / "tp1")])
     tp1 = records(tmp_path / "tp1")
     for a, b in zip(tp1, tp2, strict=True):
-        print(f"step {a['step']}: reward tp1 {a['reward_mean']:.6f} tp2 {b['reward_mean']:.6f}; loss tp1 "
+        print(f"beta {beta} step {a['step']}: reward tp1 {a['reward_mean']:.6f} tp2 {b['reward_mean']:.6f}; loss tp1 "
               f"{a['loss']:.8f} tp2 {b['loss']:.8f}; grad_norm tp1 {a['grad_norm']:.6f} tp2 {b['grad_norm']:.6f}; "
               f"mismatch tp2 {b['logprob_mismatch_max']:.2e}")
         assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-4)
         assert b["reward_std"] == pytest.approx(a["reward_std"], abs=1e-4)
         assert b["loss"] == pytest.approx(a["loss"], abs=1e-4)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-3)
+        assert ("kl" in b) == (beta > 0) and b.get("kl", 0.0) == pytest.approx(a.get("kl", 0.0), abs=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------- refusals
@@ -100,7 +103,7 @@ def test_grpo_recipe_tp2_on_two_cpu_ranks_matches_tp1(tmp_path, keep_rng):
 
 def _args(**overrides) -> SimpleNamespace:
     base = dict(tp_size=2, lora_rank=None, async_rollout=False, rollout_engines=0, engine_dtype=None,
-                batch_invariant=False, save_steps=0, resume_from_checkpoint=None, beta=0.0)
+                batch_invariant=False, save_steps=0, resume_from_checkpoint=None, beta=0.04)
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -111,7 +114,6 @@ def _args(**overrides) -> SimpleNamespace:
     ({"tp_size": 0}, 2, "--tp_size must be >= 1"),
     ({"lora_rank": 8}, 2, "--lora_rank 8 is not supported"),
     ({"async_rollout": True}, 2, "--async_rollout True is not supported"),
-    ({"beta": 0.1}, 2, "--beta 0.1"),
 ])
 def test_check_tp_args_names_the_problem(overrides, world, message):
     tp = load_recipe("_tp")
