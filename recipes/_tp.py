@@ -43,7 +43,7 @@ def check_tp_args(args, accelerator=None) -> None:
         raise ValueError(f"--tp_size {tp} with FSDP: the policy is sharded by tensor parallelism already; launch "
                          "with a non-FSDP config (recipes/accelerate/2cpu.yaml) or torchrun")
     for flag, off in (("lora_rank", None), ("async_rollout", False), ("rollout_engines", 0), ("engine_dtype", None),
-                      ("batch_invariant", False), ("save_steps", 0), ("resume_from_checkpoint", None)):
+                      ("batch_invariant", False)):
         value = getattr(args, flag, off)
         if value != off and value:
             raise ValueError(f"--tp_size {tp} with --{flag} {value} is not supported yet")

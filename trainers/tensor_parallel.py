@@ -7,9 +7,10 @@ gradients are its own shards' (DTensor autograd does the TP collectives). Nothin
 were DDP replicas. So, under an `Accelerator` that spans the TP ranks (a `MULTI_CPU` / `MULTI_GPU` launch, what the
 recipes build), the trainer:
 
-- does not `accelerator.prepare` the model (DDP would refuse the DTensors, or average the shards' gradients), only
-  the optimizer; `accelerator.backward`, `accumulate` and `clip_grad_norm_` work on the plain module (the grad norm is
-  the DTensors' global one);
+- does not `accelerator.prepare` the model (DDP would refuse the DTensors, or average the shards' gradients) nor the
+  optimizer; `accelerator.backward`, `accumulate` and `clip_grad_norm_` work on the plain module (the grad norm is
+  the DTensors' global one); a checkpoint holds both as one DCP checkpoint in `checkpoint-N/tp/` (each rank its
+  shards; accelerate's `save_state` the scheduler and RNG), which loads back onto the same `tp_size`;
 - reads prompts and rollout seeds for data-parallel rank `process_index // tp_size` of `num_processes // tp_size`
   (`data_rank`, `data_world`), not for its own process index;
 - counts each TP group's rows once where it gathers rows (`gather_replicas`: the reward mean / std) and divides the
@@ -18,8 +19,8 @@ recipes build), the trainer:
 An `Accelerator` that sees one process (no `cpu=True` on a CPU under torchrun) also works: `data_world` is then 1.
 
 Refused with the reason: `num_processes` not a multiple of `tp_size`, several TP groups (data parallelism over TP
-groups is not implemented yet), FSDP, LoRA, `batch_invariant`, `engine_dtype`, `async_rollout` and checkpoints
-(`save_steps`). A KL reference (`beta > 0`) is an unsharded copy of the initial policy on every rank.
+groups is not implemented yet), FSDP, LoRA, `batch_invariant`, `engine_dtype` and `async_rollout`. A KL reference
+(`beta > 0`) is an unsharded copy of the initial policy on every rank.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ from rollout.engine.tp import tp_size_of
 from trainers.common import reduce_metrics
 from trainers.sharding import fsdp_settings, param_fraction
 
+TP_DIR = "tp"  # NOTE: a TP policy's DCP checkpoint inside checkpoint-N/ (trainers.checkpoints)
 # NOTE: RLConfig fields (name -> the value that means "off") that do not run on a TP policy yet, with the reason
 UNSUPPORTED = {
     "lora_rank": (None, "LoRA adapters on DTensor-sharded linears are untested"),
     "batch_invariant": (False, "the invariant passes bypass the model's TP forward"),
     "engine_dtype": (None, "the engine runs on the trainer's own shards (a cast copy of a TP model is not built)"),
     "async_rollout": (False, "a producer thread's TP forwards would interleave with the learner's collectives"),
-    "save_steps": (0, "checkpoints of a TP policy (accelerate save_state of DTensors) are not implemented"),
 }
 
 
@@ -78,8 +79,23 @@ class TensorParallelMixin:
         if tp == 1 or acc.num_processes == 1:  # NOTE: one process per TP group: prepare is a pass-through
             return super().prepare_model(module, optimizer)
         self.param_fraction = param_fraction(self.policy_module(module))
-        # NOTE: only the optimizer: a prepared model would be DDP-wrapped over the TP ranks
-        return module, acc.prepare(optimizer)
+        # NOTE: not prepared: the model would be DDP-wrapped over the TP ranks; checkpoints save both as DCP
+        return module, optimizer
+
+    def save_shards(self, path: str) -> None:
+        """Under TP: the model's and the optimizer's shards as one DCP checkpoint in `path/tp` (each rank its own)."""
+        if self.tp_size > 1 and self.accelerator.num_processes > 1:
+            from trainers.checkpoints import save_sharded
+
+            return save_sharded(self.model, self.optimizer, path, folder=TP_DIR)
+        return super().save_shards(path)
+
+    def load_shards(self, path: str) -> None:
+        if self.tp_size > 1 and self.accelerator.num_processes > 1:
+            from trainers.checkpoints import load_sharded
+
+            return load_sharded(self.model, self.optimizer, path, folder=TP_DIR)
+        return super().load_shards(path)
 
     def reference_copy(self) -> torch.nn.Module:
         """The KL reference's initial weights: a deep copy of the policy, or under TP an unsharded copy on every rank
