@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Sequence
 
 import torch
+from _tp import tp_load_kwargs
 from accelerate import Accelerator
 from datasets import Dataset, load_dataset, load_from_disk
 
@@ -298,7 +299,7 @@ def load_policy_and_prompts(
     )
     warm_start_s = time.perf_counter() - start
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, **tp_load_kwargs(args, model_path))
     if getattr(args, "gradient_checkpointing", False):
         # NOTE: transformers 5.24 renamed it; older releases only have the gradient_ spelling
         if hasattr(model, "activation_checkpointing_enable"):

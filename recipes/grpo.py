@@ -21,6 +21,7 @@ Launch (a tqdm bar shows the reward; the default took 175-190 s on 2 CPU cores, 
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --async_rollout --max_staleness 1   # generation overlaps training
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/grpo.py      # 2 CPU ranks
+    torchrun --nproc-per-node 2 recipes/grpo.py --tp_size 2   # one policy sharded over 2 ranks (recipes/_tp.py)
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --rollout_engines 1 --async_rollout
         # rollouts from a Ray fleet (the [ray] extra): engine actors in their own processes (docs/fleets.md)
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \\
@@ -77,10 +78,12 @@ from _common import (
 from _fleet import add_fleet_args, build_fleet
 from _grpo_args import TRAIN_PROMPTS, add_grpo_args, grpo_config_kwargs
 from _mode import mode_line, mode_name, mode_numbers
+from _tp import add_tp_args, check_tp_args
 from accelerate.utils import set_seed
 
 from trainers import GRPOConfig, GRPOTrainer
 from trainers.tasks import AdditionTask, greedy_accuracy
+from trainers.tensor_parallel import unsharded_copy
 
 # ----------------------------------------------------------------------------------- config
 # The shared defaults (steps 200, 32 prompts x G=8 per step and process, T=1.2, lr 5e-4, 2 iterations x 2
@@ -102,6 +105,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_run_args(p)
     add_async_args(p)
     add_fleet_args(p)
+    add_tp_args(p)
     return p.parse_args(argv)
 
 
@@ -122,12 +126,12 @@ def grpo_config(args: argparse.Namespace) -> GRPOConfig:
     )
 
 
-def write_outputs(args, accelerator, trainer, tokenizer, summary: dict, history: list, heldout: dict) -> None:
+def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: list, heldout: dict) -> None:
     """Rank 0: the final checkpoint, the reward plot, summary.json and the two summary lines."""
     if not accelerator.is_main_process:
         return
     final = os.path.join(args.output_dir, "final")
-    trainer.unsharded_policy().save_pretrained(final)  # NOTE: gathered by gather_policy() on every rank
+    policy.save_pretrained(final)  # NOTE: gathered by gather_policy() on every rank (FSDP, TP: a full copy)
     tokenizer.save_pretrained(final)
     first, last = summary["reward_first5"], summary["reward_last5"]
     title = (f"{args.algorithm}, {mode_name(args)}, on {summary['model']}, T={args.temperature}: reward {first:.3f} -> "
@@ -152,6 +156,7 @@ def write_outputs(args, accelerator, trainer, tokenizer, summary: dict, history:
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     accelerator = make_accelerator(bf16=args.bf16, report_to=args.report_to)
+    check_tp_args(args, accelerator)  # --tp_size: the launch and the flags it combines with
     set_seed(args.seed)
     resume = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None)
@@ -165,8 +170,10 @@ def main(argv: list[str] | None = None) -> dict:
         accelerator, args, TRAIN_PROMPTS, sft_seed=args.sft_seed
     )
     heldout = {}  # greedy accuracy on held-out problems, before and after RL (embedded task only)
-    if not args.dataset and accelerator.is_main_process:
-        heldout["greedy_before"] = greedy_accuracy(model, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
+    if not args.dataset:
+        plain = unsharded_copy(model) if args.tp_size > 1 else model  # NOTE: TP: collective, then rank 0 alone
+        if accelerator.is_main_process:
+            heldout["greedy_before"] = greedy_accuracy(plain, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
 
     # 3. GRPO
     config = grpo_config(args)
@@ -182,7 +189,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 4. outputs: final checkpoint, plot, summary
     accelerator.wait_for_everyone()
-    policy = trainer.gather_policy()  # NOTE: under FSDP every rank gathers the shards
+    policy = trainer.gather_policy()  # NOTE: under FSDP or TP every rank gathers the shards
     if heldout:
         heldout["greedy_after"] = greedy_accuracy(policy, tokenizer, AdditionTask(num_digits=3), n=HELDOUT)
     summary = summarize(
@@ -190,13 +197,14 @@ def main(argv: list[str] | None = None) -> dict:
         wall,
         warm_start_s=warm_start_s,
         num_processes=accelerator.num_processes,
+        tp_size=args.tp_size,
         model=model_path,
         algorithm=args.algorithm,
         mode=mode_name(args),
         **mode_numbers(history),
         **heldout,
     )
-    write_outputs(args, accelerator, trainer, tokenizer, summary, history, heldout)
+    write_outputs(args, accelerator, policy, tokenizer, summary, history, heldout)
     accelerator.end_training()
     return summary
 

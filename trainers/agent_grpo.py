@@ -110,7 +110,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             temps=cfg.temperatures(rows),
             max_new_tokens=cfg.max_new_tokens,
             max_tokens=cfg.max_episode_tokens,
-            seed=rollout_seed(cfg.seed, self.step_count, acc.process_index),
+            seed=rollout_seed(cfg.seed, self.step_count, self.data_rank),
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             return_routed_experts=cfg.routing_replay,  # NOTE: replayed over the whole trajectory (docs/moe.md)

@@ -34,7 +34,6 @@ from trainers.common import (
     logprob_mismatch,
     lr_factor,
     minibatch_plan,
-    reduce_metrics,
     rollout_seed,
     scored_logprobs,
 )
@@ -46,9 +45,10 @@ from trainers.rewards import RewardFn, score_completions
 from trainers.rollouts import completion_id_lists, encode_prompt, speculation_counts, speculation_metrics
 from trainers.routing_replay import RoutingReplayMixin
 from trainers.sharding import ShardingMixin
+from trainers.tensor_parallel import TensorParallelMixin
 
 
-class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
+class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
     """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
 
     config: RLConfig
@@ -97,7 +97,7 @@ class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixi
         if self.sleeps is None:  # NOTE: colocated on one GPU: the update needs the cache's memory
             self.sleeps = self.engine.device.type == "cuda" and self.engine.device == acc.device
         self.ref_model = self.build_reference(ref_model)
-        self.prompts = PromptSource(train_dataset, config.prompts_per_step, acc.process_index, acc.num_processes,
+        self.prompts = PromptSource(train_dataset, config.prompts_per_step, self.data_rank, self.data_world,
                                     config.seed, config.shuffle)
         self.metrics_logger = MetricsLogger(
             acc,
@@ -158,7 +158,7 @@ class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixi
             return None
         if ref_model is None and self.lora:  # NOTE: the base, the adapter disabled in its pass: no second copy
             return self.policy
-        ref = ref_model if ref_model is not None else copy.deepcopy(self.unsharded_policy())
+        ref = ref_model if ref_model is not None else self.reference_copy()  # NOTE: of the initial policy
         if self.config.disable_dropout:
             disable_dropout(ref)
         ref = ref.to(self.accelerator.device).eval()
@@ -193,7 +193,7 @@ class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixi
         metrics.update(self.lora_sync_metrics())
         metrics["time_sync"] = time.perf_counter() - start  # NOTE: the wake and the sync
         self.step_count += 1
-        metrics = {"step": self.step_count, **reduce_metrics(self.accelerator, metrics)}
+        metrics = {"step": self.step_count, **self.reduce_rank_metrics(metrics)}
         metrics["trainer_param_fraction"] = self.param_fraction  # NOTE: the logging rank's own, not a mean
         self.metrics_logger.log(metrics)
         return metrics
@@ -214,7 +214,7 @@ class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixi
             max_new_tokens=cfg.max_new_tokens,
             top_k=cfg.top_k,
             top_p=cfg.top_p,
-            seed=rollout_seed(cfg.seed, step, acc.process_index),
+            seed=rollout_seed(cfg.seed, step, self.data_rank),  # NOTE: a TP group's ranks share one
             **({"return_routed_experts": True} if cfg.routing_replay else {}),  # NOTE: engines, pools (a Ray fleet refuses it)
         ).to(acc.device)
         if sleep:  # NOTE: woken before the sync; counted in time_generate as before
@@ -250,13 +250,13 @@ class RLTrainer(LoraMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixi
 
     def reward_stats(self, rewards: Tensor) -> dict[str, float]:
         """Global `reward_mean` / `reward_std` over every rank's scored rows (one gather)."""
-        everyone = self.accelerator.gather(rewards.to(self.accelerator.device)).float()  # [N x W]
+        everyone = self.gather_replicas(rewards.to(self.accelerator.device)).float()  # [N x data-parallel ranks]
         everyone = everyone[~everyone.isnan()]
         # NOTE: every rank gets the same global values, so the cross-rank mean leaves them as they are.
         return {
             "reward_mean": everyone.mean().item() if everyone.numel() else float("nan"),
             "reward_std": everyone.std().item() if everyone.numel() > 1 else 0.0,
-            "unscorable_fraction": 1.0 - everyone.numel() / max(1, rewards.numel() * self.accelerator.num_processes),
+            "unscorable_fraction": 1.0 - everyone.numel() / max(1, rewards.numel() * self.data_world),
         }
 
     @torch.no_grad()

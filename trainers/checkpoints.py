@@ -30,23 +30,25 @@ def checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
-    """Every rank writes its shards of `model` and `optimizer` to `path/fsdp` (collective)."""
+def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, folder: str = SHARDED_DIR) -> None:
+    """Every rank writes its shards of `model` and `optimizer` to `path/fsdp` (collective; `folder`: another name,
+    "tp" for a tensor-parallel policy)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     model_state, optim_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, SHARDED_DIR))
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, folder))
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, folder: str = SHARDED_DIR) -> None:
     """Load `save_sharded`'s `path/fsdp` into `model` and `optimizer` in place (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    where = os.path.join(path, SHARDED_DIR)
+    where = os.path.join(path, folder)
     if not os.path.isdir(where):
-        raise FileNotFoundError(f"{path} holds no sharded model ({SHARDED_DIR}/): was it saved without FSDP?")
+        raise FileNotFoundError(f"{path} holds no sharded model ({folder}/): was it saved "
+                                f"{'without FSDP' if folder == SHARDED_DIR else 'with another tp_size'}?")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optimizer": optim_state}
     dcp.load(state, checkpoint_id=where)
