@@ -59,6 +59,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--output_dir", default="runs/distill_study")
+    ap.add_argument("--include", nargs="*", default=[],
+                    help="earlier runs' summary.json files whose curves join this run's table and plot")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     os.makedirs(args.output_dir, exist_ok=True)
@@ -70,7 +72,12 @@ def main() -> None:
     exact = {"student": greedy_accuracy(AutoModelForCausalLM.from_pretrained(args.student), tokenizer, task,
                                         n=HELDOUT)["exact"]}
     curves, walls = {}, {}
-    for name in args.teachers.split(","):
+    for path in args.include:
+        earlier = json.load(open(path))
+        exact.update(earlier["exact"])
+        curves.update({k: [tuple(p) for p in c] for k, c in earlier["curves"].items()})
+        walls.update(earlier["wall_seconds"])
+    for name in filter(None, args.teachers.split(",")):
         path = teachers[name] or strong_teacher()
         teacher = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         exact[name] = greedy_accuracy(teacher, tokenizer, task, n=HELDOUT)["exact"]
