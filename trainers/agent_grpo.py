@@ -27,6 +27,7 @@ from torch import Tensor
 from rollout import RolloutBatch
 from rollout.agents import Environment, run_episodes
 from trainers.common import rollout_seed
+from trainers.rollouts import speculation_counts, speculation_metrics
 from trainers.grpo import GRPOConfig, GRPOTrainer
 
 
@@ -100,7 +101,7 @@ class AgentGRPOTrainer(GRPOTrainer):
         """Play `group_size` episodes per row: `(batch, rewards [N], metrics)`. No collective call."""
         cfg, acc = self.config, self.accelerator
         start = time.perf_counter()
-        before = self.engine.cache_stats()
+        before, spec = self.engine.cache_stats(), speculation_counts(self.engine)
         batch = run_episodes(
             self.engine,
             self.env_factory,
@@ -131,6 +132,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             # NOTE: each turn resubmits the whole context; this share of it came from the prefix cache
             "prefix_cached_fraction": cached / max(1, cached + computed),
             "policy_version": float(batch.policy_version + self._version_base),
+            **speculation_metrics(spec, speculation_counts(self.engine)),  # NOTE: an engine that speculates
         }
         rewards = batch.rewards.to(acc.device).float()  # [N]
         if self.reward_funcs:

@@ -158,3 +158,46 @@ def test_grpo_logs_speculation_of_an_engine_that_speculates(tmp_path):
     with GRPOTrainer(build_tiny_model(tokenizer, hidden_size=32, num_layers=1, num_heads=2, seed=0), tokenizer,
                      digit_share, dataset, plain) as trainer:
         assert not any(k.startswith("spec_") for k in trainer.step())
+
+
+class RepeatAfterTool:
+    """Two model turns around a fixed tool message (the same text every episode, so earlier turns draft)."""
+
+    def reset(self, row):
+        self.turn = 0
+        return [{"role": "user", "content": row["prompt"]}]
+
+    def step(self, action):
+        self.turn += 1
+        if self.turn == 1:
+            return [{"role": "tool", "content": "4321"}], 0.0, False
+        return None, sum(ch.isdigit() for ch in action) / max(len(action), 1), True
+
+
+def test_agent_grpo_logs_speculation_of_an_engine_that_speculates(tmp_path):
+    """The agent trainer's episodes log `spec_*` like GRPO's rollouts: per-step counts that add up to the engine's
+    own counters; a plain engine logs none."""
+    from trainers.agent_grpo import AgentGRPOConfig, AgentGRPOTrainer
+    from trainers.calculator import make_calculator_tokenizer
+
+    tok = make_calculator_tokenizer()
+    dataset = [{"prompt": f"{i:02d}+{i + 3:02d}"} for i in range(2)]
+    speculating = ContinuousBatchingConfig(page_size=8, num_blocks=256, max_batch_tokens=256,
+                                           speculative_method="ngram", num_speculative_tokens=4)
+    settings = dict(max_steps=3, prompts_per_step=2, group_size=2, max_turns=2, max_new_tokens=12, temperature=0.05,
+                    learning_rate=1e-12, log_stdout=False, progress=False)
+    config = AgentGRPOConfig(output_dir=str(tmp_path), engine_config=speculating, **settings)
+    with AgentGRPOTrainer(build_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0), tok,
+                          RepeatAfterTool, dataset, config) as trainer:
+        history = trainer.train()
+        totals = trainer.engine.cache_stats()
+    assert sum(m["spec_draft_tokens"] for m in history) == totals["spec_draft_tokens"] > 0
+    assert sum(m["spec_accepted_tokens"] for m in history) == totals["spec_accepted_tokens"]
+    for m in history:
+        assert m["spec_acceptance_rate"] == pytest.approx(m["spec_accepted_tokens"] / max(1.0, m["spec_draft_tokens"]))
+    plain = AgentGRPOConfig(output_dir=str(tmp_path / "plain"), **{**settings, "max_steps": 1},
+                            engine_config=ContinuousBatchingConfig(page_size=8, num_blocks=256, max_batch_tokens=256))
+    with AgentGRPOTrainer(build_tiny_model(tok, hidden_size=32, num_layers=1, num_heads=2, seed=0), tok,
+                          RepeatAfterTool, dataset, plain) as trainer:
+        assert not any(k.startswith("spec_") for k in trainer.step())
+
