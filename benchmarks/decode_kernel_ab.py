@@ -1,0 +1,113 @@
+"""Decode attention kernel A/B on cold pages: the live `rollout/kernels/csrc` against the same sources at a git
+revision, built side by side, interleaved in one process.
+
+Each of `--layers` layers has its own K/V cache (so every call reads its pages from memory, as in a real step,
+unlike `decode_kernel.py`, which repeats one warm call), `--rows` decode rows of `--keys` keys (minus 0-199
+at random) over scattered `--page-size` pages, `--heads` query heads on `--kv-heads` KV heads, head size
+`--head-dim`; with `--group G`, rows in groups of G share their first `--shared-pages` pages (a GRPO group's
+prompt: the cascade path). Both builds run the same calls in turns (`--reps`); prints the median time per
+layer, the K/V bytes the rows name over that time, and the largest difference between the two outputs.
+
+    python benchmarks/decode_kernel_ab.py --against b42072b~1                                  # 5M layer, 64 rows
+    python benchmarks/decode_kernel_ab.py --against b42072b~1 --rows 32 --heads 12 --kv-heads 4  # 100M layer
+    python benchmarks/decode_kernel_ab.py --against b42072b~1 --rows 16 --heads 12 --kv-heads 4 --group 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils import cpp_extension  # noqa: E402
+
+from rollout.kernels import cpu_kernels  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def build_at(rev: str):
+    """`cascade_decode_attention` of the kernel sources at git revision `rev`, built in a temporary directory."""
+    out = Path(tempfile.mkdtemp(prefix="rollout_kernel_ab_"))
+    for src in list(cpu_kernels.SOURCES) + list(cpu_kernels.HEADERS):
+        rel = src.relative_to(REPO)
+        text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], check=True, capture_output=True).stdout
+        (out / src.name).write_bytes(text)
+    digest = hashlib.sha1(b"".join((out / s.name).read_bytes() for s in cpu_kernels.SOURCES)).hexdigest()[:10]
+    mod = cpp_extension.load(name=f"rollout_ab_{digest}", sources=[str(out / s.name) for s in cpu_kernels.SOURCES],
+                             extra_cflags=list(cpu_kernels.CFLAGS), extra_ldflags=list(cpu_kernels.LDFLAGS),
+                             build_directory=str(out), verbose=False)
+    return mod.cascade_decode_attention
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--against", required=True, help="git revision whose kernel sources are the baseline")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--keys", type=int, default=1070)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=2)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--page-size", type=int, default=256)
+    ap.add_argument("--group", type=int, default=1)
+    ap.add_argument("--shared-pages", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    kernels = {"live": cpu_kernels.cascade_decode_attention(), a.against: build_at(a.against)}
+    if kernels["live"] is None:
+        raise SystemExit("the live kernel is unavailable here (no compiler or ROLLOUT_CPU_KERNELS=0)")
+    ps, pages = a.page_size, (a.keys + a.page_size - 1) // a.page_size
+    blocks = a.rows * pages + 8
+    caches = [(torch.randn(a.kv_heads, blocks * ps, a.head_dim), torch.randn(a.kv_heads, blocks * ps, a.head_dim))
+              for _ in range(a.layers)]
+    perm = list(range(blocks))
+    random.Random(0).shuffle(perm)
+    table = torch.tensor(perm[: a.rows * pages], dtype=torch.int32).view(a.rows, pages).contiguous()
+    if a.group > 1:
+        for r in range(a.rows):
+            table[r, : a.shared_pages] = table[(r // a.group) * a.group, : a.shared_pages]
+    rows = torch.arange(a.rows)
+    start = torch.zeros(a.rows, dtype=torch.long)
+    end = torch.tensor([a.keys - random.Random(r).randrange(0, 200) for r in range(a.rows)], dtype=torch.long)
+    q = torch.randn(a.rows, a.heads, a.head_dim)
+    outs = {name: torch.empty_like(q) for name in kernels}
+    scale = a.head_dim ** -0.5
+
+    def run(name: str) -> float:
+        t0 = time.perf_counter()
+        for kc, vc in caches:
+            kernels[name](q, kc, vc, table, rows, start, end, ps, scale, 0.0, outs[name], None)
+        return time.perf_counter() - t0
+
+    times = {name: [] for name in kernels}
+    for name in kernels:
+        run(name)
+    for _ in range(a.reps):
+        for name in kernels:
+            times[name].append(run(name))
+    nbytes = int(end.sum()) * a.kv_heads * a.head_dim * 4 * 2 * a.layers
+    print(f"rows {a.rows} x ~{a.keys} keys, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, page {ps}, "
+          f"group {a.group}, {a.layers} cold layers, {a.threads} threads, load {os.getloadavg()[0]:.2f}")
+    med = {name: statistics.median(t) for name, t in times.items()}
+    for name in kernels:
+        diff = float((outs[name] - outs["live"]).abs().max())
+        print(f"  {name:14s} {med[name] / a.layers * 1e3:7.3f} ms a layer  {nbytes / med[name] / 1e9:5.1f} GB/s of K/V "
+              f"named  max |diff| vs live {diff:.1e}")
+    print(f"  live / {a.against}: {med[a.against] / med['live']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
