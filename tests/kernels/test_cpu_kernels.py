@@ -88,7 +88,7 @@ def run(paged, q, k, v, table, row, start, end, scale, softcap=0.0, page_size=16
 
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [
     (4, 2, 64), (8, 2, 64), (2, 2, 64), (2, 2, 128), (4, 1, 128), (8, 2, 32), (3, 1, 80),
-    (12, 4, 64), (12, 2, 64), (14, 2, 128), (16, 2, 128), (4, 2, 256), (5, 1, 64),
+    (12, 4, 64), (12, 2, 64), (16, 2, 64), (14, 2, 128), (16, 2, 128), (32, 8, 128), (4, 2, 256), (5, 1, 64),
 ])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("softcap", [0.0, 5.0])

@@ -6,8 +6,8 @@
 // query head and runs per-head GEMM calls with one row, at a third to a half of that bandwidth.
 // Head sizes 64 and 128 with 1-4, 6, 7 or 8 query heads per KV head, and 256 with 1 or 2, have
 // specialisations that keep each head's accumulators together; anything else takes a generic loop.
-// On AVX-512, where a (request, KV head)'s outputs fit in registers (up to 4 query heads at size 64, 2 at 128)
-// and there is no softcap, keys and values are read in one pass (online softmax, `attend_online_avx512`):
+// On AVX-512, for up to 8 query heads per KV head at head size 64 and 4 at 128 (at most 32 output vectors) and
+// no softcap, keys and values are read in one pass (online softmax, `attend_online_avx512`):
 // each block of 16 keys is scored and its values accumulated at once, fetched into L2 a block ahead. The
 // two-pass form (all scores, then the values) ran at ~40% of this machine's read bandwidth on cold pages:
 // its compute (~45 GB/s when the pages are in cache) and its memory traffic did not overlap.
@@ -345,14 +345,14 @@ inline void scores_keys(const float* qt, int64_t MV, int64_t MP, const T* K, flo
 // keys ahead no better than no software prefetch.
 constexpr int64_t ONLINE_PREFETCH_KEYS = 16;
 
-// One pass over the keys and values of one (request, KV head) for GG query heads whose outputs fit in registers
-// (GG * DIM / 16 <= 16 vectors): each block of 16 keys is scored, folded into a running max and sum (online
+// One pass over the keys and values of one (request, KV head) for GG query heads with at most 32 output vectors
+// (GG * DIM / 16; above 16 some accumulators live in L1: still 1.4x the two-pass kernel at 8 heads x 64): each block of 16 keys is scored, folded into a running max and sum (online
 // softmax) and its values accumulated right away, so K and V stream from memory together and nothing is stored
 // and read back. Equal to `attend_fixed_avx512` up to float rounding (a different order of the same sums).
 template <int DIM, int GG, typename T>
 void attend_online_avx512(const float* Q, const Runs<T>& runs, float* O, float sc, float* lse) {
   constexpr int V = DIM / 16;  // vectors per row
-  static_assert(GG * V <= 16 && V <= 8, "the outputs must fit in registers");
+  static_assert(GG * V <= 32 && V <= 8, "at most 32 output vectors");
   const __m512 scale = _mm512_set1_ps(sc);
   __m512 acc[GG][V], lsum[GG];
   float mx[GG];
@@ -566,11 +566,11 @@ constexpr int64_t MANY_HEADS = 16;
 
 // r: [G] scratch; lse: [G] or null (the log-sum-exp of each head's scores, for a cascade merge).
 #if defined(__AVX512F__)
-// NOTE: one pass (`attend_online_avx512`) where the outputs fit in registers (head size <= 128: at 256 a key's
+// NOTE: one pass (`attend_online_avx512`) for at most 32 output vectors (head size <= 128: at 256 a key's
 // 16 vectors alone would crowd them out) and there is no softcap (its tanh runs on the two-pass kernel's stored scores)
 #define ROLLOUT_ATTEND_CASE(DIM, GG)                                             \
   if (D == DIM && G == GG) {                                                     \
-    if constexpr (GG * DIM / 16 <= 16 && DIM <= 128) {                           \
+    if constexpr (GG * DIM / 16 <= 32 && DIM <= 128) {                           \
       if (cap == 0.f) {                                                          \
         attend_online_avx512<DIM, GG, T>(Q, runs, O, sc, lse);                   \
         return;                                                                  \
