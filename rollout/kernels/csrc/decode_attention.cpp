@@ -168,6 +168,13 @@ void attend_fixed(const float* Q, const Runs<T>& runs, float* O, int64_t L, floa
 // on 12 cold layers of 16 rows x 1032 keys, 2 threads: 32 and 64 keys 7-10% faster than none, 128 less.
 constexpr int64_t PREFETCH_KEYS = 32;
 
+// Prefetch every 64-byte line of [p, p + nbytes) with hint HINT (_MM_HINT_T0: into L1, _MM_HINT_T1: into L2).
+template <int HINT>
+inline void prefetch_lines(const void* p, int64_t nbytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < nbytes; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(HINT));
+}
+
 // AVX-512 version of `attend_fixed` (the build uses -march=native, so this is what AVX-512 machines run).
 // Scores: 16 keys at a time, each key's D-long dot product left as a 16-lane partial sum, and the 16
 // partial sums reduced together by one transpose-and-add tree (45 shuffles and adds for 16 keys instead
@@ -248,22 +255,16 @@ void attend_fixed_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t 
     const T* Vp = runs.v[r];
     const int64_t cnt = runs.len[r];
     if (r + 1 < runs.n) {  // NOTE: pages are scattered: fetch the next page's first keys while this one is scored
-      const char* nk = reinterpret_cast<const char*>(runs.k[r + 1]);
-      const int64_t nb = std::min<int64_t>(runs.len[r + 1], 16) * DIM * sizeof(T);
-      for (int64_t b = 0; b < nb; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+      prefetch_lines<_MM_HINT_T0>(runs.k[r + 1], std::min<int64_t>(runs.len[r + 1], 16) * DIM * sizeof(T));
     }
     int64_t j = 0;
     for (; j + 16 <= cnt; j += 16) {
       const T* kb = K + j * DIM;
       // NOTE: the values of these keys are read right after the scores: start fetching them into L2 now
-      const char* vb = reinterpret_cast<const char*>(Vp + j * DIM);
-      for (int64_t b = 0; b < static_cast<int64_t>(16 * DIM * sizeof(T)); b += 64) _mm_prefetch(vb + b, _MM_HINT_T1);
+      prefetch_lines<_MM_HINT_T1>(Vp + j * DIM, 16 * DIM * sizeof(T));
       // NOTE: and the keys PREFETCH_KEYS ahead: the hardware's stream prefetcher stops at every 4 KB page, and
       // a page of the cache spans several of them (see PREFETCH_KEYS)
-      if (j + 16 + PREFETCH_KEYS <= cnt) {
-        const char* ka = reinterpret_cast<const char*>(kb + PREFETCH_KEYS * DIM);
-        for (int64_t b = 0; b < static_cast<int64_t>(16 * DIM * sizeof(T)); b += 64) _mm_prefetch(ka + b, _MM_HINT_T0);
-      }
+      if (j + 16 + PREFETCH_KEYS <= cnt) prefetch_lines<_MM_HINT_T0>(kb + PREFETCH_KEYS * DIM, 16 * DIM * sizeof(T));
       for (int g = 0; g < NG; ++g) {
         __m512 q[V];
         for (int c = 0; c < V; ++c) q[c] = _mm512_loadu_ps(Q + g * DIM + 16 * c);
@@ -345,14 +346,20 @@ inline void scores_keys(const float* qt, int64_t MV, int64_t MP, const T* K, flo
 // keys ahead no better than no software prefetch.
 constexpr int64_t ONLINE_PREFETCH_KEYS = 16;
 
-// One pass over the keys and values of one (request, KV head) for GG query heads with at most 32 output vectors
-// (GG * DIM / 16; above 16 some accumulators live in L1: still 1.4x the two-pass kernel at 8 heads x 64): each block of 16 keys is scored, folded into a running max and sum (online
-// softmax) and its values accumulated right away, so K and V stream from memory together and nothing is stored
-// and read back. Equal to `attend_fixed_avx512` up to float rounding (a different order of the same sums).
+// Whether `attend_online_avx512` takes GG query heads of size DIM: at most 32 output vectors, head size <= 128 (at
+// 256 a key's 16 vectors alone would crowd the accumulators out).
+template <int DIM, int GG>
+constexpr bool one_pass_fits() { return GG * DIM / 16 <= 32 && DIM <= 128; }
+
+// One pass over the keys and values of one (request, KV head) for GG query heads (`one_pass_fits`; above 16 output
+// vectors some accumulators live in L1: still 1.4x the two-pass kernel at 8 heads x 64): each block of 16 keys is
+// scored, folded into a running max and sum (online softmax) and its values accumulated right away, so K and V
+// stream from memory together and nothing is stored and read back. Equal to `attend_fixed_avx512` up to float
+// rounding (a different order of the same sums).
 template <int DIM, int GG, typename T>
 void attend_online_avx512(const float* Q, const Runs<T>& runs, float* O, float sc, float* lse) {
   constexpr int V = DIM / 16;  // vectors per row
-  static_assert(GG * V <= 32 && V <= 8, "at most 32 output vectors");
+  static_assert(one_pass_fits<DIM, GG>(), "at most 32 output vectors, head size <= 128");
   const __m512 scale = _mm512_set1_ps(sc);
   __m512 acc[GG][V], lsum[GG];
   float mx[GG];
@@ -367,25 +374,17 @@ void attend_online_avx512(const float* Q, const Runs<T>& runs, float* O, float s
     const T* Vr = runs.v[r];
     const int64_t cnt = runs.len[r];
     if (r + 1 < runs.n) {  // NOTE: pages are scattered: the next page's first keys and values, while this one runs
-      const char* nk = reinterpret_cast<const char*>(runs.k[r + 1]);
-      const char* nv = reinterpret_cast<const char*>(runs.v[r + 1]);
       const int64_t nb = std::min<int64_t>(runs.len[r + 1], ONLINE_PREFETCH_KEYS) * DIM * sizeof(T);
-      for (int64_t b = 0; b < nb; b += 64) {
-        _mm_prefetch(nk + b, _MM_HINT_T1);
-        _mm_prefetch(nv + b, _MM_HINT_T1);
-      }
+      prefetch_lines<_MM_HINT_T1>(runs.k[r + 1], nb);
+      prefetch_lines<_MM_HINT_T1>(runs.v[r + 1], nb);
     }
     for (int64_t j = 0; j < cnt; j += 16) {
       const int n = static_cast<int>(std::min<int64_t>(16, cnt - j));
       const T* kb = K + j * DIM;
       const T* vb = Vr + j * DIM;
       if (j + 16 + ONLINE_PREFETCH_KEYS <= cnt) {
-        const char* ka = reinterpret_cast<const char*>(kb + ONLINE_PREFETCH_KEYS * DIM);
-        const char* va = reinterpret_cast<const char*>(vb + ONLINE_PREFETCH_KEYS * DIM);
-        for (int64_t b = 0; b < static_cast<int64_t>(16 * DIM * sizeof(T)); b += 64) {
-          _mm_prefetch(ka + b, _MM_HINT_T1);
-          _mm_prefetch(va + b, _MM_HINT_T1);
-        }
+        prefetch_lines<_MM_HINT_T1>(kb + ONLINE_PREFETCH_KEYS * DIM, 16 * DIM * sizeof(T));
+        prefetch_lines<_MM_HINT_T1>(vb + ONLINE_PREFETCH_KEYS * DIM, 16 * DIM * sizeof(T));
       }
       const __mmask16 live = static_cast<__mmask16>(n == 16 ? 0xFFFFu : (1u << n) - 1u);
       for (int g = 0; g < GG; ++g) {
@@ -454,18 +453,14 @@ void attend_many_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t M
     const T* K = runs.k[r];
     const int64_t cnt = runs.len[r];
     if (r + 1 < runs.n) {  // NOTE: the next page's first keys, while this one is scored
-      const char* nk = reinterpret_cast<const char*>(runs.k[r + 1]);
-      const int64_t nb = std::min<int64_t>(runs.len[r + 1], 16) * DIM * sizeof(T);
-      for (int64_t b = 0; b < nb; b += 64) _mm_prefetch(nk + b, _MM_HINT_T0);
+      prefetch_lines<_MM_HINT_T0>(runs.k[r + 1], std::min<int64_t>(runs.len[r + 1], 16) * DIM * sizeof(T));
     }
     int64_t j = 0;
     for (; j + 4 <= cnt; j += 4) {
       if (j + 4 + PREFETCH_KEYS <= cnt) {  // NOTE: keys ahead (see attend_fixed_avx512), values into L2
-        const char* ka = reinterpret_cast<const char*>(K + (j + PREFETCH_KEYS) * DIM);
-        for (int64_t b = 0; b < static_cast<int64_t>(4 * DIM * sizeof(T)); b += 64) _mm_prefetch(ka + b, _MM_HINT_T0);
+        prefetch_lines<_MM_HINT_T0>(K + (j + PREFETCH_KEYS) * DIM, 4 * DIM * sizeof(T));
       }
-      const char* vb = reinterpret_cast<const char*>(runs.v[r] + j * DIM);
-      for (int64_t b = 0; b < static_cast<int64_t>(4 * DIM * sizeof(T)); b += 64) _mm_prefetch(vb + b, _MM_HINT_T1);
+      prefetch_lines<_MM_HINT_T1>(runs.v[r] + j * DIM, 4 * DIM * sizeof(T));
       scores_keys<DIM, 4, T>(qt, MV, MP, K + j * DIM, st + (off + j) * MP);
     }
     for (; j < cnt; ++j) scores_keys<DIM, 1, T>(qt, MV, MP, K + j * DIM, st + (off + j) * MP);
@@ -566,11 +561,11 @@ constexpr int64_t MANY_HEADS = 16;
 
 // r: [G] scratch; lse: [G] or null (the log-sum-exp of each head's scores, for a cascade merge).
 #if defined(__AVX512F__)
-// NOTE: one pass (`attend_online_avx512`) for at most 32 output vectors (head size <= 128: at 256 a key's
-// 16 vectors alone would crowd them out) and there is no softcap (its tanh runs on the two-pass kernel's stored scores)
+// NOTE: one pass (`attend_online_avx512`) where `one_pass_fits` and there is no softcap (its tanh runs on the
+// two-pass kernel's stored scores)
 #define ROLLOUT_ATTEND_CASE(DIM, GG)                                             \
   if (D == DIM && G == GG) {                                                     \
-    if constexpr (GG * DIM / 16 <= 32 && DIM <= 128) {                           \
+    if constexpr (one_pass_fits<DIM, GG>()) {                                    \
       if (cap == 0.f) {                                                          \
         attend_online_avx512<DIM, GG, T>(Q, runs, O, sc, lse);                   \
         return;                                                                  \
