@@ -16,9 +16,11 @@ layer, the K/V bytes the rows name over that time, and the largest difference be
 from __future__ import annotations
 
 import argparse
+import atexit
 import hashlib
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,11 +41,14 @@ REPO = Path(__file__).resolve().parent.parent
 def build_at(rev: str):
     """`cascade_decode_attention` of the kernel sources at git revision `rev`, built in a temporary directory."""
     out = Path(tempfile.mkdtemp(prefix="rollout_kernel_ab_"))
+    atexit.register(shutil.rmtree, out, ignore_errors=True)  # NOTE: the loaded library needs no file once mapped
+    texts = []
     for src in list(cpu_kernels.SOURCES) + list(cpu_kernels.HEADERS):
         rel = src.relative_to(REPO)
-        text = subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], check=True, capture_output=True).stdout
-        (out / src.name).write_bytes(text)
-    digest = hashlib.sha1(b"".join((out / s.name).read_bytes() for s in cpu_kernels.SOURCES)).hexdigest()[:10]
+        texts.append(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], check=True,
+                                    capture_output=True).stdout)
+        (out / src.name).write_bytes(texts[-1])
+    digest = hashlib.sha1(b"".join(texts)).hexdigest()[:10]
     mod = cpp_extension.load(name=f"rollout_ab_{digest}", sources=[str(out / s.name) for s in cpu_kernels.SOURCES],
                              extra_cflags=list(cpu_kernels.CFLAGS), extra_ldflags=list(cpu_kernels.LDFLAGS),
                              build_directory=str(out), verbose=False)
