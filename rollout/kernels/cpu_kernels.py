@@ -43,7 +43,8 @@ import torch
 logger = logging.getLogger("rollout")
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp", CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp")
+SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp",
+           CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp", CSRC / "argmax.cpp")
 HEADERS = (CSRC / "kernels.h",)
 # NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
 # build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
@@ -167,7 +168,7 @@ def build(timeout: float | None = None):
         return module
 
 
-KERNELS = "decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes"
+KERNELS = "decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes, greedy argmax"
 
 
 def why_off(error: BaseException) -> str:
@@ -259,6 +260,13 @@ def silu_mul():
     """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/kernels/csrc/silu_mul.cpp), or None."""
     module = load()
     return None if module is None else module.silu_mul
+
+
+def argmax_rows():
+    """`argmax_rows(x [R, V] fp32 CPU)` -> [R] int64, index for index `x.argmax(dim=-1)` in one vectorised pass
+    (rollout/kernels/csrc/argmax.cpp), or None."""
+    module = load()
+    return None if module is None else module.argmax_rows
 
 
 def write_kv():

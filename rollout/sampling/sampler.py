@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rollout.kernels import cpu_kernels
 from rollout.requests import Request, SamplingParams
 from rollout.sampling.log_distribution import log_distribution, top_k, warped_logprobs
 from rollout.sampling.processors import LogitsProcessors
@@ -81,7 +82,7 @@ class Sampler:
             processed = self.processors.apply(raw, requests)  # [R, V], a new tensor
         s_rows = [i for i, p in enumerate(params) if not p.greedy]
         if not s_rows and logprobs_mode is None and not wants:  # NOTE: the common greedy step: one argmax
-            tokens = processed.argmax(dim=-1)  # [R]
+            tokens = row_argmax(processed)  # [R]
             if uses:
                 self.processors.update(requests, tokens)
             return SamplerOutput(tokens.tolist(), None)
@@ -89,14 +90,14 @@ class Sampler:
         g_rows = [i for i, p in enumerate(params) if p.greedy]
         if g_rows:
             idx, sub = _take(processed, g_rows)
-            tokens[idx] = sub.argmax(dim=-1)
+            tokens[idx] = row_argmax(sub)
         warped = None
         if s_rows:
             idx, rows = _take(processed, s_rows)
             sub = [params[i] for i in s_rows]
             warped = warped_logprobs(rows, sub)  # [S, V]
             noise = self._noise(warped.shape, [request_ids[i] for i in s_rows], sub)  # [S, V]
-            tokens[idx] = (warped - noise.log()).argmax(dim=-1)  # [S]
+            tokens[idx] = row_argmax(warped - noise.log())  # [S]
         if uses:
             self.processors.update(requests, tokens)
         chosen = top = token_list = None
@@ -125,6 +126,16 @@ class Sampler:
         for i in seeded:
             noise[i].exponential_(generator=self.generator_for(request_ids[i], params[i].seed))
         return noise
+
+
+def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """`x.argmax(dim=-1)`, the same indices; fp32 CPU rows through rollout's kernel (`cpu_kernels.argmax_rows`:
+    torch's took 0.46 ms for 16 rows x 32768, most of a 100M model's sampling step)."""
+    if x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] > 0:
+        kernel = cpu_kernels.argmax_rows()
+        if kernel is not None:
+            return kernel(x)
+    return x.argmax(dim=-1)
 
 
 def _take(logits: torch.Tensor, rows: list[int]) -> tuple[slice | torch.Tensor, torch.Tensor]:

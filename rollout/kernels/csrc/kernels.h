@@ -34,3 +34,6 @@ void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
 
 // silu_mul.cpp
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
+
+// argmax.cpp
+at::Tensor argmax_rows(const at::Tensor& x);

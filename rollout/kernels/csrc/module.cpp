@@ -29,4 +29,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("write_kv", &write_kv, "a step's keys and values into the paged caches [Hkv, S, D] at slots (CPU)", release());
   m.def("silu_mul", &silu_mul, "silu(gate) * up for fp32 CPU tensors (the gated MLP's activation)", release());
+  m.def("argmax_rows", &argmax_rows, "each row's argmax of a fp32 [R, V] CPU tensor, as torch's argmax(dim=-1)",
+        release());
 }
