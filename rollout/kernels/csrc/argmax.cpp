@@ -20,7 +20,7 @@ int64_t first_nan(const float* x, int64_t V) {
 }
 
 int64_t row_argmax(const float* x, int64_t V) {
-  int64_t i = 0, best_i = 0;
+  int64_t i = 1, best_i = 0;  // NOTE: x[0] is the first best; the vector pass, when it runs, moves i on
   float best = x[0];
   bool nan = std::isnan(x[0]);
 #if defined(__AVX512F__)
@@ -51,7 +51,7 @@ int64_t row_argmax(const float* x, int64_t V) {
     }
   }
 #endif
-  for (i = i == 0 ? 1 : i; i < V; ++i) {  // NOTE: the tail (all of a short row): later indices, strictly greater
+  for (; i < V; ++i) {  // NOTE: the tail (all of a short row): later indices, strictly greater
     const float v = x[i];
     if (std::isnan(v)) nan = true;
     if (v > best) best = v, best_i = i;

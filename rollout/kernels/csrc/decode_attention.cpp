@@ -811,19 +811,22 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
     std::vector<float> s, qbuf, r(H), acc(D);
     std::vector<const T*> kr, vr;
     std::vector<int64_t> lens;
+    // The K/V element offset of position pos of table row t, for KV head h.
+    auto slot_row = [&](const I* t, int64_t h, int64_t pos) {
+      return (h * S + static_cast<int64_t>(t[pos / ps]) * ps + pos % ps) * D;
+    };
     // The runs of positions [a, b) of table row t, for KV head h.
     auto add = [&](const I* t, int64_t h, int64_t a, int64_t b) {
       for (int64_t pos = a; pos < b;) {
-        const int64_t page = pos / ps, offset = pos % ps;
-        const int64_t cnt = std::min(ps - offset, b - pos);
-        const int64_t slot_row = (h * S + static_cast<int64_t>(t[page]) * ps + offset) * D;
-        kr.push_back(kp + slot_row);
-        vr.push_back(vp + slot_row);
+        const int64_t cnt = std::min(ps - pos % ps, b - pos);
+        const int64_t row = slot_row(t, h, pos);
+        kr.push_back(kp + row);
+        vr.push_back(vp + row);
         lens.push_back(cnt);
         pos += cnt;
       }
     };
-    // The first K/V row an item reads (as `add` finds it), or -1 when it reads none.
+    // The first K/V row an item reads (its first run's start in `add`), or -1 when it reads none.
     auto first_row = [&](const Item& it) -> int64_t {
       int64_t i = 0, pos = 0;
       if (it.index < n) {
@@ -839,7 +842,7 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
         i = cg.rows[0];
         pos = cg.first_page * ps;
       }
-      return (it.h * S + static_cast<int64_t>(tp[rp[i] * P + pos / ps]) * ps + pos % ps) * D;
+      return slot_row(tp + rp[i] * P, it.h, pos);
     };
     for (int64_t w = first; w < last; ++w) {
       for (size_t x = 0; x < plan[w].size(); ++x) {
