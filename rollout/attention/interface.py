@@ -79,6 +79,8 @@ IGNORED_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "outp
 
 
 def check_kwargs(module: torch.nn.Module, kwargs: dict, dropout: float) -> None:
+    if not dropout and kwargs.keys() <= IGNORED_KWARGS and not kwargs.get("output_attentions"):
+        return  # NOTE: every layer of every step comes here
     unknown = sorted(set(kwargs) - IGNORED_KWARGS)
     if unknown:
         raise ValueError(f"{type(module).__name__} passes attention argument(s) {unknown} that rollout's paged "

@@ -168,7 +168,7 @@ def build(timeout: float | None = None):
         return module
 
 
-KERNELS = "decode attention, small-batch linears, RMSNorm, SiLU-and-mul, KV writes, greedy argmax"
+KERNELS = "decode attention, small-batch linears, RMSNorm, RoPE, SiLU-and-mul, KV writes, greedy argmax"
 
 
 def why_off(error: BaseException) -> str:
@@ -244,6 +244,13 @@ def small_linear():
     return None if module is None or not module.small_gemm_available() else module.small_linear
 
 
+def small_linears():
+    """`small_linears(x [M, K], [panels_i], [bias_i or None], [N_i])` -> [y_i]: several `small_linear`s of one input
+    in one call (q / k / v, gate / up; each bitwise `small_linear`), or None (see `small_linear`)."""
+    module = load()
+    return None if module is None or not module.small_gemm_available() else module.small_linears
+
+
 def pack_panels():
     """`pack_panels(W [N, K] fp32)` -> the panels `small_linear` reads, or None (see `small_linear`)."""
     module = load()
@@ -254,6 +261,14 @@ def rms_norm():
     """`rms_norm(x fp32, weight [H] fp32, eps)`: Llama's RMSNorm in one call (rollout/kernels/csrc/rms_norm.cpp), or None."""
     module = load()
     return None if module is None else module.rms_norm
+
+
+def qk_norm_rope():
+    """`qk_norm_rope(q [T, H*D], k [T, Hkv*D], q_weight or None, k_weight or None, q_eps, k_eps, cos [T, D], sin [T, D],
+    D)` -> (q [T, H, D], k [T, Hkv, D]): each head RMS-normed (when a weight is given) then rotated, as
+    transformers' Qwen3 / Llama attention does, bit for bit (rollout/kernels/csrc/rms_norm.cpp), or None."""
+    module = load()
+    return None if module is None else module.qk_norm_rope
 
 
 def silu_mul():

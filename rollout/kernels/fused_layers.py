@@ -8,7 +8,11 @@ class `forward` is Llama's (the same bytecode) get an instance `forward` with on
 - RMSNorm (Qwen2/3, Mistral, Phi-3, Mixtral, Granite, SmolLM3, DeepSeek-V3, ...; not Gemma's `1 + weight`
   nor OLMo 2's): `rms_norm(x, weight, eps)`;
 - the gated MLP with a SiLU activation (Llama, Qwen2/3, Mistral, Granite, ...; not Gemma's GELU, not Phi-3's
-  fused gate_up): `down_proj(silu_mul(gate_proj(x), up_proj(x)))`.
+  fused gate_up): `down_proj(silu_mul(gate_proj(x), up_proj(x)))`, gate and up in one small-M call on decode
+  rows (`rollout.kernels.linear.linears`).
+
+The attention modules and rotary embeddings get theirs from `rollout.kernels.fused_attention` (the same marker,
+`KERNEL_ATTR`, so `drop_fused_layers` removes them too).
 
 They take the class forward whenever the inputs are not fp32 CPU tensors without autograd, or autocast is on.
 Results equal the class forward up to float rounding (a summation order, an exp). The batch-invariant mode
@@ -25,11 +29,12 @@ import types
 import torch
 
 from rollout.kernels import cpu_kernels
+from rollout.kernels.linear import linears
 
 KERNEL_ATTR = "_rollout_fused"  # NOTE: the kernel an instance forward calls; marks a fused module
 
 
-def _code_key(fn) -> tuple | None:
+def code_key(fn) -> tuple | None:
     code = getattr(fn, "__code__", None)
     return None if code is None else (code.co_code, code.co_consts, code.co_names, code.co_varnames)
 
@@ -38,14 +43,14 @@ def _code_key(fn) -> tuple | None:
 def _llama_keys() -> tuple[tuple, tuple]:
     from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm  # noqa: PLC0415
 
-    return _code_key(LlamaRMSNorm.forward), _code_key(LlamaMLP.forward)
+    return code_key(LlamaRMSNorm.forward), code_key(LlamaMLP.forward)
 
 
 def is_llama_rms_norm(module: torch.nn.Module) -> bool:
     """Whether `module`'s class forward is Llama's RMSNorm forward (with its 1-D `weight` and `variance_epsilon`)."""
     weight = getattr(module, "weight", None)
     return (isinstance(weight, torch.Tensor) and weight.dim() == 1 and hasattr(module, "variance_epsilon")
-            and _code_key(type(module).forward) == _llama_keys()[0])
+            and code_key(type(module).forward) == _llama_keys()[0])
 
 
 def is_silu_gated_mlp(module: torch.nn.Module) -> bool:
@@ -55,26 +60,25 @@ def is_silu_gated_mlp(module: torch.nn.Module) -> bool:
     act = getattr(module, "act_fn", None)
     return (type(act) in (SiLUActivation, torch.nn.SiLU) and all(
         isinstance(getattr(module, name, None), torch.nn.Module) for name in ("gate_proj", "up_proj", "down_proj"))
-            and _code_key(type(module).forward) == _llama_keys()[1])
+            and code_key(type(module).forward) == _llama_keys()[1])
 
 
-def _plain(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+def plain_inputs(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
     """fp32 CPU tensors, no autograd to record, no autocast: where the kernels stand in for the class forward."""
-    return x.dtype is torch.float32 and x.device.type == "cpu" \
-        and (w is None or (w.dtype is torch.float32 and w.device.type == "cpu")) \
+    return x.dtype is torch.float32 and x.is_cpu and (w is None or (w.dtype is torch.float32 and w.is_cpu)) \
         and not (torch.is_grad_enabled() and (x.requires_grad or (w is not None and w.requires_grad))) \
         and not torch.is_autocast_enabled("cpu")
 
 
 def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    if _plain(x, self.weight):
+    if plain_inputs(x, self.weight):
         return self._rollout_fused(x, self.weight, float(self.variance_epsilon))
     return type(self).forward(self, x)
 
 
 def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj(x), self.up_proj(x)
-    if _plain(gate) and up.dtype is torch.float32:
+    gate, up = linears(x, (self.gate_proj, self.up_proj))
+    if plain_inputs(gate) and up.dtype is torch.float32:
         return self.down_proj(self._rollout_fused(gate, up))
     return self.down_proj(self.act_fn(gate) * up)
 

@@ -38,6 +38,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.modules import module as _nn_module
 
 from rollout.kernels import cpu_kernels
 
@@ -135,6 +136,35 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             return y.view(*x.shape[:-1], self._rollout_n)
         return _LINEAR_POINTWISE(x, packed_weight(self), b, "none", [], "")
     return F.linear(x, w, b)
+
+
+def _small_panels(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The panels `module`'s own forward would hand the small-M kernel for `x` (the same checks as
+    `_onednn_forward`), or None: another route, hooks, or a forward that is not ours."""
+    fwd = vars(module).get("forward")
+    if getattr(fwd, "__func__", None) is not _onednn_forward or module._forward_hooks or module._forward_pre_hooks \
+            or module._rollout_small is None:
+        return None
+    w, b = module.weight, module.bias
+    k, numel = module._rollout_k, x.numel()
+    if not (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
+            and (b is None or b.dtype is torch.float32) and numel <= SMALL_ROWS * k
+            and (module._rollout_always or numel >= MIN_ROWS * k) and x.shape[-1] == k):
+        return None
+    held = module._rollout_panels
+    return held[0] if held is not None and held[1] == w._version and held[2] == w.data_ptr() else panel_weight(module)
+
+
+def linears(x: torch.Tensor, modules) -> list[torch.Tensor]:
+    """`[m(x) for m in modules]`, in one call of the small-M kernel when every module would run on it for `x`
+    (`small_linears`: the same bits as each module's own call), else one call per module."""
+    panels = [_small_panels(m, x) for m in modules]
+    kernel = cpu_kernels.small_linears() if all(p is not None for p in panels) else None
+    if kernel is None or torch.is_autocast_enabled("cpu") or _nn_module._global_forward_hooks \
+            or _nn_module._global_forward_pre_hooks:
+        return [m(x) for m in modules]
+    ys = kernel(x.reshape(-1, x.shape[-1]), panels, [m.bias for m in modules], [m._rollout_n for m in modules])
+    return [y.view(*x.shape[:-1], m._rollout_n) for y, m in zip(ys, modules, strict=True)]
 
 
 class RoutedCopies(NamedTuple):

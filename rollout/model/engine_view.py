@@ -2,7 +2,8 @@
 
 A shallow structural copy that shares every parameter and buffer (so optimizer steps and weight updates
 are seen at once) but has its own config set to our paged attention (`rollout.attention.interface`), its own eval
-mode, no autograd, packed oneDNN linears and one-call RMSNorms and gated MLPs on a CPU (`rollout.kernels.linear`, `rollout.kernels.fused_layers`), and the model class's own forward
+mode, no autograd, packed oneDNN linears and one-call RMSNorms, gated MLPs and attention projections + RoPE on a CPU
+(`rollout.kernels.linear`, `rollout.kernels.fused_layers`, `rollout.kernels.fused_attention`), and the model class's own forward
 even where the user's instance had it replaced. The user's own module keeps its attention
 implementation, its train/eval mode and `requires_grad` untouched.
 """
@@ -14,6 +15,7 @@ import copy
 import torch
 
 from rollout.attention.interface import ATTN_NAME, register
+from rollout.kernels.fused_attention import use_fused_attention
 from rollout.kernels.fused_layers import use_fused_layers
 from rollout.kernels.linear import drop_packed, use_onednn_linears
 
@@ -32,6 +34,7 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
     _drop_forward_overrides(view)
     use_onednn_linears(view)
     use_fused_layers(view)
+    use_fused_attention(view)
     try:
         view.set_attn_implementation(ATTN_NAME)
     except Exception as e:  # pragma: no cover - depends on the architecture

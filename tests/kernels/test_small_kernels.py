@@ -15,6 +15,7 @@ import rollout.kernels.fused_layers as fused_layers
 import rollout.kernels.linear as linear
 from rollout.invariant import mode as batch_invariant
 from rollout.kernels import cpu_kernels
+from rollout.kernels.fused_attention import use_fused_attention
 from rollout.model.engine_view import make_engine_view
 
 small = cpu_kernels.small_linear()
@@ -110,7 +111,8 @@ def test_fused_norms_and_mlps_match_the_class_forward_and_leave_the_users_model_
     fused = [m for m in view.modules() if fused_layers.KERNEL_ATTR in vars(m)]
     norms = [m for m in fused if fused_layers.is_llama_rms_norm(m)]
     mlps = [m for m in fused if fused_layers.is_silu_gated_mlp(m)]
-    assert norms and mlps and len(fused) == len(norms) + len(mlps)
+    attention = [m for m in fused if type(m).__name__.endswith(("Attention", "RotaryEmbedding"))]
+    assert norms and mlps and attention and len(fused) == len(norms) + len(mlps) + len(attention)
     assert len(norms) == sum(fused_layers.is_llama_rms_norm(m) for m in view.modules())
     assert not any("forward" in vars(m) for m in model.modules() if fused_layers.is_llama_rms_norm(m))
     norm, mlp = norms[0], mlps[0]
@@ -130,7 +132,7 @@ def test_fused_norms_and_mlps_match_the_class_forward_and_leave_the_users_model_
         norm.float()
     ids = torch.randint(1, 100, (1, 23))
     plain = copy.deepcopy(model)
-    assert fused_layers.use_fused_layers(model) == len(fused)
+    assert fused_layers.use_fused_layers(model) + use_fused_attention(model) == len(fused)
     with torch.inference_mode():
         torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
     assert fused_layers.drop_fused_layers(model) == len(fused) and not any("forward" in vars(m) for m in model.modules())
@@ -144,7 +146,9 @@ def test_batch_invariant_mode_and_the_switch_give_norms_their_class_forward(monk
     assert not any(fused_layers.KERNEL_ATTR in vars(m) or ("forward" in vars(m) and fused_layers.is_llama_rms_norm(m))
                    for m in view.modules())
     monkeypatch.setenv("ROLLOUT_FUSED_LAYERS", "0")
-    assert fused_layers.use_fused_layers(make_engine_view(make_model("qwen3"))) == 0
+    view = make_engine_view(make_model("qwen3"))
+    assert not any(fused_layers.KERNEL_ATTR in vars(m) for m in view.modules())
+    assert fused_layers.use_fused_layers(view) == 0 and use_fused_attention(view) == 0
 
 
 @needs_rms
@@ -170,9 +174,9 @@ def test_models_off_the_cpu_never_build_the_kernels(monkeypatch):
     def refuse():
         raise AssertionError("the CPU kernels were requested for a model with no CPU weights")
 
-    for name in ("small_linear", "rms_norm", "silu_mul"):
+    for name in ("small_linear", "small_linears", "rms_norm", "silu_mul", "qk_norm_rope"):
         monkeypatch.setattr(cpu_kernels, name, refuse)
     with torch.device("meta"):
         model = make_model("qwen3")
-    assert fused_layers.use_fused_layers(model) == 0
+    assert fused_layers.use_fused_layers(model) == 0 and use_fused_attention(model) == 0
     assert linear.use_onednn_linears(model, min_elements=0) == 0

@@ -24,9 +24,16 @@ bool small_gemm_available();
 at::Tensor pack_panels(const at::Tensor& w);
 at::Tensor small_linear(const at::Tensor& x, const at::Tensor& panels, const c10::optional<at::Tensor>& bias,
                         int64_t N);
+std::vector<at::Tensor> small_linears(const at::Tensor& x, const std::vector<at::Tensor>& panels,
+                                      const std::vector<c10::optional<at::Tensor>>& biases,
+                                      const std::vector<int64_t>& Ns);
 
 // rms_norm.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
+                                               const c10::optional<at::Tensor>& q_weight,
+                                               const c10::optional<at::Tensor>& k_weight, double q_eps, double k_eps,
+                                               const at::Tensor& cos, const at::Tensor& sin, int64_t D);
 
 // kv_write.cpp
 void write_kv(at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, const at::Tensor& key,

@@ -25,6 +25,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         release());
   m.def("small_linear", &small_linear, "x [M, K] @ W^T + bias for a few rows (decode), W as pack_panels(W)",
         release());
+  m.def("small_linears", &small_linears, "[x @ W_i^T + bias_i] for several weights of one input (q / k / v, gate / up)",
+        release());
+  m.def("qk_norm_rope", &qk_norm_rope,
+        "the query and key heads RMS-normed (optional weights) and rotated (RoPE), as Llama-family attention does",
+        release());
   m.def("rms_norm", &rms_norm, "weight * (x * rsqrt(mean(x^2, -1) + eps)) for fp32 CPU tensors (Llama's RMSNorm)",
         release());
   m.def("write_kv", &write_kv, "a step's keys and values into the paged caches [Hkv, S, D] at slots (CPU)", release());

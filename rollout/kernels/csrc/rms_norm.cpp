@@ -20,6 +20,7 @@
 
 namespace {
 
+constexpr int64_t MAX_HEAD_DIM = 1024;  // qk_norm_rope's stack buffer
 constexpr int LANES = 8;  // NOTE: the width of ATen's fp32 reduction vectors (its AVX2 kernel), measured equal
 
 using Lanes = std::array<float, LANES>;
@@ -112,4 +113,68 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     }
   });
   return y;
+}
+
+// The query and key heads of a Llama-family attention after their projections, in one call: each head of
+// q [rows, H * D] and k [rows, Hkv * D] optionally RMS-normed over D (Qwen3's q_norm / k_norm: `weight * (x * r)`
+// as `rms_norm` above, bit for bit), then rotated (transformers' `apply_rotary_pos_emb`: x * cos + rotate_half(x)
+// * sin with rotate_half(x) = cat(-x2, x1), the same products and sum in the same order: bit for bit), with
+// cos / sin [rows, D] per row. Returns (q [rows, H, D], k [rows, Hkv, D]), contiguous.
+std::tuple<at::Tensor, at::Tensor> qk_norm_rope(const at::Tensor& q, const at::Tensor& k,
+                                               const c10::optional<at::Tensor>& q_weight,
+                                               const c10::optional<at::Tensor>& k_weight, double q_eps, double k_eps,
+                                               const at::Tensor& cos, const at::Tensor& sin, int64_t D) {
+  TORCH_CHECK(D > 0 && D % 2 == 0 && D <= MAX_HEAD_DIM, "qk_norm_rope: head_dim must be even and at most ",
+              MAX_HEAD_DIM);
+  for (const at::Tensor* t : {&q, &k, &cos, &sin})
+    TORCH_CHECK(t->dim() == 2 && t->scalar_type() == at::kFloat && t->device().is_cpu() && t->stride(1) == 1,
+                "qk_norm_rope: q, k, cos, sin are 2-D fp32 CPU tensors with unit inner stride");
+  const int64_t rows = q.size(0);
+  TORCH_CHECK(k.size(0) == rows && cos.size(0) == rows && sin.size(0) == rows && cos.size(1) == D &&
+                  sin.size(1) == D && q.size(1) % D == 0 && k.size(1) % D == 0,
+              "qk_norm_rope: q [rows, H * D], k [rows, Hkv * D], cos and sin [rows, D]");
+  const float* wq = nullptr;
+  const float* wk = nullptr;
+  for (auto [w, p] : {std::pair{&q_weight, &wq}, std::pair{&k_weight, &wk}}) {
+    if (w->has_value() && (*w)->defined()) {
+      TORCH_CHECK((*w)->dim() == 1 && (*w)->size(0) == D && (*w)->scalar_type() == at::kFloat &&
+                      (*w)->is_contiguous() && (*w)->device().is_cpu(),
+                  "qk_norm_rope: norm weights are [D] fp32");
+      *p = (*w)->data_ptr<float>();
+    }
+  }
+  const int64_t H = q.size(1) / D, Hk = k.size(1) / D, half = D / 2;
+  auto qo = at::empty({rows, H, D}, q.options());
+  auto ko = at::empty({rows, Hk, D}, k.options());
+  const float eq = static_cast<float>(q_eps), ek = static_cast<float>(k_eps);
+  // one head: x [D] -> o [D], normed into a stack buffer first (rotation reads both halves)
+  auto head = [&](const float* x, float* o, const float* w, float eps, const float* c, const float* s) {
+    float normed[MAX_HEAD_DIM];
+    const float* src = x;
+    if (w != nullptr) {
+      const float inv = 1.f / std::sqrt(sum_of_squares(x, D) / static_cast<float>(D) + eps);
+      for (int64_t i = 0; i < D; ++i) normed[i] = w[i] * (x[i] * inv);
+      src = normed;
+    }
+    for (int64_t i = 0; i < half; ++i) o[i] = src[i] * c[i] + (-src[i + half]) * s[i];
+    for (int64_t i = half; i < D; ++i) o[i] = src[i] * c[i] + src[i - half] * s[i];
+  };
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  float* qop = qo.data_ptr<float>();
+  float* kop = ko.data_ptr<float>();
+  const int64_t qs = q.stride(0), ks = k.stride(0), cs = cos.stride(0), ss = sin.stride(0);
+  // NOTE: one thread below ~32K elements (decode rows), as rms_norm
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>((H + Hk) * D, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* c = cp + r * cs;
+      const float* s = sp + r * ss;
+      for (int64_t h = 0; h < H; ++h) head(qp + r * qs + h * D, qop + (r * H + h) * D, wq, eq, c, s);
+      for (int64_t h = 0; h < Hk; ++h) head(kp + r * ks + h * D, kop + (r * Hk + h) * D, wk, ek, c, s);
+    }
+  });
+  return {qo, ko};
 }

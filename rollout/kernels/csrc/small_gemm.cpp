@@ -129,3 +129,59 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& panels, const c10
 #endif
   return y;
 }
+
+// Several linears of the same input in one call (an attention's q / k / v projections, a gated MLP's gate and
+// up): y_i = x @ W_i^T + bias_i, each W_i as `pack_panels(W_i)` with N_i rows. One transpose of x and one
+// parallel region over all the panels, in order: each thread streams a contiguous run of them, across weights.
+// Each y_i is bitwise `small_linear(x, panels_i, bias_i, N_i)`.
+std::vector<at::Tensor> small_linears(const at::Tensor& x, const std::vector<at::Tensor>& panels,
+                                      const std::vector<c10::optional<at::Tensor>>& biases,
+                                      const std::vector<int64_t>& Ns) {
+  TORCH_CHECK(small_gemm_available(), "small_linears: this build has no AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(), "small_linears: x is [M, K] fp32");
+  const size_t W = panels.size();
+  TORCH_CHECK(W > 0 && biases.size() == W && Ns.size() == W, "small_linears: one bias and one N per weight");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<const float*> wps(W), bps(W, nullptr);
+  std::vector<float*> yps(W);
+  std::vector<int64_t> first(W + 1, 0);  // NOTE: weight i's panels are [first[i], first[i + 1]) of the whole run
+  std::vector<at::Tensor> ys;
+  ys.reserve(W);
+  for (size_t i = 0; i < W; ++i) {
+    const auto& p = panels[i];
+    const int64_t N = Ns[i];
+    TORCH_CHECK(p.dim() == 3 && p.scalar_type() == at::kFloat && p.is_contiguous() && p.size(2) == NB &&
+                    p.size(1) == K && (N + NB - 1) / NB == p.size(0),
+                "small_linears: panels[", i, "] must be pack_panels(W) of a [N, K] weight with K = x.size(1)");
+    if (biases[i].has_value() && biases[i]->defined()) {
+      const auto& b = *biases[i];
+      TORCH_CHECK(b.dim() == 1 && b.numel() == N && b.scalar_type() == at::kFloat && b.is_contiguous(),
+                  "small_linears: biases[", i, "] is [N] fp32");
+      bps[i] = b.data_ptr<float>();
+    }
+    ys.push_back(at::empty({M, N}, x.options()));
+    wps[i] = p.data_ptr<float>();
+    yps[i] = ys.back().data_ptr<float>();
+    first[i + 1] = first[i] + p.size(0);
+  }
+  if (M == 0) return ys;
+#if defined(__AVX512F__)
+  const auto xc = x.contiguous();
+  std::vector<float> xt(static_cast<size_t>(M * K));
+  {
+    const float* a = xc.data_ptr<float>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = a[m * K + k];
+  }
+  const float* xp = xt.data();
+  at::parallel_for(0, first[W], 1, [&](int64_t p0, int64_t p1) {
+    size_t i = std::upper_bound(first.begin(), first.end(), p0) - first.begin() - 1;
+    for (int64_t p = p0; p < p1; ++p) {
+      while (p >= first[i + 1]) ++i;
+      const int64_t local = p - first[i];
+      panel(xp, M, wps[i] + local * K * NB, K, bps[i], yps[i], Ns[i], local * NB);
+    }
+  });
+#endif
+  return ys;
+}
