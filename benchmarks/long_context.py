@@ -21,6 +21,7 @@ every system: row-wise is what a per-row reader can reach, shared-once what a ca
 
     python benchmarks/long_context.py --model 5m --groups 1,8,16 --requests 32 --threads 2
     python benchmarks/long_context.py --model 100m --groups 1,8,16 --requests 16 --systems ours,vllm
+    python benchmarks/long_context.py --model 100m --requests 16 --systems ours,vllm --trainer-step  # in a trainer's process
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from common import (  # noqa: E402
     rollout_version,
     run_ours,
     timed,
+    training_step,
     vllm_available,
 )
 
@@ -107,6 +109,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--page-size", type=int, default=None, help="ours: tokens per KV page (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--trainer-step", action="store_true",
+                   help="first, as a trainer's process has: deep-copy the model and run a training step (forward, "
+                        "backward, AdamW) on this thread, then generate in the same process")
     p.add_argument("--repeats", type=int, default=1,
                    help="rounds of every system per G, the order rotated each round; tok/s is the median round "
                         "(this shared box's speed drifts 10-30%% within minutes)")
@@ -123,6 +128,9 @@ def main() -> None:
                "vllm": SYSTEMS["vllm"], "generate": SYSTEMS["generate"]}
     print(f"rollout: {rollout_version()}\nmachine: {machine_info()}\nmodel {a.model} {a.dtype}, page size {page_size}, "
           f"threads {a.threads}, load {os.getloadavg()[0]:.2f}", flush=True)
+    if a.trainer_step:
+        print(f"trainer step on the main thread ({torch.get_num_threads()} threads): deep copy + forward/backward/AdamW "
+              f"{training_step(model):.1f} s", flush=True)
     bw = read_bandwidth()
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     print(f"read bandwidth (torch.sum, 256 MB): {bw / 1e9:.1f} GB/s; weights {weights / 1e6:.0f} MB", flush=True)
