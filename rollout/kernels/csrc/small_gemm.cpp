@@ -70,6 +70,18 @@ void panel(const float* xt, int64_t M, const float* wp, int64_t K, const float* 
     default: break;
   }
 }
+
+// x [M, K] as [K, M], transposed by hand (ATen's strided copy costs more than the loop at decode sizes), so that a
+// k step's broadcasts read one cache line (measured: 1.1-1.2x over reading the rows in place)
+std::vector<float> transposed(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const auto xc = x.contiguous();
+  std::vector<float> xt(static_cast<size_t>(M * K));
+  const float* a = xc.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t k = 0; k < K; ++k) xt[k * M + m] = a[m * K + k];
+  return xt;
+}
 #endif
 
 }  // namespace
@@ -110,15 +122,7 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& panels, const c10
   auto y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
 #if defined(__AVX512F__)
-  // NOTE: x transposed to [K, M] by hand (ATen's strided copy costs more than the loop at decode sizes), so
-  // that a k step's broadcasts read one cache line (measured: 1.1-1.2x over reading the rows in place)
-  const auto xc = x.contiguous();
-  std::vector<float> xt(static_cast<size_t>(M * K));
-  {
-    const float* a = xc.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = a[m * K + k];
-  }
+  const std::vector<float> xt = transposed(x);
   const float* xp = xt.data();
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -166,13 +170,7 @@ std::vector<at::Tensor> small_linears(const at::Tensor& x, const std::vector<at:
   }
   if (M == 0) return ys;
 #if defined(__AVX512F__)
-  const auto xc = x.contiguous();
-  std::vector<float> xt(static_cast<size_t>(M * K));
-  {
-    const float* a = xc.data_ptr<float>();
-    for (int64_t m = 0; m < M; ++m)
-      for (int64_t k = 0; k < K; ++k) xt[k * M + m] = a[m * K + k];
-  }
+  const std::vector<float> xt = transposed(x);
   const float* xp = xt.data();
   at::parallel_for(0, first[W], 1, [&](int64_t p0, int64_t p1) {
     size_t i = std::upper_bound(first.begin(), first.end(), p0) - first.begin() - 1;
