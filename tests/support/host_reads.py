@@ -11,10 +11,13 @@ that made it, so a failure says where.
 
 from __future__ import annotations
 
+import os
 import traceback
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+
+import rollout
 
 # NOTE: patched too: under `torch.inference_mode` (the engine's step) ops on inference tensors skip the Python
 # dispatch mode, so `.item()` or a branch on a tensor there would go unseen by `__torch_dispatch__` alone
@@ -24,9 +27,20 @@ READ_OPS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.ma
             "aten.repeat_interleave.Tensor"}
 
 
+PACKAGE = os.path.dirname(os.path.abspath(rollout.__file__)) + os.sep
+
+
+def where(filenames_and_lines: list[tuple[str, int]], package: str = PACKAGE) -> str:
+    """"file:line" of the innermost frame inside the `rollout` package, relative to it ("?" if none).
+
+    Matched by the package's own directory, not by a "/rollout/" substring: a clone in a folder named `rollout`
+    puts that substring in every path (tests, the venv), and the package itself sits at `.../rollout/rollout/`."""
+    inside = [(name, line) for name, line in filenames_and_lines if os.path.abspath(name).startswith(package)]
+    return f"{os.path.abspath(inside[-1][0])[len(package):]}:{inside[-1][1]}" if inside else "?"
+
+
 def _where() -> str:
-    frames = [f for f in traceback.extract_stack()[:-2] if "/rollout/" in f.filename]
-    return f"{frames[-1].filename.split('/rollout/')[-1]}:{frames[-1].lineno}" if frames else "?"
+    return where([(f.filename, f.lineno) for f in traceback.extract_stack()[:-2]])
 
 
 class HostReads(TorchDispatchMode):
