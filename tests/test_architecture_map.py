@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import re
 import shutil
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("rollout", "trainers")
