@@ -21,7 +21,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.api.engine import RolloutEngine
-from rollout.serve import control, lora_routes, openai_routes, vllm_routes
+from rollout.serve import control, lora_routes, openai_routes, sglang_routes, vllm_routes
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.metrics import make_registry
 from rollout.serve.protocol import APIError, error_body, validation_error
@@ -146,6 +146,7 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
     app.include_router(control.router)
     app.include_router(vllm_routes.router)
     app.include_router(lora_routes.router)
+    app.include_router(sglang_routes.router)  # NOTE: SGLang's native API (`rollout.serve.sglang_routes`)
 
     @app.get("/health")
     async def health() -> Response:
