@@ -21,7 +21,15 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rollout.api.engine import RolloutEngine
-from rollout.serve import control, lora_routes, openai_routes, sglang_routes, vllm_routes
+from rollout.serve import (
+    control,
+    lora_routes,
+    openai_routes,
+    sglang_control,
+    sglang_routes,
+    sglang_weights,
+    vllm_routes,
+)
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.metrics import make_registry
 from rollout.serve.protocol import APIError, error_body, validation_error
@@ -146,7 +154,8 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
     app.include_router(control.router)
     app.include_router(vllm_routes.router)
     app.include_router(lora_routes.router)
-    app.include_router(sglang_routes.router)  # NOTE: SGLang's native API (`rollout.serve.sglang_routes`)
+    for sglang in (sglang_routes, sglang_control, sglang_weights):  # NOTE: SGLang's native API
+        app.include_router(sglang.router)
 
     @app.get("/health")
     async def health() -> Response:

@@ -22,6 +22,7 @@ from rollout.serve.lora_routes import (
     check_lora_push,
 )
 from rollout.serve.protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
+from rollout.serve.sglang_routes import label_version
 from rollout.serve.weights import WeightReceiver, check_update, load_checkpoint
 
 router = APIRouter()
@@ -90,8 +91,9 @@ async def get_weight_version(request: Request) -> dict:
 
 @router.post("/update_weights_from_disk")
 async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request,
-                                   in_flight: str = UPDATE_DEFAULT) -> dict:
+                                   in_flight: str | None = None) -> dict:
     bridge = _bridge(request)
+    in_flight = in_flight or ("abort" if req.abort_all_requests else UPDATE_DEFAULT)
     _mode(in_flight, "in_flight")  # NOTE: before the checkpoint is read
     tensors = await asyncio.to_thread(_releasing(load_checkpoint), req.model_path)
     tp = bridge.engine.tensor_parallel  # NOTE: the other ranks load the same checkpoint (rollout.serve.tp)
@@ -103,7 +105,9 @@ async def update_weights_from_disk(req: UpdateFromDiskRequest, request: Request,
         if tp is not None:
             tp.forget_load(bridge.weight_version + 1)
         raise
-    return {"success": True, "weight_version": version, "message": f"loaded {len(tensors)} tensors"}
+    label_version(request, version, req.weight_version)
+    return {"success": True, "weight_version": version, "message": f"loaded {len(tensors)} tensors",
+            "num_paused_requests": 0}
 
 
 def _mode(mode: str, param: str) -> None:

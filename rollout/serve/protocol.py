@@ -192,6 +192,8 @@ def check_messages(v: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 class UpdateFromDiskRequest(BaseModel):
     model_path: Annotated[str, Field(min_length=1)]
+    abort_all_requests: bool = False  # SGLang's: cancel the requests in flight (the `in_flight` query wins if set)
+    weight_version: str | None = None  # SGLang's: a label for the new version (`rollout.serve.sglang_routes`)
 
 
 class InitTransferRequest(BaseModel):

@@ -9,12 +9,9 @@ sglang-router, AReaL's `RemoteSGLangEngine`, verl's SGLang path):
   whole output so far (SGLang's default, `stream_output` off), then `data: [DONE]`.
 - `sampling_params` carries SGLang's names; `sglang_sampling` maps them onto the OpenAI routes' request model
   (vLLM's names), so one validation and one builder (`EngineBridge.sampling`) make the engine's sampling.
-- `GET /health_generate`, `GET /server_info` + `/get_server_info`, `GET /model_info` + `/get_model_info`,
-  `POST /flush_cache`, `POST /pause_generation {mode: abort|retract|in_place}` (in_place and retract keep the
-  requests in flight, frozen; abort cancels them), `POST /continue_generation`, `POST /abort_request {rid |
-  abort_all}`, `POST /release_memory_occupation` / `/resume_memory_occupation` (the engine's sleep / wake).
-  `GET /get_weight_version` and `POST /update_weights_from_disk` are `rollout.serve.control`'s; the tensor and
-  distributed weight routes are `rollout.serve.sglang_weights`'.
+- The control and info routes (pause / continue / abort, flush, memory occupation, server and model info) are
+  `rollout.serve.sglang_control`'s; `GET /get_weight_version` and `POST /update_weights_from_disk` are
+  `rollout.serve.control`'s; the tensor and distributed weight routes are `rollout.serve.sglang_weights`'.
 
 Errors keep the server's shape `{"error": {"message", "type", "param", "code"}}` (SGLang's own `{"error":
 {"message"}}` is a subset); bad input is a 400 naming the field.
@@ -31,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from rollout.serve.bridge import EngineBridge
@@ -47,8 +44,9 @@ FLOOR = -9999.0  # -inf logprobs (a token outside top-k / top-p) as a finite JSO
 
 # SGLang sampling_params name -> the OpenAI routes' (vLLM's) name
 RENAMED = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens", "sampling_seed": "seed"}
-SAME = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
-        "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n", "logit_bias", "seed")
+SAME = ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+        "repetition_penalty", "stop", "stop_token_ids", "ignore_eos", "skip_special_tokens", "n",
+        "logit_bias", "seed")
 # SGLang fields that only shape text or pacing here: accepted, no effect on tokens
 IGNORED = ("spaces_between_special_tokens", "stream_interval")
 # SGLang fields the engine does not implement: a 400 naming them unless neutral
@@ -95,7 +93,8 @@ def sglang_sampling(params: dict[str, Any] | None, param: str = "sampling_params
     except ValidationError as e:
         err = validation_error(list(e.errors()))
         sg = {v: k for k, v in RENAMED.items()}.get(err.param, err.param)
-        raise APIError(f"{param}.{err.message}".replace(f"{err.param}:", f"{sg}:", 1), f"{param}.{sg}") from None
+        message = err.message.replace(f"{err.param}:", f"{sg}:", 1)
+        raise APIError(f"{param}.{message}", f"{param}.{sg}") from None
     except APIError as e:
         raise APIError(f"{param}: {e.message}", f"{param}.{e.param}") from None
 
@@ -119,7 +118,7 @@ class GenerateRequest(BaseModel):
     return_routed_experts: bool = False
     stream: bool = False
     model: str | None = None
-    lora_path: str | None = None  # NOTE: an adapter loaded on this server, by name (`rollout.serve.lora_routes`)
+    lora_path: str | None = None  # NOTE: an adapter loaded here, by name (`rollout.serve.lora_routes`)
     # asked-for features the engine lacks: a 400 naming them
     image_data: Any = None
     input_embeds: Any = None
@@ -133,9 +132,12 @@ class GenerateRequest(BaseModel):
             if getattr(self, name) not in (None, [], [None]):
                 raise APIError(f"{name} is not supported by the rollout engine", name)
         if self.return_hidden_states:
-            raise APIError("return_hidden_states is not supported by the rollout engine", "return_hidden_states")
+            raise APIError("return_hidden_states is not supported by the rollout engine",
+                           "return_hidden_states")
         if self.input_ids is not None:
-            return [list(self.input_ids)] if isinstance(self.input_ids[0], int) else [list(p) for p in self.input_ids]
+            if isinstance(self.input_ids[0], int):
+                return [list(self.input_ids)]
+            return [list(p) for p in self.input_ids]
         texts = [self.text] if isinstance(self.text, str) else list(self.text)
         try:
             return [encode_prompt(tokenizer, t) for t in texts]
@@ -144,7 +146,8 @@ class GenerateRequest(BaseModel):
 
     @property
     def batched(self) -> bool:
-        return isinstance(self.text, list) or (self.input_ids is not None and isinstance(self.input_ids[0], list))
+        ids = self.input_ids
+        return isinstance(self.text, list) or (ids is not None and isinstance(ids[0], list))
 
 
 def _per_prompt(value, i: int, count: int, name: str):
@@ -167,7 +170,7 @@ class Sample:
         self.created = time.monotonic()
 
 
-def _state(request: Request) -> dict:
+def sglang_state(request: Request) -> dict:
     state = request.app.state
     if not hasattr(state, "sglang"):
         state.sglang = {"rids": {}, "labels": {}}  # rid -> engine ids; policy_version -> SGLang version label
@@ -178,7 +181,7 @@ def _state(request: Request) -> dict:
 async def generate(req: GenerateRequest, request: Request):
     state = request.app.state
     bridge: EngineBridge = state.bridge
-    try:  # NOTE: `model` is ignored as SGLang does (its router sends null); `lora_path` names a loaded adapter
+    try:  # NOTE: `model` is ignored as SGLang does (its router sends null); `lora_path` names an adapter
         lora = lora_of(req.lora_path, state)
     except APIError as e:
         raise APIError(e.message, "lora_path") from None
@@ -219,12 +222,12 @@ async def generate(req: GenerateRequest, request: Request):
     streaming = req.stream or any(s.sp.stop_strings for s in samples)
     engine_ids = bridge.submit(plan, streaming, queue, lora)
     by_id = dict(zip(engine_ids, samples, strict=True))
-    table = _state(request)["rids"]
+    table = sglang_state(request)["rids"]
     for eid, s in by_id.items():
         for key in {s.rid, _base(s.rid, s.sp.n)}:  # NOTE: with n > 1, the caller's rid aborts all its samples
             table.setdefault(key, []).append(eid)
     bridge.counters["requests"] += 1
-    labels = _state(request)["labels"]
+    labels = sglang_state(request)["labels"]
     single = not req.batched and len(samples) == 1
     if req.stream:
         return StreamingResponse(_stream(request, bridge, by_id, queue, labels, single, table),
@@ -280,7 +283,8 @@ async def _stream(request: Request, bridge: EngineBridge, by_id: dict, queue: as
             if s.text.done and not out.status.is_final:
                 bridge.cancel([out.request_id])
             if s.text.finish_reason == "error":
-                yield "data: " + json.dumps({"error": {"message": f"generation failed: {s.text.error}"}}) + "\n\n"
+                error = {"error": {"message": f"generation failed: {s.text.error}"}}
+                yield "data: " + json.dumps(error) + "\n\n"
                 continue
             body = _output(s, bridge, labels, final=s.text.done)
             if not single:
@@ -299,8 +303,8 @@ def _finish_reason(s: Sample) -> dict | None:
     if t.finish_reason == "length":
         return {"type": "length", "length": s.max_new_tokens}
     if t.finish_reason == "stop":
-        hits = [stop for stop in t.stops if stop and t.tokenizer is not None
-                and stop in t._decode(t.tokens)]  # NOTE: cut by a stop string: SGLang names the string
+        full = "" if t.tokenizer is None else t.tokenizer.decode(t.tokens, skip_special_tokens=t.skip)
+        hits = [stop for stop in t.stops if stop and stop in full]  # NOTE: SGLang names the stop string
         if hits:
             return {"type": "stop", "matched": hits[0]}
         return {"type": "stop", "matched": t.tokens[-1] if t.tokens else None}
@@ -331,7 +335,7 @@ def _output(s: Sample, bridge: EngineBridge, labels: dict, final: bool) -> dict:
             vals, tids = t.top if t.top is not None else ([], [])
             meta["output_top_logprobs"] = [_entries(v[: s.top_k], i[: s.top_k], t, with_text)
                                            for v, i in zip(vals, tids, strict=True)][: len(t.tokens)]
-    if final and (routes := t.routes()) is not None:  # NOTE: AReaL's decoding: base64 raw int32 [P + C - 1, L * k]
+    if final and (routes := t.routes()) is not None:  # NOTE: AReaL reads raw int32 [P + C - 1, L * k]
         import numpy as np
 
         arr = routes.to("cpu").reshape(routes.shape[0], -1).int().numpy()
@@ -350,156 +354,13 @@ def _input_logprobs(s: Sample, with_text: bool) -> list:
     return _entries(values, ids, t, with_text)
 
 
-# ---------------------------------------------------------------------------------------------- info
-def _server_info(request: Request) -> dict:
-    state = request.app.state
-    bridge: EngineBridge = state.bridge
-    version = bridge.weight_version
-    return {
-        "model_path": state.model_root, "tokenizer_path": state.model_root, "served_model_name":
-            state.served_model_name, "context_length": bridge.max_model_len, "max_total_num_tokens":
-            bridge.max_model_len, "weight_version": _state(request)["labels"].get(version, version),
-        "is_paused": bridge.is_paused(), "is_sleeping": bridge.asleep, "engine": "rollout",
-        "internal_states": [bridge.cache_stats()], "version": _version(),
-    }
-
-
-def _version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("rollout")
-    except PackageNotFoundError:
-        return "unknown"
-
-
-@router.get("/server_info")
-@router.get("/get_server_info")
-async def server_info(request: Request) -> dict:
-    return _server_info(request)
-
-
-@router.get("/model_info")
-@router.get("/get_model_info")
-async def model_info(request: Request) -> dict:
-    state = request.app.state
-    version = state.bridge.weight_version
-    return {"model_path": state.model_root, "tokenizer_path": state.model_root, "is_generation": True,
-            "preferred_sampling_params": None, "weight_version": _state(request)["labels"].get(version, version),
-            "has_image_understanding": False, "has_audio_understanding": False}
-
-
-@router.get("/health_generate")
-async def health_generate(request: Request) -> Response:
-    """200 once the engine answers a one-token greedy request (at once while paused or asleep: a request
-    would wait for the resume; the engine thread's liveness is what is checked then)."""
-    bridge: EngineBridge = request.app.state.bridge
-    if not bridge.manager.is_running():
-        return Response(status_code=503)
-    if bridge.is_paused() or bridge.asleep:
-        return Response(status_code=200)
-    queue: asyncio.Queue = asyncio.Queue()
-    sp = sglang_sampling({"max_new_tokens": 1, "temperature": 0.0})
-    ids = bridge.submit([([0], bridge.sampling(sp, 1, 0, 0))], False, queue)
-    try:
-        out = await asyncio.wait_for(queue.get(), 20.0)
-    except asyncio.TimeoutError:
-        bridge.cancel(ids)
-        return Response(status_code=503)
-    return Response(status_code=200 if out.finish_reason != "error" else 503)
-
-
-# ------------------------------------------------------------------------------------------- control
-class PauseRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    mode: str = "abort"
-
-
-PAUSE_MODES = {"abort": "abort", "in_place": "keep", "retract": "keep"}
-
-
-@router.post("/pause_generation")
-async def pause_generation(request: Request, req: PauseRequest | None = None) -> dict:
-    """SGLang's modes: "abort" (default) cancels the requests in flight (they answer with finish_reason
-    abort); "in_place" and "retract" keep them, frozen with their KV, to go on after /continue_generation."""
-    mode = (req or PauseRequest()).mode
-    if mode not in PAUSE_MODES:
-        raise APIError(f"mode must be one of {sorted(PAUSE_MODES)}, got {mode!r}", "mode")
-    await asyncio.to_thread(request.app.state.bridge.pause, PAUSE_MODES[mode])
-    return {"message": "Generation paused successfully.", "status": "ok"}
-
-
-@router.post("/continue_generation")
-async def continue_generation(request: Request) -> dict:
-    await asyncio.to_thread(request.app.state.bridge.resume)
-    return {"message": "Generation continued successfully.", "status": "ok"}
-
-
-class AbortRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    rid: str | None = ""
-    abort_all: bool = False
-
-
-@router.post("/abort_request")
-async def abort_request(req: AbortRequest, request: Request) -> Response:
-    """Cancel request `rid` (all its samples), or every request with `abort_all`; an unknown or finished
-    rid is a no-op, as in SGLang. The aborted requests answer with finish_reason {"type": "abort"}."""
-    bridge: EngineBridge = request.app.state.bridge
-    table = _state(request)["rids"]
-    if req.abort_all:
-        ids = [eid for eids in table.values() for eid in eids]
-    elif req.rid:
-        ids = list(table.get(req.rid, ()))
-    else:
-        raise APIError("send rid or abort_all: true", "rid")
-    bridge.cancel(sorted(set(ids)))
-    return Response(status_code=200)
-
-
-@router.api_route("/flush_cache", methods=["GET", "POST"])
-async def flush_cache(request: Request) -> PlainTextResponse:
-    """The prefix cache emptied (after the requests in flight finish; with requests frozen by a keep pause it
-    is refused with 400, as SGLang refuses while requests run)."""
-    bridge: EngineBridge = request.app.state.bridge
-    if bridge.manager.pause_mode == "keep" and bridge.is_paused():
-        return PlainTextResponse("Cache not flushed: requests are paused in place; continue or abort them first.\n",
-                                 status_code=400)
-    await asyncio.to_thread(bridge.reset_prefix_cache)
-    return PlainTextResponse("Cache flushed.\n")
-
-
-class MemoryRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-    tags: list[str] | None = None
-
-
-MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
-
-
-def _tags(req: MemoryRequest | None) -> None:
-    bad = [t for t in (req.tags if req and req.tags else ()) if t not in MEMORY_TAGS]
-    if bad:
-        raise APIError(f"tags must be among {list(MEMORY_TAGS)}, got {bad}", "tags")
-
-
-@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
-async def release_memory_occupation(request: Request, req: MemoryRequest | None = None) -> dict:
-    """The engine's sleep (its KV cache released; every tag releases it, the weights stay)."""
-    _tags(req)
-    await asyncio.to_thread(request.app.state.bridge.sleep)
-    return {"success": True, "message": "released"}
-
-
-@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-async def resume_memory_occupation(request: Request, req: MemoryRequest | None = None) -> dict:
-    _tags(req)
-    await asyncio.to_thread(request.app.state.bridge.wake_up)
-    return {"success": True, "message": "resumed"}
-
-
 def label_version(request: Request, version: int, label: str | None) -> None:
-    """Name `version` as the caller's `weight_version` label (SGLang's weight updates carry one); meta_info and
-    the info routes report the label for it."""
+    """Name `version` as the caller's `weight_version` label (SGLang's weight updates carry one); meta_info
+    and the info routes report the label for it."""
     if label is not None:
-        _state(request)["labels"][version] = str(label)
+        sglang_state(request)["labels"][version] = str(label)
+
+
+def version_label(request: Request, version: int) -> int | str:
+    """The label a weight update gave `version` (SGLang's `weight_version`), else the version number."""
+    return sglang_state(request)["labels"].get(version, version)

@@ -138,7 +138,8 @@ def test_update_weights_from_disk_serves_new_policy(server, tmp_path):
     new_model = make_model("qwen3", seed=2)
     new_model.save_pretrained(tmp_path / "new")
     r = call(server, "POST", "/update_weights_from_disk", {"model_path": str(tmp_path / "new")})
-    assert r.status_code == 200 and r.json() == {"success": True, "weight_version": v0 + 1, "message": r.json()["message"]}
+    assert r.status_code == 200 and r.json() == {"success": True, "weight_version": v0 + 1,  # + SGLang's field
+                                                 "message": r.json()["message"], "num_paused_requests": 0}
     want = hf_greedy(new_model, PROMPT, 8)
     assert want != tokens(old)
     after = greedy(server)
