@@ -224,10 +224,10 @@ def _edit(root: Path, old: str, new: str) -> None:
 
 
 def test_checker_names_a_new_module_and_its_table(scratch):
-    (scratch / "rollout/serve/sglang_routes.py").touch()
+    (scratch / "rollout/serve/example_routes.py").touch()
     (problem,) = all_problems(scratch)
-    assert problem.startswith("rollout/serve/sglang_routes.py has no row")
-    assert "| `rollout/serve/sglang_routes.py` | what it owns |" in problem
+    assert problem.startswith("rollout/serve/example_routes.py has no row")
+    assert "| `rollout/serve/example_routes.py` | what it owns |" in problem
     assert "'### Entry points: `serve`, `integrations`, `fleet`, `agents`, `client`'" in problem
 
 
