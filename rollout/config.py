@@ -23,6 +23,7 @@ ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash", "triton")  # NOTE: roll
 BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.invariant.attention in the mode
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
+SEED_STREAMS = ("auto", "generator", "counter")  # NOTE: rollout.sampling.sampler draws seeded rows either way
 
 
 # ---------------------------------------------------------------------------------- the rules
@@ -133,6 +134,7 @@ class _ConfigFields:
     auto_switch_to_flash: bool = _compat(True, Bool())
     attn_backend: str = _setting("auto", OneOf(ATTN_BACKENDS))
     batch_invariant: bool = _setting(False, Bool())
+    seed_stream: str = _setting("auto", OneOf(SEED_STREAMS))
     max_loras: int = _setting(0, Int(0))  # NOTE: LoRA adapter slots (rollout.model.lora); 0: no adapters
     max_lora_rank: int = _setting(16, Int(1))
     speculative_method: str | None = _setting(None, OneOf((None, "ngram")))
@@ -196,6 +198,11 @@ class ContinuousBatchingConfig(_ConfigFields):
             See `rollout.attention.backends`.
         batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
             (`rollout.invariant.mode`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
+        seed_stream: how seeded rows draw their noise (`rollout.sampling.sampler`): "generator" (one
+            `torch.Generator` per seeded request), "counter" (the counter-based Philox generator of
+            `rollout.sampling.seeding`: one vectorised draw for every seeded row, the same bits on CPU and CUDA), or
+            "auto" (default: "counter" on CUDA, "generator" elsewhere, so seeded CPU samples stay what they were).
+            Either is reproducible per seed across batch compositions; they give different samples.
         speculative_method, num_speculative_tokens: "ngram" and k >= 1 drafts up to k tokens per decoding row from
             n-grams of its own context, its group's and its prompt's earlier rollouts, verified in one forward
             (lossless: `rollout.engine.speculation`); None and 0 (default) decode one token per step.

@@ -38,7 +38,7 @@ from rollout.model.runner import ModelRunner
 from rollout.model.static_decode import static_plan, varlen_compile
 from rollout.prompts import check_token_ids, int_set
 from rollout.requests import Request, RequestStatus, SamplingParams
-from rollout.sampling.sampler import Sampler
+from rollout.sampling.sampler import Sampler, resolve_seed_stream
 from rollout.sampling.sampling_fields import generation_defaults, make_sampling, overrides
 from rollout.sampling.token_logprobs import check_scoring, record_scores
 from rollout.scheduling.scheduler import Scheduler
@@ -115,7 +115,8 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
                                   compiled=varlen_compile(config, self.device), static=static)
-        self.sampler = Sampler(self.device) if self.tp is None else AgreedSampler(Sampler(self.device), self.tp)
+        sampler = Sampler(self.device, seed_stream=resolve_seed_stream(config.seed_stream, self.device))
+        self.sampler = sampler if self.tp is None else AgreedSampler(sampler, self.tp)
         self.set_generation_config(generation_config)
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.max_context = getattr(tc, "max_position_embeddings", None)

@@ -3,8 +3,12 @@
 Each row has its own temperature, top-k, top-p, min-p and (optionally) seed, and its own logits
 processors (penalties, biases, bans, forced tokens: `rollout.sampling.processors`, applied first, only on the
 rows that use them). Sampling uses the exponential race (argmax of log p - log E, E ~ Exp(1)), which
-draws exactly from p. A seeded row draws its noise from its own `torch.Generator`, so its samples do
-not depend on what else is in the batch.
+draws exactly from p. A seeded row's noise depends on its seed and its own stream only, never on what else is in
+the batch, drawn one of two ways (`seed_stream`): "generator" (the CPU default) gives each seeded request its own
+`torch.Generator`, one host call per row and step; "counter" (the CUDA default) computes every seeded row's noise
+in one vectorised draw from the counter-based generator of `rollout.sampling.seeding` (Philox4x32-10 keyed by the
+row's seed, counter (token, position = tokens it generated before, purpose)): stateless, the same bits on every
+device, nothing a CUDA graph cannot hold. The two streams give different (equally distributed) samples.
 
 Logprobs, and the top k of a row whose request asks for them, come from one tensor per step,
 `rollout.sampling.log_distribution.log_distribution` ("processed": the distribution actually sampled from, the
@@ -23,6 +27,8 @@ from rollout.kernels import cpu_kernels
 from rollout.requests import Request, SamplingParams
 from rollout.sampling.log_distribution import log_distribution, top_k, warped_logprobs
 from rollout.sampling.processors import LogitsProcessors
+from rollout.sampling.seeding import counter_exponential
+from rollout.tensors import int_tensor
 
 
 @dataclass(slots=True)
@@ -40,10 +46,16 @@ class Sampler:
     Args:
         device: where the logits live.
         seed: seed of the generator of unseeded rows (None: fresh OS entropy).
+        seed_stream: how seeded rows draw, "generator" or "counter" (see the module docstring).
     """
 
-    def __init__(self, device: torch.device, seed: int | None = None) -> None:
+    def __init__(self, device: torch.device, seed: int | None = None, seed_stream: str = "generator") -> None:
+        if seed_stream not in ("generator", "counter"):
+            raise ValueError(f"seed_stream must be 'generator' or 'counter', got {seed_stream!r}")
         self.device = device
+        self.seed_stream = seed_stream
+        # NOTE: counter stream without the requests' histories: draws made so far per request (as a generator's)
+        self._draws: dict[str, int] = {}
         self.generator = torch.Generator(device=device)
         # NOTE: not torch.seed(), which reseeds the global generator (a trainer's seeding would be lost).
         self.generator.manual_seed(seed if seed is not None else secrets.randbits(62))
@@ -59,6 +71,7 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._row_generators.pop(request_id, None)
+        self._draws.pop(request_id, None)
         self.processors.release(request_id)
 
     @torch.inference_mode()
@@ -96,7 +109,8 @@ class Sampler:
             idx, rows = _take(processed, s_rows)
             sub = [params[i] for i in s_rows]
             warped = warped_logprobs(rows, sub)  # [S, V]
-            noise = self._noise(warped.shape, [request_ids[i] for i in s_rows], sub)  # [S, V]
+            noise = self._noise(warped.shape, [request_ids[i] for i in s_rows], sub,
+                                None if requests is None else [requests[i] for i in s_rows])  # [S, V]
             tokens[idx] = row_argmax(warped - noise.log())  # [S]
         if uses:
             self.processors.update(requests, tokens)
@@ -117,15 +131,45 @@ class Sampler:
                 top[i] = (vals[j][:k], ids[j][:k])
         return SamplerOutput(tokens.tolist() if token_list is None else token_list, chosen, top)
 
-    def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams]) -> torch.Tensor:
+    def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams],
+               requests: Sequence[Request] | None = None) -> torch.Tensor:
         """Exp(1) noise [S, V]: one shared draw for unseeded rows, a per-request stream for seeded ones."""
         noise = torch.empty(shape, dtype=torch.float32, device=self.device)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
         if len(seeded) < len(params):
             noise.exponential_(generator=self.generator)
+        if self.seed_stream == "counter":
+            if seeded:
+                positions = self._positions(seeded, request_ids, requests)
+                rows = counter_exponential([params[i].seed for i in seeded], positions, shape[1], self.device)
+                if len(seeded) == len(params):
+                    return rows  # [S, V]
+                noise.index_copy_(0, int_tensor(seeded, self.device), rows)
+            return noise
         for i in seeded:
             noise[i].exponential_(generator=self.generator_for(request_ids[i], params[i].seed))
         return noise
+
+    def _positions(self, seeded: list[int], request_ids: list[str], requests: Sequence[Request] | None) -> list[int]:
+        """Each seeded row's position in its stream: the tokens its request generated before this draw (a
+        preempted, recomputed or speculated row draws at the same place), or without the requests the draws
+        made so far for that id (`forget` starts again)."""
+        if requests is not None:
+            return [len(requests[i].generated) for i in seeded]
+        out = []
+        for i in seeded:
+            n = self._draws.get(request_ids[i], 0)
+            self._draws[request_ids[i]] = n + 1
+            out.append(n)
+        return out
+
+
+def resolve_seed_stream(setting: str, device: torch.device) -> str:
+    """The seeded rows' stream of a `seed_stream` setting on `device` ("auto": "counter" on CUDA, else
+    "generator", so seeded CPU samples stay what they were)."""
+    if setting != "auto":
+        return setting
+    return "counter" if device.type == "cuda" else "generator"
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64

@@ -48,3 +48,25 @@ def call_seeds(seed: int | None, num_groups: int, group_size: int, first_group: 
     if seed is None:
         return [None] * (num_groups * group_size)
     return [sample_seed(group_seed(seed, first_group + i), j) for i in range(num_groups) for j in range(group_size)]
+
+
+# ------------------------------------------------------------------------- the counter-based generator
+# Philox4x32-10 (`rollout.kernels.philox`): a seeded row's key is its stream seed (`sample_seed`: the row stream);
+# its counter is (token block, position, purpose, 0), position = tokens the request generated before this draw.
+def counter_exponential(seeds: list[int], positions: list[int], vocab: int, device,
+                        stream: int = 0):
+    """Exp(1) noise [S, vocab] (fp32) of seeded rows, a pure function of (seed, position, token): the same bits
+    on every device and in every batch. On CUDA through the Triton kernel when triton is installed
+    (`rollout.kernels.triton_sampling`, the same words), else its torch ops. `stream`: the purpose word (0: the
+    token draw). Imported lazily: this module stays free of torch for the clients that only derive seeds."""
+    import torch
+
+    from rollout.kernels import philox
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        from rollout.kernels import triton_sampling
+
+        if triton_sampling.available(device):
+            return triton_sampling.counter_exponential(seeds, positions, vocab, device, stream)
+    return philox.exponential_from_words(philox.counter_words(seeds, positions, vocab, device, stream))

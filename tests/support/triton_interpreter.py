@@ -24,8 +24,9 @@ def device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load():
-    """The kernel module, ready to run on `device()`; skips (with why) when it cannot."""
+def load(module_name: str = MODULE):
+    """The kernel module (default the paged decode kernel's), ready to run on `device()`; skips (with why) when it
+    cannot."""
     # NOTE: find_spec, not an import: triton must first be imported with the variable set
     if importlib.util.find_spec("triton") is None:
         pytest.skip("the triton extra is not installed (pip install 'rollout[triton]')")
@@ -34,7 +35,7 @@ def load():
             pytest.skip("Triton's interpreter needs numpy")
         if "triton" not in sys.modules:
             os.environ["TRITON_INTERPRET"] = "1"
-    module = importlib.import_module(MODULE)
+    module = importlib.import_module(module_name)
     if not module.available(device()):
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set, and this machine has no GPU")
     return module
