@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("tinker.proto.tinker_public_pb2",
                     reason="the tinker SDK is not installed (pip install 'rollout[tinker]')")
 import tinker  # noqa: E402
+
 pytest.importorskip("peft", reason="the Tinker service trains PEFT LoRA adapters (the lora extra)")
 
 from support.serving import save_tiny  # noqa: E402
