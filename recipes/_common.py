@@ -21,9 +21,15 @@ from datasets import Dataset, load_dataset, load_from_disk
 
 from rollout import ContinuousBatchingConfig
 from trainers.base import checkpoints
-from trainers.tasks import AdditionTask, addition_reward, build_tiny_model, greedy_accuracy, make_addition_tokenizer
-from trainers.warm_start import sft_warm_start
+from trainers.tasks import (
+    AdditionTask,
+    addition_reward,
+    build_tiny_model,
+    greedy_accuracy,
+    make_addition_tokenizer,
+)
 from trainers.verifiers import math_reward
+from trainers.warm_start import sft_warm_start
 
 # NOTE: the embedded GRPO warm start (recipes/grpo.py and recipes/trl_grpo.py load the same checkpoint).
 # It has its own seed: SFT on this task learns through a sudden transition whose step varies with the seed

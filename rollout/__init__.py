@@ -6,16 +6,20 @@ from rollout.api.factories import continuous_batching_context_manager, init_cont
 from rollout.api.generate import generate_batch
 from rollout.api.score_batch import ScoreBatch
 from rollout.config import ContinuousBatchingConfig
+from rollout.contract import Rollout
 from rollout.engine.manager import ContinuousBatchingManager
 from rollout.requests import GenerationOutput, RequestStatus
+from rollout.sampling_params import SamplingParams
 
 __all__ = [
     "ContinuousBatchingConfig",
     "ContinuousBatchingManager",
     "GenerationOutput",
     "RequestStatus",
+    "Rollout",
     "RolloutBatch",
     "RolloutEngine",
+    "SamplingParams",
     "ScoreBatch",
     "continuous_batching_context_manager",
     "generate_batch",

@@ -23,8 +23,8 @@ import torch
 
 from rollout.api.batch import RolloutBatch
 from rollout.api.chat import chat_template_ids
-from rollout.sampling.sampling_fields import temperatures
 from rollout.sampling.seeding import derive_seed
+from rollout.sampling_params import temperatures
 
 Observation = list[Mapping[str, Any]] | str  # chat messages, or plain text
 

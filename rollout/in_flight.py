@@ -47,3 +47,12 @@ def check_recompute_kv(in_flight: InFlight, recompute_kv: bool) -> None:
     """`recompute_kv=True` redoes the KV of requests kept in flight: refused, by name, with any other mode."""
     if recompute_kv and in_flight != "keep":
         raise ValueError("recompute_kv=True applies to requests kept in flight: pass in_flight='keep'")
+
+
+def check_remote_update(recompute_kv: bool, version: int | None, who: str) -> None:
+    """A remote rollout (a pool or client of servers) takes `update_weights`' full signature but cannot yet ask a
+    server to recompute KV or to take a given version: a ValueError naming the argument instead of ignoring it."""
+    if recompute_kv:
+        raise ValueError(f"{who}.update_weights: recompute_kv=True is not supported through a server yet")
+    if version is not None:
+        raise ValueError(f"{who}.update_weights: version= is not supported through a server (it counts its own)")

@@ -1,10 +1,13 @@
-"""Request state, `RequestStatus` and `GenerationOutput`. Pure Python: no torch."""
+"""Request state, `RequestStatus` and `GenerationOutput` (a request carries its bound `SamplingParams`). Pure
+Python: no torch."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
 from typing import Any
+
+from rollout.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.Enum):
@@ -52,60 +55,6 @@ class GenerationOutput:
 
     def is_finished(self) -> bool:
         return self.status.is_final
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """Per-request sampling: temperature 0 means greedy; top_k 0, top_p 1.0, min_p 0.0 mean off.
-
-    The logits processors (each neutral at its default; `rollout.sampling.processors` applies them, in transformers'
-    order): `logit_bias` (token, bias) pairs, from vLLM's `logit_bias`, length-1 `sequence_bias`, and
-    -inf for bad words and `suppress_tokens`; `sequence_bias` ((ids...), bias) for sequences of 2+ tokens,
-    applied to the last when the history ends with the others; `repetition_penalty` over prompt +
-    generated tokens; `presence_penalty` / `frequency_penalty` over generated tokens (vLLM);
-    `no_repeat_ngram_size`; stop ids masked while fewer than `min_new_tokens` are generated or prompt +
-    generated < `min_length`; `forced_bos_token_id` (one-token prompts), `forced_eos_token_ids` (at the
-    last token of the budget); `begin_suppress_tokens` at the first generated token.
-    """
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    no_repeat_ngram_size: int = 0
-    min_new_tokens: int = 0
-    min_length: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    sequence_bias: tuple[tuple[tuple[int, ...], float], ...] = ()
-    begin_suppress_tokens: tuple[int, ...] = ()
-    forced_bos_token_id: int | None = None
-    forced_eos_token_ids: tuple[int, ...] = ()
-    # NOTE: transformers' prompt lookup, run as the engine's lossless n-gram speculation (`rollout.engine.speculation`):
-    # up to this many draft tokens per step (0: the engine's `num_speculative_tokens`), n-grams up to that size
-    # (0: the default); neither changes the tokens' distribution, so neither is a logits processor.
-    prompt_lookup_num_tokens: int = 0
-    max_matching_ngram_size: int = 0
-    # NOTE: computed once (the sampler asks every row every step): whether any logits processor is on
-    uses_processors: bool = field(init=False, default=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        on = (self.penalised or bool(self.logit_bias) or bool(self.sequence_bias) or self.no_repeat_ngram_size > 0
-              or self.min_new_tokens > 0 or self.min_length > 0 or bool(self.begin_suppress_tokens)
-              or self.forced_bos_token_id is not None or bool(self.forced_eos_token_ids))
-        object.__setattr__(self, "uses_processors", on)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0.0
-
-    @property
-    def penalised(self) -> bool:
-        """Whether it needs the device-side token counts (repetition / presence / frequency penalty)."""
-        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(eq=False)

@@ -27,8 +27,8 @@ from torch import Tensor
 from rollout import RolloutBatch
 from rollout.agents import Environment, run_episodes
 from trainers.common import rollout_seed
-from trainers.rollouts import speculation_counts, speculation_metrics
 from trainers.grpo import GRPOConfig, GRPOTrainer
+from trainers.rollouts import speculation_counts, speculation_metrics
 
 
 @dataclass

@@ -35,9 +35,8 @@ import time
 import torch
 from torch import Tensor
 
-from rollout import RolloutBatch, RolloutEngine
+from rollout import RolloutBatch
 from rollout.engine.openmp import release_thread_team
-from trainers.base import colocated_engine_config
 from trainers.losses import masked_mean
 
 logger = logging.getLogger("trainers")
@@ -163,17 +162,6 @@ class AsyncRolloutMixin:
         super().__init__(*args, **kwargs)
         if self.config.async_rollout:
             self.sleeps = False  # NOTE: the engine generates while the learner trains
-
-    def build_engine(self) -> RolloutEngine:
-        cfg = self.config
-        if not cfg.async_rollout or cfg.engine_dtype is not None or self.fsdp is not None:
-            return super().build_engine()  # NOTE: a copy already, unless the engine shares the policy
-        # NOTE: the optimizer must not change the weights under a running generation: the engine gets a
-        # copy, refreshed by each sync.
-        model = copy.deepcopy(self.policy).eval()
-        model.requires_grad_(False)
-        config = colocated_engine_config(cfg.engine_config, cfg.engine_memory_fraction, next(model.parameters()).device)
-        return RolloutEngine(model, tokenizer=self.tokenizer, config=config)
 
     def train(self) -> list[dict[str, float]]:
         if not self.config.async_rollout:

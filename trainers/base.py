@@ -8,7 +8,6 @@ the trainable module. One RL step is `collect`, `optimize`, `sync_weights`, `log
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import os
@@ -22,7 +21,8 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor
 
-from rollout import ContinuousBatchingConfig, RolloutBatch, RolloutEngine
+from rollout import RolloutBatch
+from rollout.contract import Rollout
 from trainers.algorithms import get_algorithm
 from trainers.checkpoints import STATE_FILE, checkpoints
 from trainers.common import (
@@ -37,6 +37,7 @@ from trainers.common import (
     rollout_seed,
     scored_logprobs,
 )
+from trainers.engine_builder import build_rollout, colocated_engine_config  # noqa: F401 (re-exported)
 from trainers.invariant import BatchInvariantMixin
 from trainers.lora import LoraMixin, lora_policy
 from trainers.losses import masked_mean, truncated_importance_weights
@@ -140,17 +141,10 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         return {"top_k": self.config.top_k, "top_p": self.config.top_p}
 
     # ------------------------------------------------------------------------- building
-    def build_engine(self) -> RolloutEngine:
-        """One engine per process for the whole run, on the trainer's own weights (zero-copy) or
-        on a cast copy when `engine_dtype` is set (then each sync copies and casts)."""
-        cfg, model = self.config, self.unsharded_policy()  # NOTE: under FSDP a full copy
-        if cfg.engine_dtype is not None:
-            model = copy.deepcopy(model).to(getattr(torch, cfg.engine_dtype)).eval()
-            model.requires_grad_(False)
-        engine_config = colocated_engine_config(
-            cfg.engine_config, cfg.engine_memory_fraction, next(model.parameters()).device
-        )
-        return RolloutEngine(model, tokenizer=self.tokenizer, config=engine_config)
+    def build_engine(self) -> Rollout:
+        """The run's `Rollout`: the one given (`rollout=`), or one engine per process for the whole run on the
+        trainer's own weights (zero-copy) or a copy (`trainers.engine_builder.build_rollout`)."""
+        return build_rollout(self)
 
     def build_reference(self, ref_model: torch.nn.Module | None) -> torch.nn.Module | None:
         """The frozen reference for KL: the one given, else a copy of the initial policy."""
@@ -230,6 +224,8 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
     def score(self, rows: list[dict], batch: RolloutBatch) -> tuple[Tensor, dict[str, float]]:
         """Rewards `[N]` of this rank's completions (NaN where no function applied), with each
         function's mean; no collective call (ranks may score different numbers of batches)."""
+        if batch.completions_text is None and self.tokenizer is not None:  # NOTE: a rollout without a tokenizer
+            batch.completions_text = self.tokenizer.batch_decode(completion_id_lists(batch), skip_special_tokens=True)
         if batch.completions_text is None:
             raise ValueError("reward functions need decoded completions: pass a tokenizer")
         rewards, metrics = score_completions(
@@ -384,15 +380,4 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def colocated_engine_config(
-    config: ContinuousBatchingConfig | None, fraction: float | None, device: torch.device
-) -> ContinuousBatchingConfig | None:
-    """The engine config for an engine that shares `device` with training: on an accelerator its
-    KV cache takes `fraction` of the free memory (`max_memory_percent`); on a CPU, or with no
-    fraction, `config` as given (the engine's CPU default is a small share of RAM)."""
-    if fraction is None or device.type == "cpu":
-        return config
-    return (config or ContinuousBatchingConfig()).replace(max_memory_percent=fraction)
 

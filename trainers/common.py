@@ -16,8 +16,8 @@ import torch
 from torch import Tensor
 
 from rollout.config import ContinuousBatchingConfig
-from rollout.sampling.sampling_fields import check_temperature
 from rollout.sampling.seeding import derive_seed
+from rollout.sampling_params import check_temperature
 from trainers.lora import LoraFields
 from trainers.losses import entropy_from_logits, masked_mean, token_logprobs
 

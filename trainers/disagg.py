@@ -34,12 +34,7 @@ class DisaggGRPOTrainer(GRPOTrainer):
         if not isinstance(pool, RolloutPool):
             raise ValueError(f"pool must be a rollout.fleet.pool.RolloutPool, got {type(pool).__name__}")
         self.pool = pool
-        super().__init__(model, tokenizer, reward_funcs, train_dataset, config, **kwargs)
+        super().__init__(model, tokenizer, reward_funcs, train_dataset, config, rollout=pool, **kwargs)
         if self.accelerator.num_processes != 1:
             raise ValueError("DisaggGRPOTrainer runs one learner process (the weight broadcast has one rank 0); "
                              f"got {self.accelerator.num_processes}")
-
-    def build_engine(self) -> RolloutPool:
-        if self.config.engine_dtype is not None:
-            raise ValueError("engine_dtype does not apply to rollout servers: start them with --dtype instead")
-        return self.pool

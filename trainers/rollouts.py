@@ -16,13 +16,16 @@ from rollout.api.chat import is_conversational
 
 
 def encode_prompt(tokenizer, prompt: Any, chat_template: bool = False) -> Any:
-    """What the engine gets for one dataset prompt: chat rows (a list of messages) and, with
-    `chat_template`, plain strings (as one user message) become template ids; other strings and
-    token-id lists pass through (the engine tokenizes strings itself)."""
+    """What the rollout gets for one dataset prompt: token ids. Chat rows (a list of messages) and, with
+    `chat_template`, plain strings (as one user message) become template ids; other strings are encoded as the
+    engine would (`add_special_tokens=True`), so a rollout built without a tokenizer works under a trainer that has
+    one; token-id lists pass through (strings too when the trainer has no tokenizer)."""
     if is_conversational(prompt):
         return chat_ids(tokenizer, list(prompt))
     if chat_template and isinstance(prompt, str):
         return chat_ids(tokenizer, [{"role": "user", "content": prompt}])
+    if isinstance(prompt, str) and tokenizer is not None:
+        return list(tokenizer(prompt, add_special_tokens=True)["input_ids"])
     return prompt
 
 

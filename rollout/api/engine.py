@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import threading
 from collections.abc import Sequence
 
@@ -18,8 +19,7 @@ from transformers import GenerationConfig
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.chat import chat_template_ids
-from rollout.api.lora import LoraChoice, LoraMethods, adopt_peft_policy, policy_config
-from rollout.api.per_prompt import per_prompt
+from rollout.api.lora import LoraChoice, LoraMethods, policy_config
 from rollout.api.score_batch import ScoreBatch, pack_scores, score_inputs
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.collect import collect
@@ -28,9 +28,9 @@ from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_recomp
 from rollout.model.model_facts import eos_ids_of
 from rollout.prompts import check_token_ids
 from rollout.requests import RequestStatus
-from rollout.sampling.sampling_fields import temperatures
 from rollout.sampling.seeding import call_seeds
-from rollout.weights.in_place import copy_weights
+from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
+from rollout.weights.checkpoint import load_checkpoint
 from rollout.weights.lora_adapters import is_peft_model
 
 logger = logging.getLogger("rollout")
@@ -65,7 +65,7 @@ class RolloutEngine(LoraMethods):
         peft, config = lora_config is not None, lora_config or config
         self.generation_config = self._generation_config(model, tokenizer, generation_config)
         self.manager = ContinuousBatchingManager(model, self.generation_config, config)
-        self._policy_lora = adopt_peft_policy(self.manager.core, model) if peft else None
+        self._policy_lora = self.manager.adopt_peft_policy(model) if peft else None
         self.manager.start()
         self.device = next(model.parameters()).device
         self._lock = threading.RLock()  # one generate / update / sleep at a time
@@ -110,7 +110,7 @@ class RolloutEngine(LoraMethods):
     @property
     def tensor_parallel(self):
         """The tensor-parallel group this engine steps in lockstep with (`rollout.engine.tp`), None without TP."""
-        return self.manager.core.tp
+        return self.manager.tp
 
     def cache_stats(self) -> dict:
         return self.manager.cache_stats()
@@ -119,7 +119,7 @@ class RolloutEngine(LoraMethods):
     def generate(
         self,
         prompts: Sequence[str] | Sequence[Sequence[int]],
-        temps: float | Sequence[float] = 1.0,
+        temps: float | Sequence[float] | None = None,
         group_size: int = 1,
         max_new_tokens: int | None = None,
         top_k: int | None = None,
@@ -128,35 +128,25 @@ class RolloutEngine(LoraMethods):
         apply_chat_template: bool = False,
         progress: bool = False,
         *,
-        top_logprobs: int = 0,
-        min_p: float | Sequence[float] | None = None,
-        repetition_penalty: float | Sequence[float] | None = None,
-        presence_penalty: float | Sequence[float] | None = None,
-        frequency_penalty: float | Sequence[float] | None = None,
-        min_tokens: int | Sequence[int] | None = None,
-        logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
-        bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
-        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         return_routed_experts: bool = False,
         lora: LoraChoice = None,
         prompt_index: int = 0,
     ) -> RolloutBatch:
         """Sample `group_size` completions per prompt; returns a `RolloutBatch` (rows grouped by prompt).
 
-        `temps` is one temperature for all prompts or one per prompt (0 = greedy). With `seed`, sample
-        j of prompt i draws from the stream `sample_seed(group_seed(seed, i), j)` (`rollout.sampling.seeding`,
-        the rule `rollout serve` and `RolloutPool` follow too): a call is reproducible, gives the same samples
-        through a pool of servers, and two different seeds share no stream. `top_logprobs=k` (<= 20) adds the k most
-        likely tokens of each step (`batch.top_logprobs` / `batch.top_ids` [N, T, k]).
-
-        Logits processors (`rollout.sampling.processors`; None = the generation config's): `min_p`,
-        `repetition_penalty` (prompt + generated tokens), `presence_penalty` / `frequency_penalty`
-        (generated tokens, as vLLM), `min_tokens` (stop ids masked until then), `logit_bias` (token id ->
-        bias), `bad_words_ids` (token-id sequences never generated), `stop_token_ids` (extra stop tokens).
-        Each is one value for all prompts or a list with one value per prompt. `return_routed_experts` (an MoE
-        policy) adds `batch.routed_experts` [N, P + T, L, k] (`rollout.model.routes`). `lora`: the LoRA adapter
-        (`add_lora`) every prompt runs under, or one name or None (the base model) per prompt. `prompt_index`:
-        these prompts are prompts `prompt_index, ...` of a larger seeded call (a fleet's shard), seeded as such."""
+        `sampling`: a `SamplingParams` for every prompt, or one per prompt (`rollout.sampling_params`: penalties,
+        `min_p`, `logit_bias`, `bad_words_ids`, `stop_token_ids`, `logprobs` (the top k of each step,
+        `batch.top_logprobs` / `batch.top_ids` [N, T, k]), ...; unset fields take the generation config's). The
+        keywords set the same fields: `temps` (one temperature for all prompts or one per prompt, 0 = greedy,
+        default 1.0), `top_k`, `top_p`, `seed`, `max_new_tokens` (`max_tokens`); naming a field both ways is a
+        ValueError. With a seed, sample j of prompt i draws from the stream `sample_seed(group_seed(seed, i), j)`
+        (`rollout.sampling.seeding`, the rule `rollout serve` and `RolloutPool` follow too): a call is
+        reproducible, gives the same samples through a pool of servers, and two different seeds share no stream.
+        `return_routed_experts` (an MoE policy) adds `batch.routed_experts` [N, P + T, L, k]
+        (`rollout.model.routes`). `lora`: the LoRA adapter (`add_lora`) every prompt runs under, or one name or
+        None (the base model) per prompt. `prompt_index`: these prompts are prompts `prompt_index, ...` of a
+        larger seeded call (a fleet's shard), seeded as such."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -165,55 +155,47 @@ class RolloutEngine(LoraMethods):
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of prompts, got a single string")
         ids = [self._encode(p, apply_chat_template) for p in prompts]
-        temps = temperatures(temps, len(ids))
-        processors = per_prompt(len(ids), min_p=min_p, repetition_penalty=repetition_penalty,
-                                 presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                                 min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
-                                 stop_token_ids=stop_token_ids)
+        each = per_prompt(sampling, len(ids), temps=temps, top_k=top_k, top_p=top_p, seed=seed,
+                          max_new_tokens=max_new_tokens)
         with self._lock:
             if self._asleep:
                 self.wake()
             self._calls += 1
             loras = self._lora_rows(lora, len(ids))
             with self.manager.driving():  # NOTE: before submitting, so the loop thread never takes a step
-                rids = self._submit(ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                                    top_logprobs, return_routed_experts, loras, prompt_index)
+                rids = self._submit(ids, each, group_size, return_routed_experts, loras, prompt_index)
                 outputs = collect(self.manager, rids, progress)
         failed = [o for o in outputs if o.status == RequestStatus.FAILED]
         if failed:
             raise RuntimeError(f"{len(failed)} of {len(outputs)} rollouts failed; first error: {failed[0].error}")
-        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
-                          self.tokenizer, top_logprobs, return_routed_experts)
+        top_logprobs = max(s.logprobs for s in each) if each else 0
+        return pack_batch(ids, outputs, [s.temperature for s in each], group_size, self.pad_token_id,
+                          self.policy_version, self.device, self.tokenizer, top_logprobs, return_routed_experts)
 
     def _encode(self, prompt, apply_chat_template: bool) -> list[int]:
-        core = self.manager.core
         if isinstance(prompt, str) or (apply_chat_template and isinstance(prompt, list) and prompt
                                        and isinstance(prompt[0], dict)):
             if self.tokenizer is None:
                 raise ValueError("string prompts need a tokenizer: pass tokenizer= to RolloutEngine")
             if apply_chat_template:
                 messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-                return core.check_prompt(chat_template_ids(self.tokenizer, messages))
-            return core.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
-        return core.check_prompt(prompt)
+                return self.manager.check_prompt(chat_template_ids(self.tokenizer, messages))
+            return self.manager.check_prompt(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        return self.manager.check_prompt(prompt)
 
-    def _submit(self, ids, temps, group_size, max_new_tokens, top_k, top_p, seed, processors,
-                top_logprobs=0, routes=False, loras=None, first=0) -> list[str]:
-        """Queue every sample at once (all or none); prompts are the checked lists of `_encode`; `loras`: each
-        prompt's (adapter slot, cache salt), None for the base model; `first`: the call's first prompt index."""
-        core = self.manager.core
-        seeds = call_seeds(seed, len(ids), group_size, first)
-        reqs = [
-            core.make_request(
-                prompt, request_id=f"rollout{self._calls}_{i}_{j}", max_new_tokens=max_new_tokens,
-                temperature=temps[i], top_k=top_k, top_p=top_p, seed=seeds[i * group_size + j], prompt_checked=True,
-                top_logprobs=top_logprobs, return_routed_experts=routes, **processors[i],
-            )
-            for i, prompt in enumerate(ids)
-            for j in range(group_size)
-        ]
-        for k, r in enumerate(reqs if loras is not None else ()):
-            r.lora_slot, r.cache_salt = loras[k // group_size]
+    def _submit(self, ids, sampling: list[SamplingParams], group_size, routes=False, loras=None,
+                first=0) -> list[str]:
+        """Queue every sample at once (all or none); prompts are the checked lists of `_encode`, `sampling` one
+        `SamplingParams` each; `loras`: each prompt's (adapter slot, cache salt), None for the base model;
+        `first`: the call's first prompt index."""
+        reqs = []
+        for i, prompt in enumerate(ids):
+            seeds = call_seeds(sampling[i].seed, 1, group_size, first + i)
+            lora_slot, cache_salt = loras[i] if loras is not None else (None, b"")
+            reqs += [self.manager.make_request(
+                prompt, request_id=f"rollout{self._calls}_{i}_{j}", sampling=sampling[i], seed=seeds[j],
+                prompt_checked=True, return_routed_experts=routes, lora_slot=lora_slot, cache_salt=cache_salt)
+                for j in range(group_size)]
         if not self.manager.submit(reqs):
             raise RuntimeError("the rollout engine's manager is not running")
         return [r.request_id for r in reqs]
@@ -228,16 +210,7 @@ class RolloutEngine(LoraMethods):
         temps: float | Sequence[float] | None = None,
         progress: bool = False,
         *,
-        top_k: int | None = None,
-        top_p: float | None = None,
-        min_p: float | Sequence[float] | None = None,
-        repetition_penalty: float | Sequence[float] | None = None,
-        presence_penalty: float | Sequence[float] | None = None,
-        frequency_penalty: float | Sequence[float] | None = None,
-        min_tokens: int | Sequence[int] | None = None,
-        logit_bias: dict[int, float] | Sequence[dict[int, float]] | None = None,
-        bad_words_ids: Sequence[Sequence[int]] | Sequence[Sequence[Sequence[int]]] | None = None,
-        stop_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None,
         return_routed_experts: bool = False,
         lora: LoraChoice = None,
     ) -> ScoreBatch:
@@ -248,18 +221,17 @@ class RolloutEngine(LoraMethods):
         `RolloutBatch` (its completions after its prompts, at its temperatures, `ScoreBatch` shaped like it).
         Logprobs follow the engine's `logprobs_mode`: raw, or processed: the logprob `generate` reports for
         the same token sampled with the same arguments (`temps`: one, or one per row, default 1.0, 0 means
-        raw; `top_k`, `top_p` and the logits processors of `generate`, one value or one per row), each
+        raw; `sampling`: one `SamplingParams` or one per row, its `top_k`, `top_p` and logits processors), each
         position's processors applied to prompt + the completion before it. Prompt positions
         (`prompt_logprobs`) are scored as if the prompt ended there. Returns a `ScoreBatch`
         (`return_routed_experts`: with `routed_experts` [N, P + T, L, k], prompt and completion tokens). `lora`: as
         `generate`'s, one adapter name or None per row."""
         self._check_open()
+        temps_given = temps is not None or isinstance(prompt_ids, RolloutBatch)
         prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps,
                                                           lambda p: self._encode(p, False), self._encode_completion)
-        per_row = per_prompt(len(prompts), min_p=min_p, repetition_penalty=repetition_penalty,
-                              presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                              min_tokens=min_tokens, logit_bias=logit_bias, bad_words_ids=bad_words_ids,
-                              stop_token_ids=stop_token_ids)
+        explicit = temps_given or not sets_temperature(sampling)
+        per_row = per_prompt(sampling, len(prompts), temps=temps if explicit else None)
         first_of = None
         if prompt_logprobs:  # NOTE: the first row of each distinct prompt scores it; the others fork its KV
             seen: dict[tuple[int, ...], int] = {}
@@ -268,18 +240,17 @@ class RolloutEngine(LoraMethods):
             if self._asleep:
                 self.wake()
             self._calls += 1
-            core = self.manager.core
+            loras = self._lora_rows(lora, len(prompts))
             reqs = [
-                core.make_request(
-                    p, request_id=f"score{self._calls}_{i}", max_new_tokens=0, temperature=temps[i],
-                    top_k=top_k, top_p=top_p, prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
+                self.manager.make_request(
+                    p, request_id=f"score{self._calls}_{i}", max_new_tokens=0, sampling=per_row[i],
+                    prompt_checked=True, forced_ids=c, top_logprobs=top_logprobs,
                     score_from=1 if first_of is not None and first_of[i] == i else len(p),
-                    return_routed_experts=return_routed_experts, **per_row[i],
+                    return_routed_experts=return_routed_experts,
+                    **({} if loras is None else {"lora_slot": loras[i][0], "cache_salt": loras[i][1]}),
                 )
                 for i, (p, c) in enumerate(zip(prompts, completions, strict=True))
             ]
-            for r, row in zip(reqs, self._lora_rows(lora, len(reqs)) or (), strict=False):
-                r.lora_slot, r.cache_salt = row
             with self.manager.driving():
                 if not self.manager.submit(reqs):
                     raise RuntimeError("the rollout engine's manager is not running")
@@ -297,10 +268,11 @@ class RolloutEngine(LoraMethods):
             completion = self.tokenizer(completion, add_special_tokens=False)["input_ids"]
         if len(completion) == 0:
             return []
-        return check_token_ids(completion, self.manager.core.vocab_size, "completion_ids")
+        return check_token_ids(completion, self.manager.vocab_size, "completion_ids")
 
     # ---------------------------------------------------------- weight update
-    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT, recompute_kv: bool = False) -> int:
+    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT, recompute_kv: bool = False, *,
+                       version: int | None = None) -> int:
         """Load new policy weights in place; returns the new `policy_version`.
 
         `source`: an nn.Module (DDP / accelerate / compile wrappers are unwrapped), a state dict, or an
@@ -315,47 +287,44 @@ class RolloutEngine(LoraMethods):
         is their own context, never shared with another request), or with `recompute_kv=True` dropped and
         recomputed under the new weights before their next token. Each token's version is in
         `RolloutBatch.versions`. A PEFT policy (`RolloutEngine(peft_model)`) takes a PeftModel here and copies its
-        adapter's tensors only."""
+        adapter's tensors only. `source` may also be a `save_pretrained` directory. `version`: the version the
+        new weights take (a fleet's count), default one more."""
         self._check_open()
         check_mode(in_flight, "in_flight")
         if self._policy_lora is not None and is_peft_model(source):  # NOTE: the adapter's tensors only
-            return self._update_policy(source, in_flight, recompute_kv)
+            return self._update_policy(source, in_flight, recompute_kv, version)
         check_recompute_kv(in_flight, recompute_kv)
-        return self._swap_weights(lambda core: copy_weights(core.view, source), in_flight, recompute_kv, "weights")
+        if isinstance(source, (str, os.PathLike)):
+            source = load_checkpoint(source)
+        return self._swap_weights(lambda m: m.load_weights(source, recompute_kv, version), in_flight, "weights")
 
-    def _swap_weights(self, copy_into, in_flight: InFlight, recompute_kv: bool, what: str) -> int:
-        """`copy_into(core)` (returns how many tensors it copied) as an update of the policy under `in_flight`:
-        between two steps, the prefix cache dropped, `policy_version` bumped; returns the new version."""
-        with self._between_steps(in_flight) as core:
-            try:
-                copied = copy_into(core)
-            finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
-                core.reset_prefix_cache()
-                if recompute_kv:
-                    core.scheduler.drop_kv()
-            core.policy_version += 1
-        logger.info("policy %s updated (version %d, %d tensors copied)", what, core.policy_version, copied)
-        return core.policy_version
+    def _swap_weights(self, load, in_flight: InFlight, what: str) -> int:
+        """`load(manager)` (the manager's `load_weights` or `load_policy_adapter`: the core copies the tensors in and
+        does the after-care, prefix cache and version) as an update under `in_flight`, between two steps."""
+        with self._between_steps(in_flight):
+            version, copied = load(self.manager)
+        logger.info("policy %s updated (version %d, %d tensors copied)", what, version, copied)
+        return version
 
     @contextlib.contextmanager
     def _between_steps(self, in_flight: InFlight):
-        """The engine's core, held between two steps once the requests in flight were aborted ("abort") or
-        have finished ("wait", "abort"); "keep" neither waits nor takes `_lock` (a generate() on another thread
-        holds it), only the step lock."""
+        """Held between two steps once the requests in flight were aborted ("abort") or have finished ("wait",
+        "abort"); "keep" neither waits nor takes `_lock` (a generate() on another thread holds it), only the step
+        lock."""
         if in_flight == "abort":
             self.manager.abort_live()
         with contextlib.nullcontext() if in_flight == "keep" else self._lock:
             if in_flight != "keep":
                 self.manager.wait_idle()
             with self.manager.step_lock:
-                yield self.manager.core
+                yield
 
     # ---------------------------------------------------------------- memory
     def sleep(self) -> int:
         """Release the KV cache (and any offload buffer) between rollouts; returns the bytes freed."""
         self._check_open()
-        with self._between_steps("wait") as core:
-            freed = core.release_memory()
+        with self._between_steps("wait"):
+            freed = self.manager.release_memory()
             self._asleep = True
         return freed
 
@@ -364,7 +333,7 @@ class RolloutEngine(LoraMethods):
         self._check_open()
         with self._lock, self.manager.step_lock:
             self._asleep = False
-            return self.manager.core.restore_memory()
+            return self.manager.restore_memory()
 
     # --------------------------------------------------------------- closing
     def close(self) -> None:
@@ -381,3 +350,4 @@ class RolloutEngine(LoraMethods):
 
     def __exit__(self, *exc) -> None:
         self.close()
+

@@ -24,7 +24,7 @@ def generate_batch(
     """Generate for every prompt in `inputs`; returns `{request_id: GenerationOutput}` in submission order.
 
     `request_kwargs` (max_new_tokens, temperature, top_k, top_p, seed, and the sampling fields of
-    `rollout.sampling.sampling_fields`: min_p, repetition_penalty, logit_bias, ...) apply to every request, over the
+    `rollout.SamplingParams` by name, or `sampling=SamplingParams(...)`: min_p, repetition_penalty, logit_bias, ...) apply to every request, over the
     `generation_config`'s; a field of `generation_config` the engine does not implement (num_beams > 1, ...)
     is a ValueError naming it.
     Bad input raises ValueError before anything runs. With `progress_bar=True` a tqdm bar shows
@@ -33,8 +33,7 @@ def generate_batch(
     """
     manager = ContinuousBatchingManager(model, generation_config, continuous_batching_config)
     try:
-        core = manager.core
-        reqs = [core.make_request(ids, request_id=f"req_{i}", **request_kwargs) for i, ids in enumerate(inputs)]
+        reqs = [manager.make_request(ids, request_id=f"req_{i}", **request_kwargs) for i, ids in enumerate(inputs)]
         manager.start()
         with manager.driving():  # NOTE: before submitting, so the background thread never takes a step
             manager.submit(reqs)

@@ -15,29 +15,13 @@ from collections.abc import Sequence
 
 from rollout.engine.tp import tp_size_of
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_recompute_kv
-from rollout.model.lora import EngineLoras, strip_peft_layers
-from rollout.weights.lora_adapters import active_adapter, read_adapter
+from rollout.model.lora import EngineLoras
+from rollout.weights.lora_adapters import read_adapter
 from rollout.weights.lora_table import LoraInfo
 
 logger = logging.getLogger("rollout")
 
 LoraChoice = str | Sequence[str | None] | None  # one adapter for every prompt, one (or None) per prompt, or none
-
-
-def engine_loras(core, create: bool = True) -> EngineLoras | None:
-    """The core's adapters (made at the first `add_lora`); ValueError when its config or mode has none."""
-    if core.runner.lora is not None or not create:
-        return core.runner.lora
-    config = core.config
-    if config.max_loras < 1:
-        raise ValueError("LoRA adapters need slots: build the engine with ContinuousBatchingConfig(max_loras=K, "
-                         "max_lora_rank=R) (max_loras is 0)")
-    for refused, why in ((core.tp is not None, "tensor parallelism"), (config.batch_invariant, "batch_invariant=True"),
-                         (core.runner.forward is not core.runner.model, "a compiled forward (default_compile_level >= 1, varlen_compile_config, decode_compile_config, use_cuda_graph)")):
-        if refused:
-            raise ValueError(f"LoRA adapters are not supported with {why} yet")
-    core.runner.lora = EngineLoras(core.view, config.max_loras, config.max_lora_rank, core.device)
-    return core.runner.lora
 
 
 def compiles(config) -> bool:
@@ -61,15 +45,6 @@ def policy_config(model, config):
     return config.replace(max_loras=config.max_loras + 1, max_lora_rank=max(config.max_lora_rank, rank))
 
 
-def adopt_peft_policy(core, model) -> str:
-    """Serve the PeftModel `model` as base + its active adapter: the view's PEFT layers back to their base linears
-    (one base copy, the user's), the adapter in a slot; returns the adapter's name."""
-    name = active_adapter(model)
-    strip_peft_layers(core.view)
-    engine_loras(core).adopt_policy(name, read_adapter(model, adapter_name=name))
-    return name
-
-
 class LoraMethods:
     """The LoRA half of `RolloutEngine` (it supplies `manager`, `_lock`, `_check_open` and `_policy_lora`, the
     adapter name of a PEFT policy or None)."""
@@ -80,7 +55,7 @@ class LoraMethods:
         self._check_open()
         weights = read_adapter(adapter, config, adapter_name)
         with self.manager.step_lock:  # NOTE: between two steps; a new slot is no live request's
-            return engine_loras(self.manager.core).table.add(name, weights)
+            return self.manager.loras().table.add(name, weights)
 
     def update_lora(self, name: str, adapter, config=None, in_flight: InFlight = UPDATE_DEFAULT,
                     adapter_name: str | None = None) -> int:
@@ -107,20 +82,20 @@ class LoraMethods:
         with self._between_steps(in_flight):  # NOTE: "keep" was refused above
             return loras.table.remove(name)
 
-    def _update_policy(self, source, in_flight: InFlight, recompute_kv: bool) -> int:
+    def _update_policy(self, source, in_flight: InFlight, recompute_kv: bool, version: int | None = None) -> int:
         """`update_weights(peft_model)` of a PEFT policy: its adapter's tensors only; returns the new policy version."""
         check_recompute_kv(in_flight, recompute_kv)
         weights = read_adapter(source)
-        return self._swap_weights(lambda core: core.runner.lora.load_policy(weights), in_flight, recompute_kv,
+        return self._swap_weights(lambda m: m.load_policy_adapter(weights, recompute_kv, version), in_flight,
                                   "adapter")
 
     def list_loras(self) -> list[LoraInfo]:
         """The loaded adapters, by slot."""
-        loras = engine_loras(self.manager.core, create=False)
+        loras = self.manager.loras(create=False)
         return [] if loras is None else loras.table.list()
 
     def _loras(self) -> EngineLoras:
-        loras = engine_loras(self.manager.core, create=False)
+        loras = self.manager.loras(create=False)
         if loras is None:
             raise ValueError("no LoRA adapter is loaded (add_lora first)")
         return loras
@@ -131,7 +106,7 @@ class LoraMethods:
         name = self._policy_lora if name is None else name
         if name is None:
             return None, b""
-        loras = engine_loras(self.manager.core, create=False)
+        loras = self.manager.loras(create=False)
         if loras is None:
             raise ValueError(f"unknown LoRA adapter {name!r}: no adapter is loaded (add_lora first)")
         return loras.table.slot(name), loras.table.salts[name]

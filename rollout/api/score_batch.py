@@ -14,7 +14,7 @@ import torch
 
 from rollout.api.batch import RolloutBatch, pack_routes
 from rollout.requests import GenerationOutput
-from rollout.sampling.sampling_fields import temperatures
+from rollout.sampling_params import temperatures
 
 
 @dataclass

@@ -26,6 +26,7 @@ from rollout.kv.kv_cache import PagedKVCache
 from rollout.kv.offload import CpuOffloadBuffer
 from rollout.kv.page_pool import PagePool
 from rollout.model.engine_view import drop_weight_copies, make_engine_view
+from rollout.model.lora import EngineLoras, strip_peft_layers
 from rollout.model.model_facts import (
     eos_ids_of,
     has_attention_sinks,
@@ -37,13 +38,15 @@ from rollout.model.routers import moe_routers
 from rollout.model.runner import ModelRunner
 from rollout.model.static_decode import static_plan, varlen_compile
 from rollout.prompts import check_token_ids, int_set
-from rollout.requests import Request, RequestStatus, SamplingParams
+from rollout.requests import Request, RequestStatus
 from rollout.sampling.sampler import Sampler, resolve_seed_stream
-from rollout.sampling.sampling_fields import generation_defaults, make_sampling, overrides
+from rollout.sampling.sampling_fields import bind, generation_defaults
 from rollout.sampling.token_logprobs import check_scoring, record_scores
+from rollout.sampling_params import SamplingParams
 from rollout.scheduling.scheduler import Scheduler
 from rollout.scheduling.stages import SchedulerOutput
-from rollout.weights.in_place import versioned_tensors, weights_version
+from rollout.weights.in_place import copy_weights, versioned_tensors, weights_version
+from rollout.weights.lora_adapters import active_adapter, read_adapter
 
 logger = logging.getLogger("rollout")
 
@@ -180,20 +183,25 @@ class EngineCore:
         score_from: int | None = None,
         top_logprobs: int = 0,
         return_routed_experts: bool = False,
+        sampling: SamplingParams | None = None,
+        lora_slot: int | None = None,
+        cache_salt: bytes = b"",
         **processors,
     ) -> Request:
         """Validate a submission (ValueError naming the field) and build its `Request`.
 
-        `processors`: per-request sampling fields over the generation config's (`rollout.sampling.sampling_fields`:
-        min_p, repetition_penalty, presence_penalty, frequency_penalty, min_tokens / min_new_tokens,
-        logit_bias, bad_words_ids, sequence_bias, no_repeat_ngram_size, suppress_tokens, ...).
+        `sampling`: the request's `SamplingParams` (its set fields over the generation config's; its `max_tokens`,
+        `stop_token_ids`, `ignore_eos`, `logprobs` where the keywords leave them unset). The keywords
+        (`temperature`, `top_k`, `top_p`, `seed` and `processors`, any `SamplingParams` field by name or alias:
+        the seed API's transformers-style call) are set on top of it.
 
         Stop tokens: the engine's EOS ids (see `set_generation_config`; none with `ignore_eos`) plus the
         request's own `eos_token_ids`. `prompt_checked=True` says `input_ids` is the list `check_prompt`
         returned (a group's samples share one check). Scoring (`rollout.sampling.token_logprobs`): `forced_ids` follow
         the prompt teacher-forced, `score_from` the first given token whose logprob is recorded (then
         `max_new_tokens` may be 0), `top_logprobs` k <= 20 the top k of each scored and generated token.
-        `return_routed_experts`: record the experts of every token run (`GenerationOutput.routed_experts`)."""
+        `return_routed_experts`: record the experts of every token run (`GenerationOutput.routed_experts`).
+        `lora_slot` / `cache_salt`: the LoRA adapter slot it runs under and its prefix-cache salt (`loras()`)."""
         if request_id is None:
             request_id = f"req_{next(self._arrival)}"
         if not isinstance(request_id, str) or not request_id:
@@ -206,6 +214,11 @@ class EngineCore:
             raise ValueError(f"request {request_id!r}: {e}") from None
         if self.generation_refusal is not None:
             raise ValueError(self.generation_refusal)
+        sampling = self._sampling(sampling, temperature, top_k, top_p, seed, processors)
+        if max_new_tokens is None:
+            max_new_tokens = sampling.max_tokens
+        top_logprobs = top_logprobs or sampling.logprobs
+        ignore_eos = ignore_eos or sampling.ignore_eos
         if max_new_tokens is None:
             max_new_tokens = self.default_max_new_tokens
             if self.default_max_length is not None:
@@ -226,23 +239,30 @@ class EngineCore:
                 f"request {request_id!r} needs {need} KV pages ({total} tokens) but the whole cache has "
                 f"{self.page_pool.num_pages} pages of {self.page_size}; raise num_blocks or lower max_new_tokens"
             )
-        sampling = self._sampling(temperature, top_k, top_p, seed, processors)
         routes = request_routes(self, total) if return_routed_experts else None
         eos = frozenset() if ignore_eos else self.eos_ids
         if eos_token_ids is not None:
             eos = eos | int_set(eos_token_ids, "eos_token_ids")
+        eos = eos | frozenset(sampling.stop_token_ids)
         return Request(
             request_id=request_id, prompt_ids=ids, max_new_tokens=max_new_tokens, sampling=sampling,
             eos_token_ids=eos, streaming=streaming, return_logprobs=self.config.return_logprobs,
             arrival=next(self._arrival), forced_ids=forced, score_from=score_from, top_logprobs=top_logprobs,
-            routes=routes,
+            routes=routes, lora_slot=lora_slot, cache_salt=cache_salt,
         )
 
-    def _sampling(self, temperature, top_k, top_p, seed, processors: dict) -> SamplingParams:
-        """The generation config's fields, overridden per request (unless `per_request_processors` is off)."""
-        given = overrides({"temperature": temperature, "top_k": top_k, "top_p": top_p, **processors})
-        spec = {**self.sampling_defaults, **(given if self.config.per_request_processors else {})}
-        return make_sampling(spec, seed, self.vocab_size)
+    def _sampling(self, sampling: SamplingParams | None, temperature, top_k, top_p, seed,
+                  processors: dict) -> SamplingParams:
+        """The request's `SamplingParams` with the keywords set on top, bound to this model
+        (`sampling_fields.bind`: the generation config's fields under the request's own, unless
+        `per_request_processors` is off; token ids checked against the vocabulary)."""
+        keywords = {"temperature": temperature, "top_k": top_k, "top_p": top_p, "seed": seed, **processors}
+        keywords = {k: v for k, v in keywords.items() if v is not None}
+        if keywords:
+            sampling = SamplingParams.from_fields({**(sampling.set_fields() if sampling is not None else {}),
+                                                   **keywords})
+        return bind(sampling or SamplingParams(), self.sampling_defaults, self.vocab_size,
+                    self.config.per_request_processors)
 
     def add(self, request: Request) -> None:
         if request.request_id in self.requests:
@@ -358,6 +378,62 @@ class EngineCore:
             logger.info("parameters changed in place (version counters): dropped %d cached prefix pages", dropped)
 
     # ------------------------------------------------------------- control
+    # ------------------------------------------------------------ weights
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer the engine runs, by name (tied names each listed): what a weight push fills."""
+        view = self.view
+        return {**dict(view.named_parameters(remove_duplicate=False)),
+                **dict(view.named_buffers(remove_duplicate=False))}
+
+    def load_weights(self, source, recompute_kv: bool = False, version: int | None = None) -> tuple[int, int]:
+        """New policy weights, copied in place (`rollout.weights.in_place.copy_weights`: a module, a state dict or
+        (name, tensor) pairs, checked by name and shape); see `_after_weights`. Called between two steps."""
+        return self._after_weights(lambda: copy_weights(self.view, source), recompute_kv, version)
+
+    def load_policy_adapter(self, weights, recompute_kv: bool = False,
+                            version: int | None = None) -> tuple[int, int]:
+        """A PEFT policy's new adapter tensors (`read_adapter`'s), into its slot; see `_after_weights`."""
+        return self._after_weights(lambda: self.loras(create=False).load_policy(weights), recompute_kv, version)
+
+    def _after_weights(self, copy, recompute_kv: bool, version: int | None) -> tuple[int, int]:
+        """The one after-care of every weight change: `copy()` copies the new tensors in (returns how many); then
+        every prefix page computed with the old weights is dropped, the running requests' KV too with
+        `recompute_kv`, and `policy_version` becomes `version` (default: one more). Returns (version, copied)."""
+        try:
+            copied = copy()
+        finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too
+            self.reset_prefix_cache()
+            if recompute_kv:
+                self.scheduler.drop_kv()
+        self.policy_version = self.policy_version + 1 if version is None else int(version)
+        return self.policy_version, copied
+
+    # --------------------------------------------------------------- LoRA
+    def loras(self, create: bool = True) -> EngineLoras | None:
+        """The engine's adapters (made at the first `add_lora`); ValueError when its config or mode has none."""
+        if self.runner.lora is not None or not create:
+            return self.runner.lora
+        config = self.config
+        if config.max_loras < 1:
+            raise ValueError("LoRA adapters need slots: build the engine with ContinuousBatchingConfig(max_loras=K, "
+                             "max_lora_rank=R) (max_loras is 0)")
+        compiled = ("a compiled forward (default_compile_level >= 1, varlen_compile_config, decode_compile_config, "
+                    "use_cuda_graph)")
+        for refused, why in ((self.tp is not None, "tensor parallelism"), (config.batch_invariant, "batch_invariant=True"),
+                             (self.runner.forward is not self.runner.model, compiled)):
+            if refused:
+                raise ValueError(f"LoRA adapters are not supported with {why} yet")
+        self.runner.lora = EngineLoras(self.view, config.max_loras, config.max_lora_rank, self.device)
+        return self.runner.lora
+
+    def adopt_peft_policy(self, model) -> str:
+        """Serve the PeftModel `model` as base + its active adapter: the view's PEFT layers back to their base
+        linears (one base copy, the user's), the adapter in a slot; returns the adapter's name."""
+        name = active_adapter(model)
+        strip_peft_layers(self.view)
+        self.loras().adopt_policy(name, read_adapter(model, adapter_name=name))
+        return name
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page (and anything that would share KV computed so far), and the
         weight copies of the view's routed linears (`drop_weight_copies`, rebuilt at the next step from the current weights)."""

@@ -33,6 +33,7 @@ from rollout.engine.core import EngineCore
 from rollout.engine.engine_thread import LIVE_MANAGERS, start_engine_thread, wake
 from rollout.engine.inbox import Inbox
 from rollout.engine.outbox import Outbox
+from rollout.engine.routed_experts import check_routes
 from rollout.in_flight import PAUSE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput, Request
 
@@ -223,6 +224,61 @@ class ContinuousBatchingManager:
         streaming requests). If it returns True it has taken the output: the manager keeps no copy, and a
         final one counts as delivered. `fn` must be quick and must not call into the manager."""
         self._outbox.listeners.append(fn)
+
+    # ------------------------------------------------------- the core, by name
+    # NOTE: what the layers above need of the engine core, so nothing outside rollout/engine/ reaches into it
+    @property
+    def vocab_size(self) -> int:
+        return self.core.vocab_size
+
+    @property
+    def max_context(self) -> int | None:
+        return self.core.max_context
+
+    @property
+    def tp(self):
+        """The tensor-parallel group (`rollout.engine.tp`), None without TP."""
+        return self.core.tp
+
+    def check_prompt(self, input_ids) -> list[int]:
+        return self.core.check_prompt(input_ids)
+
+    def make_request(self, input_ids, **fields) -> Request:
+        """A validated `Request` (`EngineCore.make_request`'s fields) for `submit`."""
+        return self.core.make_request(input_ids, **fields)
+
+    def weight_targets(self) -> dict[str, torch.Tensor]:
+        return self.core.weight_targets()
+
+    def load_weights(self, source, recompute_kv: bool = False, version: int | None = None) -> tuple[int, int]:
+        """`EngineCore.load_weights`; the caller holds `step_lock` (between two steps)."""
+        return self.core.load_weights(source, recompute_kv, version)
+
+    def load_policy_adapter(self, weights, recompute_kv: bool = False,
+                            version: int | None = None) -> tuple[int, int]:
+        return self.core.load_policy_adapter(weights, recompute_kv, version)
+
+    def loras(self, create: bool = True):
+        return self.core.loras(create)
+
+    def adopt_peft_policy(self, model) -> str:
+        return self.core.adopt_peft_policy(model)
+
+    def reset_prefix_cache(self) -> int:
+        return self.core.reset_prefix_cache()
+
+    def check_routes(self) -> None:
+        """ValueError naming `return_routed_experts` where this engine cannot record routes."""
+        check_routes(self.core)
+
+    def has_work(self) -> bool:
+        return self.core.has_work()
+
+    def release_memory(self) -> int:
+        return self.core.release_memory()
+
+    def restore_memory(self) -> int:
+        return self.core.restore_memory()
 
     # ------------------------------------------------------------- submission
     def add_request(self, input_ids: Sequence[int] | torch.Tensor, request_id: str | None = None,

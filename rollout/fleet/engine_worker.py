@@ -184,19 +184,18 @@ class EngineWorker:
                 if ref is not None:
                     version, refs = current, ray.get(store.adopt.remote([ref], current))
             if refs:  # NOTE: a replacement (or a late joiner) starts on the fleet's current weights
-                self.engine.update_weights(from_payload(ray.get(refs[0])))
-                self.engine.manager.core.policy_version = version
+                self.engine.update_weights(from_payload(ray.get(refs[0])), version=version)
                 self.restored_version = version
 
     def ready(self) -> dict:
         """This actor's process id and the weight version it holds (the fleet waits on it, with a deadline)."""
         return {"pid": os.getpid(), "host": socket.gethostname(), "version": self.engine.policy_version, "restored": self.restored_version}
 
-    def generate(self, prompts: list[list[int]], temps: list[float], group_size: int, seed: int | None,
-                 first_group: int, kwargs: dict) -> list[GenerationOutput]:
-        """The groups of `prompts` (group i is the call's group `first_group + i`, seeded as such)."""
-        batch = self.engine.generate(prompts, temps=temps, group_size=group_size, seed=seed,
-                                     prompt_index=first_group, **kwargs)
+    def generate(self, prompts: list[list[int]], sampling: list, group_size: int,
+                 first_group: int) -> list[GenerationOutput]:
+        """The groups of `prompts` (group i is the call's group `first_group + i`, seeded as such), one
+        `SamplingParams` each."""
+        batch = self.engine.generate(prompts, sampling=sampling, group_size=group_size, prompt_index=first_group)
         return outputs_of(batch, prompts, group_size)
 
     def score(self, prompts: list[list[int]], completions: list[list[int]], kwargs: dict):
@@ -205,9 +204,8 @@ class EngineWorker:
     def update_weights(self, payload: dict, version: int, in_flight: str) -> int:
         """Copy the weights in (`payload`: `to_payload`'s, resolved by Ray from the one object-store copy) and take
         the fleet's `version`."""
-        self.engine.update_weights(from_payload(payload), in_flight=in_flight)
-        self.engine.manager.core.policy_version = version  # NOTE: the fleet's count, the same on every engine
-        return self.engine.policy_version
+        # NOTE: the fleet's count, the same on every engine
+        return self.engine.update_weights(from_payload(payload), in_flight=in_flight, version=version)
 
     def join_weight_group(self, info: dict) -> int:
         """Join the fleet's (new) weight group as rank `info["rank"]`, leaving an older one; returns this pid."""
@@ -226,9 +224,7 @@ class EngineWorker:
             raise RuntimeError("this engine is in no weight group (a replacement): the group is stale")
         targets = {strip_prefixes(n): t for n, t in self.engine.model.state_dict(keep_vars=True).items()}
         self.member.check(token, plan, targets)
-        self.engine.update_weights(self.member.receive(plan, version), in_flight=in_flight)
-        self.engine.manager.core.policy_version = version
-        return self.engine.policy_version
+        return self.engine.update_weights(self.member.receive(plan, version), in_flight=in_flight, version=version)
 
     def export_weights(self, version: int) -> list:
         """This engine's weights put in the object store ([ref], so Ray hands the reference), when it holds

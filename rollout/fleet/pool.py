@@ -35,11 +35,12 @@ import torch
 
 from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.route_wire import decode_routes
+from rollout.api.score_batch import ScoreBatch, pack_scores, score_inputs
 from rollout.fleet.prefix_routing import PrefixRouter
-from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
+from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_remote_update
 from rollout.requests import GenerationOutput, RequestStatus
-from rollout.sampling.sampling_fields import temperatures
 from rollout.sampling.seeding import group_seed
+from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
 from rollout.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightBroadcaster
 
 logger = logging.getLogger("rollout.fleet.pool")
@@ -210,9 +211,10 @@ class RolloutPool:
         with self._lock:
             self.in_flight[url] -= 1
 
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] = 1.0,
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] | None = None,
                  group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None,
+                 top_p: float | None = None, seed: int | None = None, *,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
                  return_routed_experts: bool = False) -> RolloutBatch:
         """`group_size` samples per prompt from the servers; returns a `RolloutBatch` on the CPU, rows grouped
         by prompt, `policy_version` the oldest weight version that answered. `return_routed_experts` (an MoE
@@ -220,11 +222,9 @@ class RolloutPool:
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         ids = [self._encode(p) for p in prompts]
-        temps = temperatures(temps, len(ids))  # NOTE: refused here, before any request leaves
-        bodies = [{"prompt": p, "n": group_size, "temperature": temps[i], "logprobs": 0, "return_token_ids": True,
-                   "top_k": -1 if top_k is None else int(top_k), "top_p": 1.0 if top_p is None else float(top_p),
-                   **({} if max_new_tokens is None else {"max_tokens": int(max_new_tokens)}),
-                   **({} if seed is None else {"seed": group_seed(seed, i)}),
+        each = per_prompt(sampling, len(ids), temps=temps, top_k=top_k, top_p=top_p, seed=seed,
+                          max_new_tokens=max_new_tokens)  # NOTE: refused here, before any request leaves
+        bodies = [{"prompt": p, "n": group_size, "return_token_ids": True, **completion_fields(each[i], i),
                    **({"return_routed_experts": True} if return_routed_experts else {})}
                   for i, p in enumerate(ids)]
         futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
@@ -236,8 +236,48 @@ class RolloutPool:
             outputs += self.outputs_from_answer(i, ids[i], group_size, answer, answer["weight_version"])
         if return_routed_experts and any(o.routed_experts is None for o in outputs):
             raise RuntimeError("return_routed_experts: a server answered without routed_experts (an old server?)")
-        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
+        return pack_batch(ids, outputs, [sp.temperature for sp in each], group_size, self.pad_token_id, self.policy_version, self.device,
                           self.tokenizer, routed_experts=return_routed_experts)
+
+    def score(self, prompt_ids, completion_ids=None, top_logprobs: int = 0, prompt_logprobs: bool = False,
+              temps: float | Sequence[float] | None = None, progress: bool = False, *,
+              sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+              return_routed_experts: bool = False) -> ScoreBatch:
+        """`RolloutEngine.score` through the servers: each row one `/v1/completions` request (`echo`, `max_tokens`
+        0, `logprobs` 0) on prompt + completion, at its temperature; the completion tokens' logprobs come back. The
+        pool scores completions only: `top_logprobs`, `prompt_logprobs` and routed experts are refused."""
+        if top_logprobs or prompt_logprobs or return_routed_experts:
+            raise ValueError("RolloutPool.score returns the completions' logprobs only: score on a RolloutEngine "
+                             "for top_logprobs, prompt_logprobs or routed experts")
+        temps_given = temps is not None or isinstance(prompt_ids, RolloutBatch)
+        prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
+                                                          lambda c: [int(t) for t in c] if not isinstance(c, str)
+                                                          else self._encode_text(c))
+        each = per_prompt(sampling, len(prompts), temps=temps if temps_given or not sets_temperature(sampling)
+                          else None)
+        bodies = [{"prompt": p + c, "max_tokens": 0, "echo": True, "return_token_ids": True,
+                   **completion_fields(each[i], i), "logprobs": 0}
+                  for i, (p, c) in enumerate(zip(prompts, completions, strict=True))]
+        for body in bodies:
+            body.pop("seed", None)
+            body["max_tokens"] = 0
+        futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
+        bound = self.max_attempts * (self.request_timeout_s + 2 * self.health_timeout_s) + 30
+        outputs = []
+        for i, f in enumerate(futures):
+            choice = f.result(timeout=bound)["choices"][0]
+            lps = (choice.get("logprobs") or {}).get("token_logprobs") or []
+            scored = [float(x) for x in lps[len(prompts[i]):]]
+            if len(scored) != len(completions[i]):
+                raise RuntimeError(f"row {i}: the server scored {len(scored)} of {len(completions[i])} tokens")
+            outputs.append(GenerationOutput(request_id=f"pool_score_{i}", prompt_ids=prompts[i], scores=scored,
+                                            status=RequestStatus.FINISHED, finish_reason="length"))
+        return pack_scores(prompts, completions, outputs, 0, None, width, self.device, False)
+
+    def _encode_text(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("string completions need a tokenizer: pass tokenizer= to RolloutPool")
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -271,13 +311,17 @@ class RolloutPool:
         return outs
 
     # ------------------------------------------------------------------------- weights
-    def update_weights(self, model, in_flight: InFlight = UPDATE_DEFAULT) -> int:
+    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT, recompute_kv: bool = False, *,
+                       version: int | None = None) -> int:
         """New weights on every live server (one broadcast, or one checkpoint on disk); returns the version.
         A server found dead meanwhile is dropped from the group and the update retried once. `in_flight`
         (`rollout.in_flight`): "wait" (default) lets requests running on a server finish under the old weights
         first; "keep" (async GRPO) has them go on under the new weights from its next step, KV kept (their
-        tokens' `weight_versions` show the switch); "abort" cancels them."""
+        tokens' `weight_versions` show the switch); "abort" cancels them. `recompute_kv` / `version`: refused
+        (`rollout.in_flight.check_remote_update`)."""
         check_mode(in_flight, "in_flight")
+        check_remote_update(recompute_kv, version, "RolloutPool")
+        model = source
         if self.router is not None:  # NOTE: the servers drop their prefix KV with the old weights
             with self._lock:
                 self.router.clear()
@@ -355,3 +399,28 @@ def _routes(i: int, choice: dict, num_tokens: int) -> torch.Tensor | None:
         raise RuntimeError(f"group {i}: routed_experts has {routes.shape[0]} rows for {num_tokens} tokens "
                            f"(want prompt + completion - 1)")
     return torch.cat([routes, torch.full((1, *routes.shape[1:]), -1, dtype=routes.dtype)])
+
+
+# NOTE: the fields `/v1/completions` takes under the same name (vLLM's), and those it cannot carry
+WIRE_FIELDS = ("temperature", "top_p", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos",
+               "repetition_penalty", "presence_penalty", "frequency_penalty")
+OFF_WIRE = ("bad_words_ids", "no_repeat_ngram_size", "min_length", "sequence_bias", "suppress_tokens",
+            "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_ids", "prompt_lookup_num_tokens",
+            "max_matching_ngram_size", "prompt_logprobs", "return_sampling_mask")
+
+
+def completion_fields(sp: SamplingParams, group: int) -> dict:
+    """Group `group`'s `/v1/completions` fields for `sp` (seeded `group_seed(seed, group)`, so a server runs the
+    in-process engine's streams); ValueError naming a set field the wire cannot carry."""
+    off = sorted(f for f in OFF_WIRE if f in sp.given) + (["logprobs"] if sp.logprobs else [])
+    if off:
+        raise ValueError(f"RolloutPool cannot send {off} to a server: use a RolloutEngine for those fields")
+    body = {f: getattr(sp, f) for f in WIRE_FIELDS if f in sp.given}
+    body.update(temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k or -1, logprobs=sp.logprobs)
+    if sp.stop_token_ids:
+        body["stop_token_ids"] = list(sp.stop_token_ids)
+    if sp.logit_bias:
+        body["logit_bias"] = {str(t): b for t, b in sp.logit_bias}
+    if sp.seed is not None:
+        body["seed"] = group_seed(sp.seed, group)
+    return body

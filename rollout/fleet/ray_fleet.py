@@ -41,9 +41,10 @@ from rollout.api.score_batch import score_inputs
 from rollout.fleet import weight_group
 from rollout.fleet.engine_health import EngineHealth
 from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
-from rollout.fleet.shards import PER_PROMPT, merge_scores, slice_per_prompt
+from rollout.fleet.shards import merge_scores
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
-from rollout.sampling.sampling_fields import temperatures
+from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
+from rollout.weights.checkpoint import load_checkpoint
 
 logger = logging.getLogger("rollout.fleet")
 
@@ -185,47 +186,54 @@ class RolloutFleet:
         return self.health.resubmitted
 
     # ---------------------------------------------------------------------- generation
-    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] = 1.0,
+    def generate(self, prompts: Sequence[str] | Sequence[Sequence[int]], temps: float | Sequence[float] | None = None,
                  group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
-                 top_p: float | None = None, seed: int | None = None, *, top_logprobs: int = 0,
-                 **processors) -> RolloutBatch:
+                 top_p: float | None = None, seed: int | None = None, *,
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 return_routed_experts: bool = False) -> RolloutBatch:
         """`group_size` samples per prompt over the engines; a `RolloutBatch` on the CPU, rows grouped by prompt
-        in the call's order (the arguments are `RolloutEngine.generate`'s; processors one value or one per
-        prompt: min_p, repetition_penalty, presence_penalty, frequency_penalty, min_tokens, logit_bias)."""
+        in the call's order (the arguments are `RolloutEngine.generate`'s: `sampling` one `SamplingParams` or one
+        per prompt, the keywords setting the same fields)."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-        unknown = sorted(set(processors) - set(PER_PROMPT))
-        if unknown:
-            raise ValueError(f"RolloutFleet.generate does not take {unknown} (it takes {list(PER_PROMPT)})")
+        if return_routed_experts:
+            raise ValueError("RolloutFleet.generate does not return routed experts yet: generate on a RolloutEngine")
         if isinstance(prompts, str):
             raise ValueError("prompts must be a list of prompts, got a single string")
         ids = [self._encode(p) for p in prompts]
-        temps = temperatures(temps, len(ids))  # NOTE: refused here, before anything is sent
-        common = {"max_new_tokens": max_new_tokens, "top_k": top_k, "top_p": top_p, "top_logprobs": top_logprobs}
+        each = per_prompt(sampling, len(ids), temps=temps, top_k=top_k, top_p=top_p, seed=seed,
+                          max_new_tokens=max_new_tokens)  # NOTE: refused here, before anything is sent
 
         def call(actor, start: int, end: int):
-            kwargs = {**common, **slice_per_prompt(processors, len(ids), start, end)}
-            return actor.generate.remote(ids[start:end], temps[start:end], group_size, seed, start, kwargs)
+            return actor.generate.remote(ids[start:end], each[start:end], group_size, start)
 
         parts = self._run(call, len(ids), "group")
         outputs = [o for part in parts for o in part]
-        return pack_batch(ids, outputs, temps, group_size, self.pad_token_id, self.policy_version, self.device,
-                          self.tokenizer, top_logprobs)
+        top_logprobs = max((s.logprobs for s in each), default=0)
+        return pack_batch(ids, outputs, [s.temperature for s in each], group_size, self.pad_token_id,
+                          self.policy_version, self.device, self.tokenizer, top_logprobs)
 
     def score(self, prompt_ids, completion_ids=None, top_logprobs: int = 0, prompt_logprobs: bool = False,
-              temps: float | Sequence[float] | None = None, **kwargs):
+              temps: float | Sequence[float] | None = None, progress: bool = False, *,
+              sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+              return_routed_experts: bool = False):
         """`RolloutEngine.score` over the engines (rows cut into contiguous shards); a `ScoreBatch` on the CPU."""
         self._check_open()
-        if kwargs.get("return_routed_experts"):
+        if return_routed_experts:
             raise ValueError("RolloutFleet.score does not return routed experts: score on a RolloutEngine")
+        given_temps = temps
         prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
                                                           lambda c: self._encode(c, special=False))
+        rows = None if sampling is None or isinstance(sampling, SamplingParams) else list(sampling)
+        if rows is not None and len(rows) != len(prompts):
+            raise ValueError(f"sampling has {len(rows)} SamplingParams for {len(prompts)} rows")
 
         def call(actor, start: int, end: int):
-            per_row = slice_per_prompt(kwargs, len(prompts), start, end)
-            args = {"top_logprobs": top_logprobs, "prompt_logprobs": prompt_logprobs, "temps": temps[start:end],
-                    **per_row}
+            args = {"top_logprobs": top_logprobs, "prompt_logprobs": prompt_logprobs,
+                    "sampling": sampling if rows is None else rows[start:end]}
+            if given_temps is not None or isinstance(prompt_ids, RolloutBatch) or not sets_temperature(sampling):
+                args["temps"] = temps[start:end]
             return actor.score.remote(prompts[start:end], completions[start:end], args)
 
         parts = self._run(call, len(prompts), "row")
@@ -275,14 +283,19 @@ class RolloutFleet:
         return {call(self.actors[target], s, e): (target, s, e, attempt + 1, time.monotonic())}
 
     # ------------------------------------------------------------------------- weights
-    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT) -> int:
+    def update_weights(self, source, in_flight: InFlight = UPDATE_DEFAULT, recompute_kv: bool = False, *,
+                       version: int | None = None) -> int:
         """New weights on every engine; returns the new `policy_version`, the same on every engine. `in_flight` as
         `RolloutEngine.update_weights` ("keep": running groups go on under the new weights, KV kept). The path is
         `weight_transfer`'s: one broadcast over the weight group, or one object-store copy read by each engine
         (also the collective path's fallback, for an update a member fails; `last_update_path` says which)."""
         self._check_open()
         check_mode(in_flight, "in_flight")
-        start, version = time.perf_counter(), self.policy_version + 1
+        if recompute_kv:
+            raise ValueError("RolloutFleet.update_weights: recompute_kv=True is not supported on a fleet yet")
+        if isinstance(source, (str, os.PathLike)):
+            source = load_checkpoint(source)
+        start, version = time.perf_counter(), self.policy_version + 1 if version is None else int(version)
         path = "object_store"
         if self.weight_transfer == "collective":
             path = weight_group.collective_update(self, source, version, in_flight)

@@ -9,7 +9,6 @@ import torch
 from rollout.api.score_batch import ScoreBatch
 
 # NOTE: the per-prompt (per-row) arguments of `generate` / `score`: one value for all, or a list of one each
-PER_PROMPT = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias")
 
 
 def plan_shards(n: int, load: Sequence[int], live: Sequence[int]) -> list[tuple[int, int, int]]:
@@ -28,19 +27,6 @@ def plan_shards(n: int, load: Sequence[int], live: Sequence[int]) -> list[tuple[
             shards.append((k, start, start + counts[k]))
             start += counts[k]
     return shards
-
-
-def slice_per_prompt(kwargs: dict, n: int, start: int, end: int) -> dict:
-    """`kwargs` for items `[start, end)`: the per-prompt arguments given as a list (one value per item) sliced,
-    every other value as it is."""
-    out = {}
-    for key, value in kwargs.items():
-        if key in PER_PROMPT and isinstance(value, (list, tuple)):
-            if len(value) != n:
-                raise ValueError(f"{key} has {len(value)} values for {n} prompts")
-            value = list(value[start:end])
-        out[key] = value
-    return out
 
 
 def _pad(t: torch.Tensor | None, width: int, dim: int, left: bool = False) -> torch.Tensor | None:

@@ -25,7 +25,15 @@ from collections.abc import Iterator, Mapping
 import torch
 
 from rollout.weights.in_place import strip_prefixes
-from rollout.weights.transfer import buckets, free_port, named_tensors, new_group, unflatten
+from rollout.weights.transfer import (
+    buckets,
+    check_names_shapes,
+    free_port,
+    named_tensors,
+    new_group,
+    pack_bucket,
+    unflatten,
+)
 
 logger = logging.getLogger("rollout.fleet")
 
@@ -151,16 +159,8 @@ class LearnerGroup:
         return refs
 
     def flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The bucket as one flat tensor on the group's device: a lone contiguous tensor as it is, else packed
-        into a buffer kept across updates (of at most `bucket_bytes`, or the lone larger tensor)."""
-        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == self.device:
-            return tensors[0].reshape(-1)
-        n = sum(t.numel() for t in tensors)
-        buf = self.buffers.get(tensors[0].dtype)
-        if buf is None or buf.numel() < n:
-            buf = self.buffers[tensors[0].dtype] = torch.empty(n, dtype=tensors[0].dtype, device=self.device)
-        torch.cat([t.reshape(-1).to(self.device) for t in tensors], out=buf[:n])
-        return buf[:n]
+        """The bucket as one flat tensor on the group's device (`rollout.weights.transfer.pack_bucket`)."""
+        return pack_bucket(tensors, self.buffers, self.device)
 
     def close(self) -> None:
         """Leave the group (its members leave theirs when they join the next one, or with their process)."""
@@ -184,10 +184,8 @@ class GroupMember:
         """Refuse an update of another group, or a plan whose names or shapes this engine lacks."""
         if token != self.token:
             raise RuntimeError(f"weight group {token!r} is not this engine's ({self.token!r}): the group is stale")
-        bad = [f"{n} {list(s)}" for _, names, shapes in plan for n, s in zip(names, shapes, strict=True)
-               if n not in targets or tuple(targets[n].shape) != tuple(s)]
-        if bad:
-            raise ValueError(f"weight update names or shapes this engine lacks: {bad[:5]}")
+        check_names_shapes(targets, [n for _, names, _ in plan for n in names],
+                           [s for _, _, shapes in plan for s in shapes])
 
     def receive(self, plan: list, version: int) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) pairs of the plan's buckets as they arrive, each a view of a reused buffer: the caller

@@ -28,18 +28,19 @@ from rollout.api.batch import RolloutBatch
 from rollout.api.chat import chat_template_ids, is_conversational
 from rollout.api.engine import RolloutEngine
 from rollout.config import ContinuousBatchingConfig
+from rollout.sampling_params import SamplingParams
 
 logger = logging.getLogger("rollout")
 
-# the logits processors of `RolloutEngine.generate` (vLLM's names)
+# the logits processors (`SamplingParams` fields, vLLM's names)
 PROCESSOR_KEYS = ("min_p", "repetition_penalty", "presence_penalty", "frequency_penalty", "min_tokens", "logit_bias",
                   "bad_words_ids", "stop_token_ids")
-# keyword -> the `RolloutEngine.generate` argument it sets; these override the trainer's settings
+# keyword -> the `SamplingParams` field it sets (`progress`: generate's bar); these override the trainer's settings
 GENERATE_KEYS = {
-    "temperature": "temps",
+    "temperature": "temperature",
     "top_k": "top_k",
     "top_p": "top_p",
-    "max_new_tokens": "max_new_tokens",
+    "max_new_tokens": "max_tokens",
     "seed": "seed",
     "progress": "progress",
     **{k: k for k in PROCESSOR_KEYS},
@@ -168,10 +169,11 @@ class TRLRolloutFunc:
                 settings[GENERATION_KWARGS[key]] = value
         settings.update(self.overrides)
         seed = settings.pop("seed")
-        kwargs = {GENERATE_KEYS[k]: v for k, v in settings.items()}
+        progress = bool(settings.pop("progress", False))
+        fields = {GENERATE_KEYS[k]: v for k, v in settings.items()}
         if seed is not None:  # NOTE: a fresh seed per call and process, reproducible from the base seed
-            kwargs["seed"] = _call_seed(seed, trainer.accelerator.process_index, self._calls)
-        return kwargs
+            fields["seed"] = _call_seed(seed, trainer.accelerator.process_index, self._calls)
+        return {"sampling": SamplingParams.from_fields(fields), "progress": progress}
 
     def _probe(self, trainer, mode: str, batch: RolloutBatch) -> None:
         """TRL's own recomputation of the rollouts' logprobs (its loss path) against the engine's."""

@@ -32,7 +32,7 @@ import types
 import torch
 
 from rollout.kernels import cpu_kernels
-from rollout.kernels.fused_layers import KERNEL_ATTR, code_key, plain_inputs, enabled, is_llama_rms_norm
+from rollout.kernels.fused_layers import KERNEL_ATTR, code_key, enabled, is_llama_rms_norm, plain_inputs
 from rollout.kernels.linear import linears
 
 # NOTE: sha1 of the reference forwards' source (`_source_key`): transformers 5.23 (past_key_values) and 5.24

@@ -247,7 +247,7 @@ class LogitsProcessors:
             req, p, n_gen = h.request, h.request.sampling, h.num_generated
             if p.no_repeat_ngram_size:
                 banned.extend((i, t) for t in self._ngram_bans(h, p.no_repeat_ngram_size))
-            if n_gen < p.min_new_tokens or h.length < p.min_length:
+            if n_gen < p.min_tokens or h.length < p.min_length:
                 banned.extend((i, t) for t in req.eos_token_ids)
             if p.forced_bos_token_id is not None and h.num_prompt == 1 and n_gen == 0:
                 forced.append((i, (p.forced_bos_token_id,)))

@@ -18,41 +18,21 @@ import torch
 
 from rollout.api.engine import RolloutEngine
 from rollout.engine.openmp import team_released_after
-from rollout.engine.routed_experts import check_routes
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.requests import GenerationOutput
 from rollout.sampling.seeding import group_seed, sample_seed
+from rollout.sampling_params import SamplingParams
 from rollout.serve.protocol import APIError
 
 
 @dataclass(frozen=True, slots=True)
-class Sampling:
-    """One sample's engine parameters (already checked by the protocol models)."""
+class Sample:
+    """One sample to run: its `SamplingParams` (checked by the protocol models and `SamplingParams` itself) and
+    what the server asks beside sampling."""
 
-    max_new_tokens: int
-    temperature: float
-    top_k: int
-    top_p: float
-    seed: int | None
-    stop_token_ids: tuple[int, ...]  # besides the engine's EOS ids (none with ignore_eos)
-    ignore_eos: bool
+    sampling: SamplingParams
     score_from: int | None = None  # 1: the prompt's logprobs too (echo with logprobs, prompt_logprobs)
-    top_logprobs: int = 0  # top k of each scored and generated position
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    min_tokens: int = 0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    bad_words_ids: tuple[tuple[int, ...], ...] = ()
     routes: bool = False  # record the routed experts (an MoE model)
-
-    def processors(self) -> dict:
-        """The `make_request` keywords of the logits processors."""
-        return dict(min_p=self.min_p, repetition_penalty=self.repetition_penalty,
-                    presence_penalty=self.presence_penalty, frequency_penalty=self.frequency_penalty,
-                    min_tokens=self.min_tokens, logit_bias=dict(self.logit_bias) or None,
-                    bad_words_ids=[list(w) for w in self.bad_words_ids] or None)
 
 
 class EngineBridge:
@@ -67,12 +47,11 @@ class EngineBridge:
                  return_routed_experts: bool = False) -> None:
         self.engine = engine
         self.manager = engine.manager
-        core = self.manager.core
-        self.vocab_size: int = core.vocab_size
-        limits = [x for x in (core.max_context, max_model_len) if x]
+        self.vocab_size: int = self.manager.vocab_size
+        limits = [x for x in (self.manager.max_context, max_model_len) if x]
         self.max_model_len: int | None = min(limits) if limits else None
         if return_routed_experts:
-            check_routes(core)  # NOTE: a dense model (or TP, or the compiled forward) refuses to start, by name
+            self.manager.check_routes()  # NOTE: a dense model (or TP, or the compiled forward) refuses to start, by name
         self.return_routed_experts = return_routed_experts  # every non-streamed choice carries its routes
         self._sinks: dict[str, Callable[[GenerationOutput], None]] = {}
         self._ids = itertools.count()
@@ -84,8 +63,7 @@ class EngineBridge:
 
     def weight_targets(self) -> dict[str, torch.Tensor]:
         """Every parameter and buffer the engine runs, by name (tied names each listed): what a weight push fills."""
-        view = self.manager.core.view
-        return {**dict(view.named_parameters(remove_duplicate=False)), **dict(view.named_buffers(remove_duplicate=False))}
+        return self.manager.weight_targets()
 
     # ------------------------------------------------------------ requests
     def _take(self, out: GenerationOutput) -> bool:
@@ -127,24 +105,25 @@ class EngineBridge:
                            "non-streamed choices", "return_routed_experts")
         return (req.return_routed_experts or self.return_routed_experts) and not req.stream
 
-    def sampling(self, req, max_new_tokens: int, prompt: int, sample: int) -> Sampling:
-        """Engine parameters of sample `sample` of prompt `prompt` of a request; seeded, its stream is the
-        engine's for the same call (`rollout.sampling.seeding`: the request is a call, its prompts the groups)."""
+    def sampling(self, req, max_new_tokens: int, prompt: int, sample: int) -> Sample:
+        """Sample `sample` of prompt `prompt` of a request; seeded, its stream is the engine's for the same call
+        (`rollout.sampling.seeding`: the request is a call, its prompts the groups)."""
         stops = tuple(sorted(set(req.stop_token_ids or ())))
         self.check_ids(stops, "stop_token_ids")
         if req.min_tokens > max_new_tokens:
             raise APIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_new_tokens})", "min_tokens")
-        return Sampling(
-            max_new_tokens=max_new_tokens, temperature=float(req.temperature),
-            top_k=max(0, req.top_k), top_p=float(req.top_p),
-            seed=None if req.seed is None else sample_seed(group_seed(req.seed, prompt), sample),
-            stop_token_ids=stops, ignore_eos=bool(req.ignore_eos),
-            score_from=1 if req.scores_prompt else None, top_logprobs=req.num_top_logprobs,
-            min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
-            presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
-            min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
-            bad_words_ids=self._bad_words(req.bad_words), routes=self.wants_routes(req),
-        )
+        try:
+            sp = SamplingParams(
+                max_tokens=max_new_tokens, temperature=float(req.temperature), top_k=max(0, req.top_k),
+                top_p=float(req.top_p), seed=None if req.seed is None else sample_seed(group_seed(req.seed, prompt), sample),
+                stop_token_ids=stops, ignore_eos=bool(req.ignore_eos), logprobs=req.num_top_logprobs,
+                min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
+                presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
+                min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
+                bad_words_ids=self._bad_words(req.bad_words))
+        except ValueError as e:
+            raise APIError(str(e), _param_of(str(e))) from None
+        return Sample(sp, 1 if req.scores_prompt else None, self.wants_routes(req))
 
     def _logit_bias(self, bias: Mapping[str, float] | None) -> tuple[tuple[int, float], ...]:
         """vLLM's logit_bias: token id (a string key in JSON) -> bias clamped to [-100, 100]."""
@@ -178,22 +157,19 @@ class EngineBridge:
                 out.append(spaced)
         return tuple(out)
 
-    def submit(self, samples: Sequence[tuple[list[int], Sampling]], streaming: bool, queue: asyncio.Queue,
+    def submit(self, samples: Sequence[tuple[list[int], Sample]], streaming: bool, queue: asyncio.Queue,
                lora: str | None = None) -> list[str]:
         """Queue samples, all or none, under LoRA adapter `lora` (None: the base model); their outputs (partial
         ones too when `streaming`) go to `queue`. Returns their ids in order."""
         loop = asyncio.get_running_loop()
-        core = self.manager.core
         reqs = []
         try:
-            adapter = self.engine.resolve_lora(lora)  # NOTE: (slot, prefix-cache salt), `rollout.api.lora`
-            for ids, sp in samples:
-                reqs.append(core.make_request(
-                    ids, f"srv-{next(self._ids)}", sp.max_new_tokens, streaming, sp.temperature, sp.top_k, sp.top_p,
-                    sp.seed, sp.stop_token_ids, sp.ignore_eos, score_from=sp.score_from, top_logprobs=sp.top_logprobs,
-                    return_routed_experts=sp.routes, **sp.processors(),
-                ))
-                reqs[-1].lora_slot, reqs[-1].cache_salt = adapter
+            slot, salt = self.engine.resolve_lora(lora)  # NOTE: (slot, prefix-cache salt), `rollout.api.lora`
+            for ids, sample in samples:
+                reqs.append(self.manager.make_request(
+                    ids, request_id=f"srv-{next(self._ids)}", streaming=streaming, sampling=sample.sampling,
+                    score_from=sample.score_from, return_routed_experts=sample.routes, lora_slot=slot,
+                    cache_salt=salt))
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
         sink = lambda out: loop.call_soon_threadsafe(queue.put_nowait, out)  # noqa: E731
@@ -251,13 +227,13 @@ class EngineBridge:
 
     def _reset(self) -> int:
         with self.manager.step_lock:
-            return self.manager.core.reset_prefix_cache()
+            return self.manager.reset_prefix_cache()
 
     def sleep(self) -> None:
         with self._control:
             if self.asleep:
                 return
-            if self.manager.pause_mode == "keep" and self.manager.core.has_work():
+            if self.manager.pause_mode == "keep" and self.manager.has_work():
                 raise APIError("sleep needs no requests in flight: resume, or pause with mode=abort|wait", None, 409)
             self.manager.pause(self.manager.pause_mode or "wait")
             with team_released_after():
@@ -298,7 +274,7 @@ def _param_of(message: str) -> str | None:
     """The request field an engine ValueError is about."""
     for key, param in (("return_routed_experts", "return_routed_experts"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
                        ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                       ("min_new_tokens", "min_tokens"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
+                       ("min_tokens", "min_tokens"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
                        ("generation_config", None), ("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
                        ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
                        ("eos", "stop_token_ids"), ("top_logprobs", "logprobs"), ("score_from", "echo")):

@@ -54,7 +54,7 @@ def _paths(state) -> dict[str, str]:
 async def load_lora_adapter(req: LoadLoraRequest, request: Request) -> PlainTextResponse:
     state = request.app.state
     engine = state.bridge.engine
-    if engine.manager.core.config.max_loras < 1:
+    if engine.manager.config.max_loras < 1:
         raise APIError("LoRA is not enabled on this server: start it with --enable-lora", "lora_name")
     if req.lora_name == state.served_model_name:
         raise APIError(f"lora_name {req.lora_name!r} is the base model's name", "lora_name")
@@ -101,7 +101,7 @@ def check_lora_push(state, req: StartWeightUpdateRequest | None) -> tuple[str, d
     problem (LoRA off, the base model's name)."""
     if req is None or req.lora_name is None:
         return None
-    if state.bridge.engine.manager.core.config.max_loras < 1:
+    if state.bridge.engine.manager.config.max_loras < 1:
         raise APIError("LoRA is not enabled on this server: start it with --enable-lora", "lora_name")
     if req.lora_name == state.served_model_name:
         raise APIError(f"lora_name {req.lora_name!r} is the base model's name", "lora_name")

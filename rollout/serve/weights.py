@@ -11,44 +11,26 @@ weights serving.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from rollout.serve.protocol import APIError
+from rollout.weights.checkpoint import load_checkpoint as read_checkpoint
 from rollout.weights.in_place import strip_prefixes
-from rollout.weights.transfer import new_group, unflatten
+from rollout.weights.transfer import check_names_shapes, new_group, unflatten
 
 DTYPES = {name: getattr(torch, name) for name in ("float32", "float16", "bfloat16", "float64", "int64", "int32",
                                                    "int8", "uint8", "bool")}
 
 
 def load_checkpoint(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a `save_pretrained` directory (safetensors shards, or pytorch_model*.bin)."""
-    root = Path(path)
-    if not root.is_dir():
-        raise APIError(f"model_path {path!r} is not a directory", "model_path", 404, "NotFoundError")
-    shards = sorted(root.glob("*.safetensors"))
-    tensors: dict[str, torch.Tensor] = {}
+    """`rollout.weights.checkpoint.load_checkpoint` with its errors in the server's shape (404 / 400 naming
+    `model_path`)."""
     try:
-        if shards:
-            from safetensors.torch import load_file
-
-            for shard in shards:
-                tensors.update(load_file(str(shard)))
-        else:
-            bins = sorted(root.glob("pytorch_model*.bin"))
-            if not bins:
-                raise APIError(f"model_path {path!r} holds no *.safetensors or pytorch_model*.bin", "model_path",
-                               404, "NotFoundError")
-            for shard in bins:
-                tensors.update(torch.load(shard, map_location="cpu", weights_only=True))
-    except APIError:
-        raise
-    except Exception as e:
-        raise APIError(f"model_path {path!r}: cannot read the checkpoint: {type(e).__name__}: {e}",
-                       "model_path") from None
-    return tensors
+        return read_checkpoint(path)
+    except FileNotFoundError as e:
+        raise APIError(str(e), "model_path", 404, "NotFoundError") from None
+    except ValueError as e:
+        raise APIError(str(e), "model_path") from None
 
 
 def check_update(targets: dict[str, torch.Tensor], names: list, dtypes: list, shapes: list) -> list:
@@ -59,14 +41,15 @@ def check_update(targets: dict[str, torch.Tensor], names: list, dtypes: list, sh
         raise APIError("update_info: 'names', 'dtype_names' and 'shapes' differ in length", "update_info")
     out = []
     for name, dname, shape in zip(names, dtypes, shapes, strict=True):
-        target = targets.get(strip_prefixes(str(name)))
-        if target is None:
-            raise APIError(f"update_info: unknown parameter name {name!r}", "update_info")
+        if not isinstance(shape, list):
+            raise APIError(f"update_info: {name!r} has shape {shape!r}, expected a list", "update_info")
+        try:
+            check_names_shapes(targets, [strip_prefixes(str(name))], [shape])
+        except ValueError as e:
+            raise APIError(f"update_info: {e}", "update_info") from None
         dtype = DTYPES.get(str(dname).removeprefix("torch."))
         if dtype is None:
             raise APIError(f"update_info: unknown dtype {dname!r} for {name!r}", "update_info")
-        if not isinstance(shape, list) or list(target.shape) != shape:
-            raise APIError(f"update_info: {name!r} has shape {shape}, expected {list(target.shape)}", "update_info")
         out.append((str(name), dtype, tuple(shape)))
     return out
 

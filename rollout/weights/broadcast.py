@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
-from rollout.weights.transfer import buckets, free_port, named_tensors, new_group
+from rollout.weights.transfer import buckets, free_port, named_tensors, new_group, pack_bucket
 
 logger = logging.getLogger("rollout.weights.broadcast")
 
@@ -184,18 +184,7 @@ class WeightBroadcaster:
         return answers
 
     def _flat(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """The bucket as one flat tensor on the group's device: a lone contiguous tensor as it is (a view, no
-        copy), else packed into a buffer kept across broadcasts (a fresh one each time costs page faults:
-        `flatten` of ~0.5 GB took ~1 s of a ~2 s update on a loaded CPU)."""
-        if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == self.device:
-            return tensors[0].detach().reshape(-1)
-        n = sum(t.numel() for t in tensors)
-        buf = self._buffers.get(tensors[0].dtype)
-        if buf is None or buf.numel() < n:
-            buf = self._buffers[tensors[0].dtype] = torch.empty(n, dtype=tensors[0].dtype, device=self.device)
-        out = buf[:n]
-        torch.cat([t.detach().reshape(-1).to(self.device) for t in tensors], out=out)
-        return out
+        return pack_bucket(tensors, self._buffers, self.device)
 
     def close(self) -> None:
         self._buffers.clear()

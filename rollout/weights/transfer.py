@@ -44,6 +44,34 @@ def buckets(items: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Ite
     yield from (b for b in open_.values() if b)
 
 
+def pack_bucket(tensors: list[torch.Tensor], buffers: dict, device: torch.device) -> torch.Tensor:
+    """One bucket as one flat tensor on `device`, the one packer of every weight wire (a broadcast to servers, the
+    fleet's weight group): a lone contiguous tensor as it is (a view, no copy), else packed into a buffer per dtype
+    kept in `buffers` across updates (a fresh one each time costs page faults: ~1 s of a ~2 s update of ~0.5 GB on
+    a loaded CPU)."""
+    if len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].device == device:
+        return tensors[0].detach().reshape(-1)
+    n = sum(t.numel() for t in tensors)
+    buf = buffers.get(tensors[0].dtype)
+    if buf is None or buf.numel() < n:
+        buf = buffers[tensors[0].dtype] = torch.empty(n, dtype=tensors[0].dtype, device=device)
+    out = buf[:n]
+    torch.cat([t.detach().reshape(-1).to(device) for t in tensors], out=out)
+    return out
+
+
+def check_names_shapes(targets: Mapping[str, torch.Tensor], names: Sequence[str],
+                       shapes: Sequence[Sequence[int]]) -> None:
+    """The one name / shape check of a pushed chunk against the engine's tensors (`targets` by name, prefixes
+    stripped by the caller): a ValueError naming the first unknown names or wrong shapes, before any tensor moves."""
+    unknown = [n for n in names if n not in targets]
+    wrong = [f"{n} has shape {list(s)}, expected {list(targets[n].shape)}" for n, s in zip(names, shapes, strict=True)
+             if n in targets and tuple(targets[n].shape) != tuple(s)]
+    if unknown or wrong:
+        parts = ([f"unknown parameter names {unknown[:5]}"] if unknown else []) + wrong[:5]
+        raise ValueError("weight update refused: " + "; ".join(parts))
+
+
 def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
     """Views of `flat` with `shapes`, in order (the inverse of the sender packing them in order, `WeightBroadcaster`)."""
     sizes = [int(torch.Size(s).numel()) for s in shapes]

@@ -14,7 +14,7 @@ import torch
 from support.tiny_models import CONFIGS, MOE_ARCHS, VOCAB, hf_greedy, make_model, teacher_forced_logits
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, RolloutEngine
+from rollout import ContinuousBatchingConfig, RolloutEngine, SamplingParams
 
 pytestmark = pytest.mark.timeout(600)
 ATOL = 1e-5
@@ -175,14 +175,15 @@ def test_score_is_exact_under_preemption():
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_generate_top_logprobs(mode):
-    """`generate(..., top_logprobs=k)`: the k best of each step's distribution (raw, or processed at the
+    """`generate(..., sampling=SamplingParams(logprobs=k))`: the k best of each step's distribution (raw, or processed at the
     row's temperature); greedy rows' first choice is the token generated, and the default path adds none."""
     model = make_model("gpt2")
     prompts = [rand_ids(12, 1), rand_ids(25, 2)]
     with engine_for(model, mode=mode) as engine:
         plain = engine.generate(prompts, temps=0.0, max_new_tokens=6)
-        greedy = engine.generate(prompts, temps=0.0, max_new_tokens=6, top_logprobs=4)
-        sampled = engine.generate(prompts, temps=0.8, group_size=2, max_new_tokens=6, top_logprobs=3, seed=1)
+        greedy = engine.generate(prompts, temps=0.0, max_new_tokens=6, sampling=SamplingParams(logprobs=4))
+        sampled = engine.generate(prompts, temps=0.8, group_size=2, max_new_tokens=6, seed=1,
+                                  sampling=SamplingParams(logprobs=3))
     assert plain.top_logprobs is None and plain.top_ids is None
     assert greedy.top_ids.shape == (2, 6, 4)
     assert torch.equal(greedy.top_ids[:, :, 0], greedy.completion_ids)
@@ -205,6 +206,6 @@ def test_bad_scoring_input_names_the_field():
             engine.score([[1, 2]], [[3, VOCAB]])
         with pytest.raises(ValueError, match="completion_ids has 2 rows"):
             engine.score([[1, 2]], [[3], [4]])
-        with pytest.raises(ValueError, match="top_logprobs"):
-            engine.generate([[1, 2]], top_logprobs=-1)
+        with pytest.raises(ValueError, match="logprobs"):
+            engine.generate([[1, 2]], sampling=SamplingParams(logprobs=-1))
         assert engine.score([[1, 2]], [[3]]).logprobs.shape == (1, 1)  # the engine still serves

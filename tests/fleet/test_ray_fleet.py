@@ -25,7 +25,7 @@ import torch
 from support.tiny_models import hf_greedy, make_model
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
-from rollout.fleet.shards import plan_shards, slice_per_prompt
+from rollout.fleet.shards import plan_shards
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -218,9 +218,6 @@ def test_shards_are_contiguous_and_go_to_the_least_loaded_engines():
     assert plan_shards(4, [3, 0], [0, 1]) == [(0, 0, 1), (1, 1, 4)]  # engine 0 is busy: it gets less
     assert plan_shards(3, [0, 0, 0], [0, 2]) == [(0, 0, 2), (2, 2, 3)]  # engine 1 is dead: never planned
     assert plan_shards(0, [0], [0]) == []
-    assert slice_per_prompt({"min_p": [0.1, 0.2, 0.3], "top_k": 5}, 3, 1, 3) == {"min_p": [0.2, 0.3], "top_k": 5}
-    with pytest.raises(ValueError, match="min_p has 2 values for 3 prompts"):
-        slice_per_prompt({"min_p": [0.1, 0.2]}, 3, 0, 1)
 
 
 def test_without_ray_the_fleet_names_the_extra(monkeypatch):

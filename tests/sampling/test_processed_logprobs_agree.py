@@ -10,7 +10,7 @@ import functools
 
 import pytest
 import torch
-from support.sampling import repeating_prompt
+from support.sampling import repeating_prompt, sampling_of
 from support.tiny_models import hf_greedy, make_model, teacher_forced_logits
 from transformers import GenerationConfig
 from transformers.generation.logits_process import (
@@ -84,7 +84,8 @@ def _close_engines():
 def rollout(mode: str, kw: dict):
     _, prompt, _ = model_and_prompt()
     eng = engine(mode)
-    batch = eng.generate([prompt] * len(TEMPS), temps=list(TEMPS), seed=3, top_logprobs=K, **kw)
+    batch = eng.generate([prompt] * len(TEMPS), temps=list(TEMPS), seed=3,
+                         sampling=sampling_of({**kw, "logprobs": K}, len(TEMPS)))
     return eng, batch
 
 
@@ -120,13 +121,13 @@ def test_processed_logprob_equals_its_top_entry_and_score(case):
     assert hits >= 10, f"{case}: only {hits} sampled tokens in their own top {K}: the check proves little"
     assert gap <= 1e-6, f"{case}: a sampled token's logprob and its top_logprobs entry differ by {gap}"
 
-    scored = eng.score(batch, top_logprobs=K, **kw)
+    scored = eng.score(batch, top_logprobs=K, sampling=sampling_of(kw, len(TEMPS)))
     torch.testing.assert_close(scored.logprobs[mask], batch.logprobs[mask], atol=ATOL, rtol=0)
     assert_top_close(scored.top_logprobs, scored.top_ids, batch.top_logprobs, batch.top_ids, mask)
 
     # the case exercises its processor: without it, score gives other logprobs for the sampled rows
     warpers = {k: v for k, v in kw.items() if k in ("top_k", "top_p")}
-    plain = eng.score(batch, **warpers) if case != "top_k_top_p" else eng.score(batch)
+    plain = eng.score(batch, sampling=sampling_of(warpers)) if case != "top_k_top_p" else eng.score(batch)
     sampled = mask & (batch.temperatures > 0)[:, None]
     assert (plain.logprobs - batch.logprobs)[sampled].abs().max() > 1e-2, f"{case} changes no logprob"
 
@@ -145,7 +146,7 @@ def test_raw_mode_stays_log_softmax(case):
     kw = cases()[case]
     eng, batch = rollout("raw", kw)
     model, prompt, _ = model_and_prompt()
-    scored = eng.score(batch, top_logprobs=K, **kw)
+    scored = eng.score(batch, top_logprobs=K, sampling=sampling_of(kw, len(TEMPS)))
     mask = batch.completion_mask.bool()
     for r in range(len(TEMPS)):
         tokens = batch.completion_ids[r][mask[r]].tolist()
@@ -167,7 +168,7 @@ def test_score_under_every_processor_equals_transformers():
     r = len(TEMPS) - 1
     mask = batch.completion_mask[r].bool()
     completion = batch.completion_ids[r][mask].tolist()
-    scored = eng.score([prompt], [completion], temps=TEMPS[r], prompt_logprobs=True, **kw)
+    scored = eng.score([prompt], [completion], temps=TEMPS[r], prompt_logprobs=True, sampling=sampling_of(kw))
     eos = kw["stop_token_ids"]
     bias = SequenceBiasLogitsProcessor([[[t], b] for t, b in kw["logit_bias"].items()])
     logits = teacher_forced_logits(model, prompt, completion)  # [T, V]: position P - 1 + t

@@ -11,7 +11,7 @@ from support.sampling import hf_generate, repeating_prompt
 from support.tiny_models import make_model
 from transformers import GenerationConfig
 
-from rollout import ContinuousBatchingConfig, RolloutEngine, generate_batch
+from rollout import ContinuousBatchingConfig, RolloutEngine, SamplingParams, generate_batch
 from rollout.sampling.sampling_fields import GENERATION_FIELDS, NEUTRAL, REFUSED
 
 pytestmark = pytest.mark.timeout(600)
@@ -56,8 +56,10 @@ def test_engine_generate_processor_keywords():
     prompts = [repeating_prompt(model, seed=s) for s in range(2)]
     gc = GenerationConfig(do_sample=False, max_new_tokens=8, eos_token_id=0, pad_token_id=0)
     with RolloutEngine(model, config=CBC, generation_config=gc) as engine:
-        batch = engine.generate(prompts, temps=0.0, max_new_tokens=8, repetition_penalty=[1.5, 1.0],
-                                bad_words_ids=[[prompts[0][-1], 9]], logit_bias=[{}, {7: 1.0}])
+        bad = [[prompts[0][-1], 9]]
+        batch = engine.generate(prompts, temps=0.0, max_new_tokens=8,
+                                sampling=[SamplingParams(repetition_penalty=1.5, bad_words_ids=bad),
+                                          SamplingParams(bad_words_ids=bad, logit_bias={7: 1.0})])
         got = [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask, strict=True)]
         want0 = hf_generate(model, prompts[0], GenerationConfig(**{**gc.to_dict(), "repetition_penalty": 1.5,
                                                                     "bad_words_ids": [[prompts[0][-1], 9]]}))
@@ -65,17 +67,18 @@ def test_engine_generate_processor_keywords():
                                                                     "bad_words_ids": [[prompts[0][-1], 9]]}))
         assert got == [want0, want1]
         stop = got[0][1]
-        early = engine.generate(prompts[:1], temps=0.0, max_new_tokens=8, repetition_penalty=1.5, stop_token_ids=[stop],
-                                bad_words_ids=[[prompts[0][-1], 9]])
+        early = engine.generate(prompts[:1], temps=0.0, max_new_tokens=8, sampling=SamplingParams(
+            repetition_penalty=1.5, stop_token_ids=[stop], bad_words_ids=bad))
         assert early.completion_mask.sum() == 2 and early.finish_reasons == ["stop"]
-        late = engine.generate(prompts[:1], temps=0.0, max_new_tokens=8, repetition_penalty=1.5, stop_token_ids=[stop],
-                               bad_words_ids=[[prompts[0][-1], 9]], min_tokens=5)
+        late = engine.generate(prompts[:1], temps=0.0, max_new_tokens=8, sampling=SamplingParams(
+            repetition_penalty=1.5, stop_token_ids=[stop], bad_words_ids=bad, min_tokens=5))
         assert late.completion_mask.sum() >= 5
         for kw, name in ((dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_p=1.5), "min_p"),
-                         (dict(logit_bias={1000: 1.0}), "logit_bias"), (dict(min_tokens=-1), "min_new_tokens"),
-                         (dict(presence_penalty=[0.1]), "presence_penalty")):
+                         (dict(min_tokens=-1), "min_tokens"), (dict(presence_penalty=[0.1]), "presence_penalty")):
             with pytest.raises(ValueError, match=name):
-                engine.generate(prompts, temps=0.0, **kw)
+                engine.generate(prompts, temps=0.0, sampling=SamplingParams(**kw))
+        with pytest.raises(ValueError, match="logit_bias"):
+            engine.generate(prompts, temps=0.0, sampling=SamplingParams(logit_bias={1000: 1.0}))
 
 
 class _Tokens:

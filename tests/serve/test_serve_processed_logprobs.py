@@ -13,6 +13,7 @@ for _mod in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
     pytest.importorskip(_mod, reason=f"rollout serve tests need {_mod} (pip install -e '.[serve,dev]')")
 
 import httpx  # noqa: E402
+from support.sampling import sampling_of  # noqa: E402
 from support.serving import make_tokenizer, save_tiny, serving  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
@@ -81,7 +82,8 @@ def test_completions_logprobs_agree_with_top_and_score(server, tok, case, temper
             assert top[string] == value
     assert hits >= 5, f"only {hits} positions with the chosen token in its top {N}"
 
-    scored = server.engine.score([prompt], [gen], temps=temperature, top_logprobs=N, prompt_logprobs=True, **kw)
+    scored = server.engine.score([prompt], [gen], temps=temperature, top_logprobs=N, prompt_logprobs=True,
+                                 sampling=sampling_of(kw))
     got_gen = lp["token_logprobs"][len(prompt):]
     assert got_gen == pytest.approx(clamp(scored.logprobs[0, : len(gen)]), abs=ATOL)
     got_prompt = lp["token_logprobs"][1 : len(prompt)]
@@ -91,7 +93,7 @@ def test_completions_logprobs_agree_with_top_and_score(server, tok, case, temper
             assert sorted(top.values(), reverse=True) == pytest.approx(clamp(scored.top_logprobs[0, j]), abs=ATOL)
     if temperature > 0:  # NOTE: the case moves the logprobs (greedy rows report raw ones by design)
         plain = server.engine.score([prompt], [gen], temps=temperature,
-                                    **{k: v for k, v in kw.items() if k in ("top_k", "top_p")})
+                                    sampling=sampling_of({k: v for k, v in kw.items() if k in ("top_k", "top_p")}))
         diff = (plain.logprobs[0, : len(gen)] - scored.logprobs[0, : len(gen)]).abs().max()
         assert diff > 1e-2, f"{case} changes no generated logprob"
 
@@ -105,7 +107,8 @@ def test_chat_logprobs_agree_with_top_and_score(server, tok, case, temperature):
         "logprobs": True, "top_logprobs": N, "return_token_ids": True, **fields})
     content, gen = body["choices"][0]["logprobs"]["content"], body["choices"][0]["token_ids"]
     assert len(content) == len(gen) > 0
-    scored = server.engine.score([body["prompt_token_ids"]], [gen], temps=temperature, top_logprobs=N, **kw)
+    scored = server.engine.score([body["prompt_token_ids"]], [gen], temps=temperature, top_logprobs=N,
+                                 sampling=sampling_of(kw))
     assert [c["logprob"] for c in content] == pytest.approx(clamp(scored.logprobs[0, : len(gen)]), abs=ATOL)
     hits = 0
     for j, item in enumerate(content):
