@@ -228,28 +228,28 @@ def test_checker_names_a_new_module_and_its_table(scratch):
     (problem,) = all_problems(scratch)
     assert problem.startswith("rollout/serve/example_routes.py has no row")
     assert "| `rollout/serve/example_routes.py` | what it owns |" in problem
-    assert "'### Entry points: `serve`, `integrations`, `fleet`, `agents`, `client`'" in problem
+    assert "'### Entry points: `serve`, `integrations`, `agents`, `client`, `tinker`'" in problem
 
 
 def test_checker_names_a_new_folder_outside_the_layers(scratch):
-    (scratch / "rollout/tinker").mkdir()
-    (scratch / "rollout/tinker/__init__.py").touch()
+    (scratch / "rollout/newpkg").mkdir()
+    (scratch / "rollout/newpkg/__init__.py").touch()
     (problem,) = all_problems(scratch)
-    assert problem.startswith("rollout/tinker/__init__.py has no row")
-    assert "`tinker` is in no layer" in problem and "pyproject.toml" in problem
+    assert problem.startswith("rollout/newpkg/__init__.py has no row")
+    assert "`newpkg` is in no layer" in problem and "pyproject.toml" in problem
 
 
 def test_checker_names_a_layer_its_heading_lacks(scratch):
     toml = (scratch / "pyproject.toml").read_text()
-    (scratch / "pyproject.toml").write_text(toml.replace('"api",', '"api | tinker",', 1))
+    (scratch / "pyproject.toml").write_text(toml.replace('"api",', '"api | newpkg",', 1))
     problems = all_problems(scratch)
-    assert any("`api`, `tinker`" in p and "add `tinker`" in p for p in problems), problems
+    assert any("`api`, `newpkg`" in p and "add `newpkg`" in p for p in problems), problems
 
 
 def test_checker_names_a_row_of_a_module_that_is_gone(scratch):
-    (scratch / "rollout/api/per_prompt.py").unlink()
+    (scratch / "rollout/api/score_batch.py").unlink()
     problems = all_problems(scratch)
-    assert any(p.startswith("ARCHITECTURE.md:") and "`rollout/api/per_prompt.py`, no module" in p
+    assert any(p.startswith("ARCHITECTURE.md:") and "`rollout/api/score_batch.py`, no module" in p
                for p in problems), problems
 
 
