@@ -52,8 +52,11 @@ def test_the_serve_routes_share_the_defaults():
     from rollout.serve import bridge, control
 
     assert inspect.signature(control.pause).parameters["mode"].default == PAUSE_DEFAULT
-    for route in (control.update_weights_from_disk, control.finish_weight_update):
-        assert inspect.signature(route).parameters["in_flight"].default == UPDATE_DEFAULT
+    assert inspect.signature(control.finish_weight_update).parameters["in_flight"].default == UPDATE_DEFAULT
+    # NOTE: None there means UPDATE_DEFAULT, unless SGLang's `abort_all_requests` asks for "abort"
+    assert inspect.signature(control.update_weights_from_disk).parameters["in_flight"].default is None
+    source = inspect.getsource(control.update_weights_from_disk)
+    assert 'in_flight or ("abort" if req.abort_all_requests else UPDATE_DEFAULT)' in source
     assert inspect.signature(bridge.EngineBridge.update_weights).parameters["in_flight"].default == UPDATE_DEFAULT
 
 
