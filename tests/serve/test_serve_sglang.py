@@ -306,6 +306,30 @@ def test_trainer_broadcasts_weights_through_an_sglang_style_group_over_gloo(serv
     assert r.status_code == 400 and r.json()["error"]["param"] == "backend"
 
 
+def test_routed_experts_in_the_encoding_areal_decodes(tmp_path):
+    """An MoE policy: `meta_info.routed_experts` is base64 raw int32 `[prompt + completion - 1, layers * k]`
+    (AReaL's `np.frombuffer(...).reshape(prompt_tokens + completion_tokens - 1, -1)`), the engine's routes."""
+    import base64
+
+    import numpy as np
+    from support.serving import make_tokenizer, serving
+
+    model_dir = tmp_path / "moe"
+    make_model("qwen3_moe", seed=0).save_pretrained(model_dir)
+    make_tokenizer().save_pretrained(model_dir)
+    with serving(model_dir) as moe:
+        r = generate(moe, greedy_body(n=5, return_routed_experts=True))
+        assert r.status_code == 200, r.text
+        meta = r.json()["meta_info"]
+        rows = meta["prompt_tokens"] + meta["completion_tokens"] - 1
+        got = np.frombuffer(base64.b64decode(meta["routed_experts"]), dtype=np.int32).reshape(rows, -1)
+        batch = moe.engine.generate([PROMPT], temps=[0.0], max_new_tokens=5, return_routed_experts=True)
+        want = batch.routed_experts[0][:rows].reshape(rows, -1).numpy()
+        assert got.shape == want.shape and (got == want).all()
+        plain = generate(moe, greedy_body(n=2)).json()["meta_info"]
+        assert "routed_experts" not in plain
+
+
 def _free_port() -> int:
     import socket
 
