@@ -10,7 +10,7 @@ client made from one save keeps sampling those weights; the oldest saves of a mo
 In batch-invariant mode the engine's LoRA slots are off (`rollout.api.lora`), so each training client gets
 an engine of its own, built with `batch_invariant=True` on a `PeftModel` copy holding its adapter (PEFT's own
 layers, every linear through the invariant ops, as the trainer's `InvariantForward` runs them); `publish`
-copies the adapter's tensors into it (`update_weights`: the latest save only, earlier sampling sessions of that
+copies the adapter's tensors into it (`update_weights` with them by name: the latest save only, earlier sampling sessions of that
 model see it too).
 """
 
@@ -22,7 +22,6 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from rollout.sampling_params import SamplingParams
 from rollout.tinker.wire import Sequence, UserError, sample_response
@@ -161,19 +160,15 @@ class Sampler:
     def _publish_invariant(self, trainer, model_id: str) -> str:
         from peft import get_peft_model, set_peft_model_state_dict
 
-        sd = trainer.state_dict(model_id)
         if model_id not in self.own:
+            sd = trainer.state_dict(model_id)
             adapter = trainer.get(model_id)
             peft = get_peft_model(copy.deepcopy(trainer.base_model_copy()), copy.deepcopy(trainer.lora_config(model_id)),
                                   adapter_name=adapter.name).eval()
             set_peft_model_state_dict(peft, sd, adapter_name=adapter.name)
             self.own[model_id] = (self.make_engine(peft), peft)
-        else:
-            engine, peft = self.own[model_id]
-            adapter = trainer.get(model_id)
-            with torch.no_grad():
-                set_peft_model_state_dict(peft, sd, adapter_name=adapter.name)
-            engine.update_weights(peft)
+        else:  # NOTE: copied in between two steps (the engine's lock), never under a running generate
+            self.own[model_id][0].update_weights(trainer.adapter_tensors(model_id))
         return f"{model_id}#own"
 
     def check_target(self, target: str | None) -> None:

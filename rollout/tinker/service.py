@@ -298,10 +298,9 @@ class Service:
             self.session(body.get("session_id"))
             self.check_base(body.get("base_model"))
             rank = checkpoint_rank(directory)
-            create = self.create_model({"session_id": body["session_id"], "model_seq_id": body.get("model_seq_id"),
-                                        "lora_config": {"rank": rank}})
+            self.create_model({"session_id": body["session_id"], "model_seq_id": body.get("model_seq_id"),
+                               "lora_config": {"rank": rank}})  # NOTE: queued before the load below
             model_id = f"{body['session_id']}:train:{body.get('model_seq_id')}"
-            del create
         else:
             self.model(model_id)
 

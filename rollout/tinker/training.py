@@ -146,6 +146,13 @@ class Trainer:
             sd = get_peft_model_state_dict(self.peft, adapter_name=adapter.name, save_embedding_layers=False)
             return {k: v.detach().clone() for k, v in sd.items() if "lora_" in k}
 
+    def adapter_tensors(self, model_id: str) -> dict[str, torch.Tensor]:
+        """The adapter's tensors under their full parameter names (`...lora_A.<adapter>.weight`), copies: a
+        `PeftModel` with this one adapter (same name) on the same base takes them by name."""
+        tag = f".{self.get(model_id).name}."
+        with self.lock:
+            return {n: p.detach().clone() for n, p in self.peft.named_parameters() if "lora_" in n and tag in n}
+
     def lora_config(self, model_id: str):
         return self.peft.peft_config[self.get(model_id).name]
 

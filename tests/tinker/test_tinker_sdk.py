@@ -188,24 +188,26 @@ def invariant(model_dir, tmp_path_factory):
 def test_batch_invariant_sampler_logprobs_equal_the_trainers_forward(invariant, model_dir):
     client = invariant.client()
     tc = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=6).result()
-    train(tc, SEQ_A, 3)
-    sampler = tc.save_weights_and_get_sampling_client().result()
     prompt = SEQ_A[:5]
-    out = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=6, seed=3),
-                         include_prompt_logprobs=True).result()
-    data = []
-    for s in out.sequences:
-        full = prompt + s.tokens
-        data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}))
-    fwd = tc.forward(data, "cross_entropy").result()
-    for s, o in zip(out.sequences, fwd.loss_fn_outputs, strict=True):
-        trainer = o["logprobs"].tolist()
-        assert trainer[len(prompt) - 1:] == s.logprobs  # NOTE: exactly: the same bits
-        assert trainer[: len(prompt) - 1] == out.prompt_logprobs[1:]
+    for round_ in range(2):  # NOTE: the second save is copied into the client's engine in place
+        train(tc, SEQ_A, 3)
+        sampler = tc.save_weights_and_get_sampling_client().result()
+        out = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=6, seed=3),
+                             include_prompt_logprobs=True).result()
+        data = []
+        for s in out.sequences:
+            full = prompt + s.tokens
+            data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
+                                    loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}))
+        fwd = tc.forward(data, "cross_entropy").result()
+        for s, o in zip(out.sequences, fwd.loss_fn_outputs, strict=True):
+            trainer = o["logprobs"].tolist()
+            assert trainer[len(prompt) - 1:] == s.logprobs, round_  # NOTE: exactly: the same bits
+            assert trainer[: len(prompt) - 1] == out.prompt_logprobs[1:]
     # forward_backward reports the same logprobs (the cookbook's kl_sample_train reads these)
     fb = tc.forward_backward(data[:1], "cross_entropy").result()
     assert fb.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:] == out.sequences[0].logprobs
+
 
 
 def test_save_state_and_load_state_round_trip(client, served, model_dir):
