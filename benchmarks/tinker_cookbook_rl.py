@@ -252,8 +252,11 @@ def main() -> int:
 
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for mode in args.modes.split(","):
-            ax.plot(summary[mode]["reward"], marker="o", ms=3, label=f"rollout tinker-serve ({mode})")
-        ax.set_xlabel("tinker-cookbook RL step (8 problems x 8 samples)")
+            r = summary[mode]["reward"]
+            line, = ax.plot(r, lw=0.8, alpha=0.45)
+            smooth = [sum(r[max(0, i - 4): i + 1]) / len(r[max(0, i - 4): i + 1]) for i in range(len(r))]
+            ax.plot(smooth, lw=2, color=line.get_color(), label=f"tinker-serve, {mode} (5-step mean)")
+        ax.set_xlabel(f"tinker-cookbook RL step ({args.groups} problems x {args.group_size} samples)")
         ax.set_ylabel("mean reward")
         ax.set_title("tinker_cookbook.rl.train, arithmetic env, tiny warm-started model")
         ax.legend()
