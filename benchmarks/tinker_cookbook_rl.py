@@ -1,12 +1,12 @@
 """tinker-cookbook's RL loop (`tinker_cookbook.rl.train.main`, the arithmetic environment) against
 `rollout tinker-serve`, on a tiny warm-started chat model.
 
-    .venv/bin/python benchmarks/tinker_cookbook_rl.py --out runs/tinker_rl             # warm start + both modes
+    .venv/bin/python benchmarks/tinker_cookbook_rl.py --out runs/tinker_rl    # warm start + both modes
     .venv/bin/python benchmarks/tinker_cookbook_rl.py --out runs/tinker_rl --modes invariant --batches 10
 
-1. Warm start: a tiny Qwen3 (char-level tokenizer with Qwen's chat specials) is fine-tuned on the cookbook's own
-   rendering (`qwen3_instruct` renderer, no few-shot prefix) of "What is x + y?" -> the sum, operands in
-   [0, `--max-operand`] (9: a task a 0.2M-parameter model learns in minutes here; the cookbook's env uses 100),
+1. Warm start: a tiny Qwen3 (char-level tokenizer with Qwen's chat specials) is fine-tuned on the cookbook's
+   own rendering (`qwen3_instruct` renderer, no few-shot prefix) of "What is x + y?" -> the sum, operands in
+   [0, `--max-operand`] (9: a task a 0.2M-parameter model learns in minutes here; the cookbook's: 100),
    until greedy exact match over all the problems reaches `--warm-target` (or `--warm-steps` run out).
 2. For each mode (`plain`, `invariant` = `--batch-invariant`): the service on that base (in this process, on
    127.0.0.1), and the cookbook's `rl.train.main` with `TINKER_BASE_URL` pointing at it: LoRA rank 8,
@@ -42,21 +42,35 @@ def make_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     chars = [c for c in string.printable if c not in "\r\x0b\x0c"]
-    backend = Tokenizer(models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<|endoftext|>"))
+    backend = Tokenizer(
+        models.WordLevel({t: i for i, t in enumerate(SPECIAL + chars)}, unk_token="<|endoftext|>")
+    )
     backend.pre_tokenizer = pre_tokenizers.Split("", "isolated")
     backend.decoder = decoders.Fuse()
     backend.add_special_tokens(SPECIAL)
-    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-                                   unk_token="<|endoftext|>")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>"
+    )
 
 
 def make_model(seed: int):
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=128, hidden_size=96, intermediate_size=256, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=24, max_position_embeddings=256,
-                      tie_word_embeddings=True, eos_token_id=2, pad_token_id=0, bos_token_id=1)
+    cfg = Qwen3Config(
+        vocab_size=128,
+        hidden_size=96,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        max_position_embeddings=256,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        pad_token_id=0,
+        bos_token_id=1,
+    )
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
 
 
@@ -76,17 +90,24 @@ def dataset_builder(max_operand: int, **fields):
     class Dataset(ArithmeticDataset):
         def _make_env_group_builder(self, rng):
             x, y = rng.randint(0, max_operand + 1), rng.randint(0, max_operand + 1)
-            return ProblemGroupBuilder(env_thunk=functools.partial(ArithmeticEnv, x, y, convo_prefix=None,
-                                                                   renderer=self.renderer),
-                                       num_envs=self.group_size)
+            return ProblemGroupBuilder(
+                env_thunk=functools.partial(ArithmeticEnv, x, y, convo_prefix=None, renderer=self.renderer),
+                num_envs=self.group_size,
+            )
 
     @chz.chz
     class Builder(ArithmeticDatasetBuilder):
         async def __call__(self):
-            renderer = renderers.get_renderer(self.renderer_name,
-                                              tokenizer=get_tokenizer(self.model_name_for_tokenizer))
-            return Dataset(batch_size=self.batch_size, renderer=renderer, n_batches=self.n_batches,
-                           include_fewshot=False, group_size=self.group_size), None
+            renderer = renderers.get_renderer(
+                self.renderer_name, tokenizer=get_tokenizer(self.model_name_for_tokenizer)
+            )
+            return Dataset(
+                batch_size=self.batch_size,
+                renderer=renderer,
+                n_batches=self.n_batches,
+                include_fewshot=False,
+                group_size=self.group_size,
+            ), None
 
     return Builder(**fields)
 
@@ -99,8 +120,8 @@ class Prompts:
         self.tokenizer = tokenizer
         probe = renderer.build_generation_prompt([{"role": "user", "content": "What is 1 + 2?"}]).to_ints()
         q = tokenizer.encode("What is 1 + 2?", add_special_tokens=False)
-        at = next(i for i in range(len(probe)) if probe[i:i + len(q)] == q)
-        self.head, self.tail = probe[:at], probe[at + len(q):]
+        at = next(i for i in range(len(probe)) if probe[i : i + len(q)] == q)
+        self.head, self.tail = probe[:at], probe[at + len(q) :]
         check = renderer.build_generation_prompt([{"role": "user", "content": "What is 57 + 8?"}]).to_ints()
         assert self(57, 8) == check, "the rendered prompt does not splice"
 
@@ -126,7 +147,9 @@ def warm_start(out: Path, args) -> dict:
     tokenizer = make_tokenizer()
     prompts = Prompts(renderers.get_renderer("qwen3_instruct", tokenizer=tokenizer), tokenizer)
     model = make_model(args.seed)
-    engine = RolloutEngine(model, tokenizer=tokenizer, config=ContinuousBatchingConfig(page_size=16, num_blocks=512))
+    engine = RolloutEngine(
+        model, tokenizer=tokenizer, config=ContinuousBatchingConfig(page_size=16, num_blocks=512)
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=args.warm_lr, weight_decay=0.0)
     every = [(x, y) for x in range(args.max_operand + 1) for y in range(args.max_operand + 1)]
     rng = random.Random(args.seed)
@@ -144,7 +167,7 @@ def warm_start(out: Path, args) -> dict:
         for i, (p, a) in enumerate(rows):
             ids[i, : len(p) + len(a)] = torch.tensor(p + a)
             mask[i, : len(p) + len(a)] = 1
-            labels[i, len(p): len(p) + len(a)] = torch.tensor(a)
+            labels[i, len(p) : len(p) + len(a)] = torch.tensor(a)
         model.train()
         loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
         loss.backward()
@@ -155,8 +178,11 @@ def warm_start(out: Path, args) -> dict:
             model.eval()
             engine.update_weights(model)
             acc = greedy_accuracy(engine, prompts, tokenizer, every)
-            print(f"warm start step {step}: loss {loss.item():.3f}, greedy exact on all problems {acc:.3f} "
-                  f"({time.time() - t0:.0f} s)", flush=True)
+            print(
+                f"warm start step {step}: loss {loss.item():.3f}, greedy exact on all problems {acc:.3f} "
+                f"({time.time() - t0:.0f} s)",
+                flush=True,
+            )
             if acc >= args.warm_target:
                 break
     engine.close()
@@ -174,11 +200,20 @@ def run_mode(out: Path, base: Path, mode: str, args) -> list[dict]:
     from rollout.tinker.cli import build_service, load
 
     model, tokenizer, gc = load(str(base), "float32")
-    service = build_service(model, tokenizer, gc, str(base), out / f"ckpt_{mode}", max_lora_rank=16,
-                            batch_invariant=mode == "invariant", num_blocks=1024)
+    service = build_service(
+        model,
+        tokenizer,
+        gc,
+        str(base),
+        out / f"ckpt_{mode}",
+        max_lora_rank=16,
+        batch_invariant=mode == "invariant",
+        num_blocks=1024,
+    )
     sock_port = args.port + (1 if mode == "invariant" else 0)
-    server = uvicorn.Server(uvicorn.Config(build_app(service, KEY), host="127.0.0.1", port=sock_port,
-                                           log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(service, KEY), host="127.0.0.1", port=sock_port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
@@ -189,11 +224,22 @@ def run_mode(out: Path, base: Path, mode: str, args) -> list[dict]:
 
     log = out / f"log_{mode}"
     cfg = train.Config(
-        learning_rate=args.lr, model_name=str(base), recipe_name="rollout_tinker_serve_demo",
-        dataset_builder=dataset_builder(args.max_operand, batch_size=args.groups,
-                                        model_name_for_tokenizer=str(base), renderer_name="qwen3_instruct",
-                                        n_batches=args.batches, group_size=args.group_size),
-        renderer_name="qwen3_instruct", max_tokens=5, log_path=str(log), eval_every=0, save_every=0,
+        learning_rate=args.lr,
+        model_name=str(base),
+        recipe_name="rollout_tinker_serve_demo",
+        dataset_builder=dataset_builder(
+            args.max_operand,
+            batch_size=args.groups,
+            model_name_for_tokenizer=str(base),
+            renderer_name="qwen3_instruct",
+            n_batches=args.batches,
+            group_size=args.group_size,
+        ),
+        renderer_name="qwen3_instruct",
+        max_tokens=5,
+        log_path=str(log),
+        eval_every=0,
+        save_every=0,
         lora_rank=8,
     )
     t0 = time.time()
@@ -239,10 +285,17 @@ def main() -> int:
         kl1 = [r.get("optim/kl_sample_train_v1") for r in rows]
         kl2 = [r.get("optim/kl_sample_train_v2") for r in rows]
         for i, r in enumerate(rows):
-            print(f"{mode} step {i}: reward {reward[i]:.3f}  correct {r.get('env/all/correct', float('nan')):.3f}  "
-                  f"kl_sample_train_v1 {kl1[i]!r}  v2 {kl2[i]!r}", flush=True)
-        summary[mode] = {"reward": reward, "correct": [r.get("env/all/correct") for r in rows],
-                         "kl_sample_train_v1": kl1, "kl_sample_train_v2": kl2}
+            print(
+                f"{mode} step {i}: reward {reward[i]:.3f}  correct {r.get('env/all/correct', 0.0):.3f}  "
+                f"kl_sample_train_v1 {kl1[i]!r}  v2 {kl2[i]!r}",
+                flush=True,
+            )
+        summary[mode] = {
+            "reward": reward,
+            "correct": [r.get("env/all/correct") for r in rows],
+            "kl_sample_train_v1": kl1,
+            "kl_sample_train_v2": kl2,
+        }
     (args.out / "summary.json").write_text(json.dumps(summary, indent=1))
     if args.plot:
         import matplotlib
@@ -253,8 +306,8 @@ def main() -> int:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for mode in args.modes.split(","):
             r = summary[mode]["reward"]
-            line, = ax.plot(r, lw=0.8, alpha=0.45)
-            smooth = [sum(r[max(0, i - 4): i + 1]) / len(r[max(0, i - 4): i + 1]) for i in range(len(r))]
+            (line,) = ax.plot(r, lw=0.8, alpha=0.45)
+            smooth = [sum(r[max(0, i - 4) : i + 1]) / len(r[max(0, i - 4) : i + 1]) for i in range(len(r))]
             ax.plot(smooth, lw=2, color=line.get_color(), label=f"tinker-serve, {mode} (5-step mean)")
         ax.set_xlabel(f"tinker-cookbook RL step ({args.groups} problems x {args.group_size} samples)")
         ax.set_ylabel("mean reward")

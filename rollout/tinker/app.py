@@ -24,9 +24,14 @@ from rollout.tinker.wire import PROTO_TYPE, UserError
 logger = logging.getLogger("rollout.tinker")
 
 CLIENT_CONFIG = {  # NOTE: the SDK's ClientConfigResponse flags this server supports
-    "pjwt_auth_enabled": False, "credential_default_source": "api_key", "parallel_fwdbwd_chunks": True,
-    "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False, "custom_loss_server_side": False,
-    "sample_join_sampling_session": False, "sample_no_retries": False,
+    "pjwt_auth_enabled": False,
+    "credential_default_source": "api_key",
+    "parallel_fwdbwd_chunks": True,
+    "proto_compress_fwdbwd": False,
+    "sample_use_retrieve_futures": False,
+    "custom_loss_server_side": False,
+    "sample_join_sampling_session": False,
+    "sample_no_retries": False,
 }
 
 
@@ -73,8 +78,16 @@ def build_app(service: Service, api_key: str | None, max_body_bytes: int = 256 *
 
     @app.get("/api/v1/get_server_capabilities")
     async def capabilities():
-        return {"supported_models": [{"model_name": service.base_model, "max_context_length": service.max_context,
-                                      "trainable": True, "sampleable": True}]}
+        return {
+            "supported_models": [
+                {
+                    "model_name": service.base_model,
+                    "max_context_length": service.max_context,
+                    "trainable": True,
+                    "sampleable": True,
+                }
+            ]
+        }
 
     @app.post("/api/v1/client/config")
     async def client_config():

@@ -10,7 +10,8 @@ client made from one save keeps sampling those weights; the oldest saves of a mo
 In batch-invariant mode the engine's LoRA slots are off (`rollout.api.lora`), so each training client gets
 an engine of its own, built with `batch_invariant=True` on a `PeftModel` copy holding its adapter (PEFT's own
 layers, every linear through the invariant ops, as the trainer's `InvariantForward` runs them); `publish`
-copies the adapter's tensors into it (`update_weights` with them by name: the latest save only, earlier sampling sessions of that
+copies the adapter's tensors into it (`update_weights` with them by name: the latest save only, earlier
+sampling sessions of that
 model see it too).
 """
 
@@ -41,6 +42,19 @@ class Params:
     seed: int | None
     stop_ids: list[int] | None
 
+    def sampling(self) -> SamplingParams:
+        """The engine's `SamplingParams`: `stop=[]` (Tinker: no stop token at all) is `ignore_eos`; other stop
+        ids stop besides the model's EOS."""
+        return SamplingParams(
+            temperature=self.temperature,
+            top_k=self.top_k or 0,
+            top_p=self.top_p,
+            seed=self.seed,
+            max_tokens=self.max_tokens,
+            stop_token_ids=self.stop_ids or (),
+            ignore_eos=self.stop_ids == [],
+        )
+
     def batch_key(self, target) -> tuple:
         """Requests with equal keys run in one `generate` call (no seed: a seeded one runs alone)."""
         stop = tuple(self.stop_ids) if self.stop_ids is not None else None
@@ -56,10 +70,16 @@ def check_params(body: dict, tokenizer, vocab: int) -> Params:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise UserError(f"num_samples must be a positive int, got {n!r}")
     max_tokens = sp.get("max_tokens")
-    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1):
+    if max_tokens is not None and (
+        isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
+    ):
         raise UserError(f"sampling_params.max_tokens must be a positive int, got {max_tokens!r}")
     temperature = sp.get("temperature", 1.0)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < 1e4:
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not 0 <= temperature < 1e4
+    ):
         raise UserError(f"sampling_params.temperature must be a number >= 0, got {temperature!r}")
     top_k = sp.get("top_k", -1)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k == 0 or top_k < -1:
@@ -70,8 +90,15 @@ def check_params(body: dict, tokenizer, vocab: int) -> Params:
     seed = sp.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise UserError(f"sampling_params.seed must be an int, got {seed!r}")
-    return Params(n, max_tokens, float(temperature), None if top_k == -1 else top_k, float(top_p), seed,
-                  stop_ids(sp.get("stop"), tokenizer, vocab))
+    return Params(
+        n,
+        max_tokens,
+        float(temperature),
+        None if top_k == -1 else top_k,
+        float(top_p),
+        seed,
+        stop_ids(sp.get("stop"), tokenizer, vocab),
+    )
 
 
 def stop_ids(stop, tokenizer, vocab: int) -> list[int] | None:
@@ -90,8 +117,10 @@ def stop_ids(stop, tokenizer, vocab: int) -> list[int] | None:
         elif isinstance(s, str):
             ids = tokenizer.encode(s, add_special_tokens=False) if tokenizer is not None else []
             if len(ids) != 1:
-                raise UserError(f"sampling_params.stop: {s!r} is {len(ids)} tokens; only stop strings of one "
-                                "token (or token ids) are supported")
+                raise UserError(
+                    f"sampling_params.stop: {s!r} is {len(ids)} tokens; only stop strings of one "
+                    "token (or token ids) are supported"
+                )
             out.append(ids[0])
         else:
             raise UserError(f"sampling_params.stop: {s!r} is neither a token id nor a string")
@@ -163,8 +192,11 @@ class Sampler:
         if model_id not in self.own:
             sd = trainer.state_dict(model_id)
             adapter = trainer.get(model_id)
-            peft = get_peft_model(copy.deepcopy(trainer.base_model_copy()), copy.deepcopy(trainer.lora_config(model_id)),
-                                  adapter_name=adapter.name).eval()
+            peft = get_peft_model(
+                copy.deepcopy(trainer.base_model_copy()),
+                copy.deepcopy(trainer.lora_config(model_id)),
+                adapter_name=adapter.name,
+            ).eval()
             set_peft_model_state_dict(peft, sd, adapter_name=adapter.name)
             self.own[model_id] = (self.make_engine(peft), peft)
         else:  # NOTE: copied in between two steps (the engine's lock), never under a running generate
@@ -175,8 +207,10 @@ class Sampler:
         if target is None or target in self.loaded or target.endswith("#own"):
             return
         if target in self.removed:
-            raise UserError(f"sampler weights {target!r} were unloaded (only the latest {self.keep} saves of a "
-                            "model stay loaded): save_weights_for_sampler again")
+            raise UserError(
+                f"sampler weights {target!r} were unloaded (only the latest {self.keep} saves of a "
+                "model stay loaded): save_weights_for_sampler again"
+            )
         raise UserError(f"unknown sampler weights {target!r}")
 
     def _engine(self, target: str | None):
@@ -189,16 +223,14 @@ class Sampler:
         """`params.num_samples` sequences for each prompt (one `generate` call)."""
         self.check_target(target)
         engine, lora = self._engine(target)
-        batch = engine.generate(prompts, temps=params.temperature, group_size=params.num_samples,
-                                max_new_tokens=params.max_tokens, top_k=params.top_k,
-                                top_p=None if params.top_p == 1.0 else params.top_p, seed=params.seed,
-                                sampling=SamplingParams(stop_token_ids=params.stop_ids or None), lora=lora)
+        batch = engine.generate(prompts, sampling=params.sampling(), group_size=params.num_samples, lora=lora)
         out: list[list[Sequence]] = [[] for _ in prompts]
         for row in range(len(batch)):
             m = batch.completion_mask[row].bool()
             reason = "length" if batch.finish_reasons[row] == "length" else "stop"
-            out[row // params.num_samples].append(Sequence(batch.completion_ids[row][m].tolist(),
-                                                           batch.logprobs[row][m].tolist(), reason))
+            out[row // params.num_samples].append(
+                Sequence(batch.completion_ids[row][m].tolist(), batch.logprobs[row][m].tolist(), reason)
+            )
         return out
 
     def prompt_logprobs(self, target: str | None, prompt: list[int], topk: int):

@@ -62,8 +62,16 @@ class Service:
     """Args: engine: `RolloutEngine` on the base; trainer: `Trainer`; sampler: `Sampler`; base_model: the
     name clients send (and the tokenizer path the SDK loads); checkpoint_dir: where `save_weights` writes."""
 
-    def __init__(self, engine, trainer: Trainer, sampler: Sampler, base_model: str, checkpoint_dir: Path,
-                 max_context: int | None = None, poll_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        engine,
+        trainer: Trainer,
+        sampler: Sampler,
+        base_model: str,
+        checkpoint_dir: Path,
+        max_context: int | None = None,
+        poll_s: float = 5.0,
+    ) -> None:
         self.engine, self.trainer, self.sampler = engine, trainer, sampler
         self.base_model, self.checkpoint_dir, self.max_context = base_model, Path(checkpoint_dir), max_context
         self.poll_s = poll_s
@@ -79,8 +87,10 @@ class Service:
         self._train: queue.Queue = queue.Queue()
         self._sample: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._train_loop, name="tinker-train", daemon=True),
-                         threading.Thread(target=self._sample_loop, name="tinker-sample", daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._train_loop, name="tinker-train", daemon=True),
+            threading.Thread(target=self._sample_loop, name="tinker-sample", daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -159,11 +169,13 @@ class Service:
                 self._run_samples([job])
             return
         for job, s in zip(group, seqs, strict=True):
+
             def result(job=job, s=s):
                 if job.prompt_logprobs or job.topk:
                     lp, top = self.sampler.prompt_logprobs(job.target, job.prompt, job.topk)
                     return self.sampler.response(s, lp if job.prompt_logprobs else None, top)
                 return self.sampler.response(s)
+
             self._finish(job.request_id, result)
 
     def close(self) -> None:
@@ -175,7 +187,11 @@ class Service:
     # ---------------------------------------------------------------- sessions
     def create_session(self, body: dict) -> dict:
         sid = f"sess-{uuid.uuid4().hex[:8]}"
-        self.sessions[sid] = {"created": time.time(), "finished": False, "metadata": body.get("user_metadata")}
+        self.sessions[sid] = {
+            "created": time.time(),
+            "finished": False,
+            "metadata": body.get("user_metadata"),
+        }
         return {"type": "create_session", "session_id": sid}
 
     def session(self, sid) -> dict:
@@ -186,7 +202,9 @@ class Service:
 
     def check_base(self, base_model) -> None:
         if base_model is not None and base_model != self.base_model:
-            raise UserError(f"base_model {base_model!r} is not served here (this server serves {self.base_model!r})")
+            raise UserError(
+                f"base_model {base_model!r} is not served here (this server serves {self.base_model!r})"
+            )
 
     # ------------------------------------------------------------------ models
     def create_model(self, body: dict) -> str:
@@ -205,12 +223,22 @@ class Service:
         if not isinstance(opt, dict) or opt.get("type", "adamw") not in ("adam", "adamw"):
             raise UserError(f"optimizer_config {opt!r} is not supported (Adam only)")
         rank = lora.get("rank", 32)
-        self.models[model_id] = {"session": body["session_id"], "rank": rank, "metadata": body.get("user_metadata")}
+        self.models[model_id] = {
+            "session": body["session_id"],
+            "rank": rank,
+            "metadata": body.get("user_metadata"),
+        }
 
         def run():
             try:
-                self.trainer.create(model_id, rank, lora.get("seed"), bool(lora.get("train_attn", True)),
-                                    bool(lora.get("train_mlp", True)), bool(lora.get("train_unembed", True)))
+                self.trainer.create(
+                    model_id,
+                    rank,
+                    lora.get("seed"),
+                    bool(lora.get("train_attn", True)),
+                    bool(lora.get("train_mlp", True)),
+                    bool(lora.get("train_unembed", True)),
+                )
             except Exception:
                 self.models.pop(model_id, None)
                 raise
@@ -228,17 +256,24 @@ class Service:
         model_id = body.get("model_id")
         m = self.model(model_id)
         arch = type(self.trainer.original).__name__
-        return {"type": "get_info", "model_id": model_id, "is_lora": True, "lora_rank": m["rank"],
-                "model_name": self.base_model, "optimizer_config": {"type": "adamw"},
-                "model_data": {"arch": arch, "model_name": self.base_model, "tokenizer_id": self.base_model}}
+        return {
+            "type": "get_info",
+            "model_id": model_id,
+            "is_lora": True,
+            "lora_rank": m["rank"],
+            "model_name": self.base_model,
+            "optimizer_config": {"type": "adamw"},
+            "model_data": {"arch": arch, "model_name": self.base_model, "tokenizer_id": self.base_model},
+        }
 
     def forward_backward(self, body: bytes) -> str:
         req = parse_forward_backward(body)
         self.model(req.model_id)
 
         def run():
-            outputs, metrics = self.trainer.forward_backward(req.model_id, req.data, req.loss_fn, req.config,
-                                                             req.forward_only)
+            outputs, metrics = self.trainer.forward_backward(
+                req.model_id, req.data, req.loss_fn, req.config, req.forward_only
+            )
             return forward_backward_output(outputs, metrics)
 
         return self.submit_training(run, "proto")
@@ -298,8 +333,13 @@ class Service:
             self.session(body.get("session_id"))
             self.check_base(body.get("base_model"))
             rank = checkpoint_rank(directory)
-            self.create_model({"session_id": body["session_id"], "model_seq_id": body.get("model_seq_id"),
-                               "lora_config": {"rank": rank}})  # NOTE: queued before the load below
+            self.create_model(
+                {
+                    "session_id": body["session_id"],
+                    "model_seq_id": body.get("model_seq_id"),
+                    "lora_config": {"rank": rank},
+                }
+            )  # NOTE: queued before the load below
             model_id = f"{body['session_id']}:train:{body.get('model_seq_id')}"
         else:
             self.model(model_id)
@@ -341,8 +381,10 @@ class Service:
             target = self.saved_paths.get(model_path)
             if target is None:
                 self._dir(model_path)
-                raise UserError(f"model_path {model_path!r} is not a sampler checkpoint of this server "
-                                "(save_weights_for_sampler first)")
+                raise UserError(
+                    f"model_path {model_path!r} is not a sampler checkpoint of this server "
+                    "(save_weights_for_sampler first)"
+                )
         sid = f"samp-{uuid.uuid4().hex[:8]}"
         self.samplers[sid] = {"target": target, "model_path": model_path, "session": body["session_id"]}
         return {"type": "create_sampling_session", "sampling_session_id": sid}
@@ -364,7 +406,9 @@ class Service:
         elif body.get("model_path") is not None:
             target = self.saved_paths.get(body["model_path"])
             if target is None:
-                raise UserError(f"model_path {body['model_path']!r} is not a sampler checkpoint of this server")
+                raise UserError(
+                    f"model_path {body['model_path']!r} is not a sampler checkpoint of this server"
+                )
         else:
             self.check_base(body.get("base_model"))
             if body.get("base_model") is None:
@@ -380,8 +424,10 @@ class Service:
         prompt = prompt_tokens(body, self.vocab)
         params = check_params(body, self.tokenizer, self.vocab)
         if self.max_context is not None and len(prompt) + (params.max_tokens or 0) > self.max_context:
-            raise UserError(f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
-                            f"context of {self.max_context}")
+            raise UserError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+                f"context of {self.max_context}"
+            )
         topk = body.get("topk_prompt_logprobs") or 0
         if isinstance(topk, bool) or not isinstance(topk, int) or not 0 <= topk <= 20:
             raise UserError(f"topk_prompt_logprobs must be an int in [0, 20], got {topk!r}")

@@ -32,8 +32,11 @@ from rollout.tinker.wire import Datum, UserError
 
 LOSSES = ("cross_entropy", "importance_sampling", "ppo")
 LORA_ALPHA = 32  # NOTE: Tinker's fixed alpha; the adapter's scale is alpha / rank
-INPUTS = {"cross_entropy": ("target_tokens",), "importance_sampling": ("target_tokens", "logprobs", "advantages"),
-          "ppo": ("target_tokens", "logprobs", "advantages")}
+INPUTS = {
+    "cross_entropy": ("target_tokens",),
+    "importance_sampling": ("target_tokens", "logprobs", "advantages"),
+    "ppo": ("target_tokens", "logprobs", "advantages"),
+}
 
 
 def linear_kinds(model: torch.nn.Module) -> dict[str, list[str]]:
@@ -54,8 +57,8 @@ def linear_kinds(model: torch.nn.Module) -> dict[str, list[str]]:
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """fp32 log-softmax of `logits` `[..., V]` gathered at `tokens` `[...]`, row by row as the engine's sampler
-    computes it (so an invariant pass gives the sampler's bits)."""
+    """fp32 log-softmax of `logits` `[..., V]` gathered at `tokens` `[...]`, row by row as the engine's
+    sampler computes it (so an invariant pass gives the sampler's bits)."""
     flat = logits.reshape(-1, logits.shape[-1]).float().log_softmax(dim=-1)
     return flat.gather(-1, tokens.reshape(-1, 1).long()).reshape(tokens.shape)
 
@@ -93,8 +96,15 @@ class Trainer:
         self.lock = threading.RLock()
 
     # ----------------------------------------------------------------- models
-    def create(self, model_id: str, rank: int, seed: int | None = None, train_attn: bool = True,
-               train_mlp: bool = True, train_unembed: bool = True) -> Adapter:
+    def create(
+        self,
+        model_id: str,
+        rank: int,
+        seed: int | None = None,
+        train_attn: bool = True,
+        train_mlp: bool = True,
+        train_unembed: bool = True,
+    ) -> Adapter:
         from peft import LoraConfig, get_peft_model
 
         if not isinstance(rank, int) or isinstance(rank, bool) or rank < 1:
@@ -102,10 +112,16 @@ class Trainer:
         with self.lock:
             if model_id in self.adapters:
                 raise UserError(f"model {model_id!r} exists already")
-            targets = [n for kind, on in (("attn", train_attn), ("mlp", train_mlp), ("unembed", train_unembed))
-                       if on for n in self.kinds[kind]]
+            targets = [
+                n
+                for kind, on in (("attn", train_attn), ("mlp", train_mlp), ("unembed", train_unembed))
+                if on
+                for n in self.kinds[kind]
+            ]
             if not targets:
-                raise UserError("lora_config trains no layer of this model (train_attn, train_mlp, train_unembed)")
+                raise UserError(
+                    "lora_config trains no layer of this model (train_attn, train_mlp, train_unembed)"
+                )
             config = LoraConfig(r=rank, lora_alpha=LORA_ALPHA, target_modules=targets, lora_dropout=0.0)
             name = f"m{len(self.adapters)}"
             with torch.random.fork_rng():
@@ -151,7 +167,9 @@ class Trainer:
         `PeftModel` with this one adapter (same name) on the same base takes them by name."""
         tag = f".{self.get(model_id).name}."
         with self.lock:
-            return {n: p.detach().clone() for n, p in self.peft.named_parameters() if "lora_" in n and tag in n}
+            return {
+                n: p.detach().clone() for n, p in self.peft.named_parameters() if "lora_" in n and tag in n
+            }
 
     def lora_config(self, model_id: str):
         return self.peft.peft_config[self.get(model_id).name]
@@ -169,8 +187,9 @@ class Trainer:
             self._invariant_forward = InvariantForward(self.peft, self.page_size)
         return self._invariant_forward
 
-    def forward_backward(self, model_id: str, data: list[Datum], loss_fn: str, config: dict,
-                         forward_only: bool) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
+    def forward_backward(
+        self, model_id: str, data: list[Datum], loss_fn: str, config: dict, forward_only: bool
+    ) -> tuple[list[dict[str, np.ndarray]], dict[str, float]]:
         """One pass over `data`; returns each datum's outputs (`logprobs`, `elementwise_loss`) and metrics."""
         adapter = self.get(model_id)
         if loss_fn not in LOSSES:
@@ -189,8 +208,10 @@ class Trainer:
                     raise UserError(f"data[{i}]: loss_fn {loss_fn!r} needs loss_fn_inputs[{key!r}]")
             for key, arr in d.inputs.items():
                 if arr.reshape(-1).shape[0] != n:
-                    raise UserError(f"data[{i}]: loss_fn_inputs[{key!r}] has {arr.size} entries for {n} input "
-                                    "tokens (one per input token)")
+                    raise UserError(
+                        f"data[{i}]: loss_fn_inputs[{key!r}] has {arr.size} entries for {n} input "
+                        "tokens (one per input token)"
+                    )
             t = d.inputs["target_tokens"].reshape(-1)
             if t.min() < 0 or t.max() >= vocab:
                 raise UserError(f"data[{i}]: target_tokens outside [0, {vocab})")
@@ -212,41 +233,68 @@ class Trainer:
                     n = len(d.tokens)
                     target = torch.from_numpy(d.inputs["target_tokens"].reshape(-1).astype(np.int64))
                     logp = token_logprobs(logits[i, :n], target)
-                    f = {k: torch.from_numpy(v.reshape(-1).astype(np.float32)) for k, v in d.inputs.items()
-                         if k != "target_tokens"}
+                    f = {
+                        k: torch.from_numpy(v.reshape(-1).astype(np.float32))
+                        for k, v in d.inputs.items()
+                        if k != "target_tokens"
+                    }
                     weights = f.get("weights", torch.ones(n))
                     if loss_fn == "cross_entropy":
                         per_token = -logp * weights
                     else:
                         ratio = torch.exp(logp - f["logprobs"])
                         adv = f["advantages"]
-                        gain = ratio * adv if loss_fn == "importance_sampling" else \
-                            torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+                        gain = (
+                            ratio * adv
+                            if loss_fn == "importance_sampling"
+                            else torch.minimum(ratio * adv, ratio.clamp(low, high) * adv)
+                        )
                         per_token = torch.where(weights != 0, -gain * weights, torch.zeros_like(gain))
                     total = total + per_token.sum()
-                    outputs.append({"logprobs": logp.detach().numpy().copy(),
-                                    "elementwise_loss": per_token.detach().numpy().copy()})
+                    outputs.append(
+                        {
+                            "logprobs": logp.detach().numpy().copy(),
+                            "elementwise_loss": per_token.detach().numpy().copy(),
+                        }
+                    )
                 if not forward_only:
                     if not math.isfinite(total.item()):
-                        raise UserError(f"the loss is not finite ({total.item()}): check logprobs / advantages")
+                        raise UserError(
+                            f"the loss is not finite ({total.item()}): check logprobs / advantages"
+                        )
                     total.backward()
                     adapter.passes += 1
         return outputs, {"loss:sum": float(total.item())}
 
-    def optim_step(self, model_id: str, lr: float, beta1: float = 0.9, beta2: float = 0.95, eps: float = 1e-12,
-                   weight_decay: float = 0.0, grad_clip_norm: float = 0.0) -> dict[str, float]:
+    def optim_step(
+        self,
+        model_id: str,
+        lr: float,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        eps: float = 1e-12,
+        weight_decay: float = 0.0,
+        grad_clip_norm: float = 0.0,
+    ) -> dict[str, float]:
         adapter = self.get(model_id)
-        for key, v, ok in (("learning_rate", lr, lr >= 0), ("beta1", beta1, 0 <= beta1 < 1),
-                           ("beta2", beta2, 0 <= beta2 < 1), ("eps", eps, eps >= 0),
-                           ("weight_decay", weight_decay, weight_decay >= 0),
-                           ("grad_clip_norm", grad_clip_norm, grad_clip_norm >= 0)):
+        for key, v, ok in (
+            ("learning_rate", lr, lr >= 0),
+            ("beta1", beta1, 0 <= beta1 < 1),
+            ("beta2", beta2, 0 <= beta2 < 1),
+            ("eps", eps, eps >= 0),
+            ("weight_decay", weight_decay, weight_decay >= 0),
+            ("grad_clip_norm", grad_clip_norm, grad_clip_norm >= 0),
+        ):
             if not (isinstance(v, (int, float)) and math.isfinite(v) and ok):
                 raise UserError(f"adam_params.{key} = {v!r} is out of range")
         with self.lock:
             params = self.params(adapter.name)
             grads = [p.grad for p in params if p.grad is not None]
-            norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) \
-                if grads else 0.0
+            norm = (
+                float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+                if grads
+                else 0.0
+            )
             if grad_clip_norm > 0 and grads:
                 torch.nn.utils.clip_grad_norm_(params, grad_clip_norm)
             for group in adapter.optimizer.param_groups:
@@ -263,17 +311,22 @@ class Trainer:
         adapter = self.get(model_id)
         path.mkdir(parents=True, exist_ok=True)
         with self.lock:
-            self.peft.save_pretrained(str(path), selected_adapters=[adapter.name], save_embedding_layers=False)
+            self.peft.save_pretrained(
+                str(path), selected_adapters=[adapter.name], save_embedding_layers=False
+            )
             sub = path / adapter.name  # NOTE: PEFT writes a named adapter into a subfolder
             if sub.is_dir():
                 for f in sub.iterdir():
                     f.replace(path / f.name)
                 sub.rmdir()
             if optimizer:
-                torch.save({"optimizer": adapter.optimizer.state_dict(), "steps": adapter.steps},
-                           path / "optimizer.pt")
-            (path / "tinker.json").write_text(json.dumps({"model_id": model_id, "rank": adapter.rank,
-                                                          "steps": adapter.steps}))
+                torch.save(
+                    {"optimizer": adapter.optimizer.state_dict(), "steps": adapter.steps},
+                    path / "optimizer.pt",
+                )
+            (path / "tinker.json").write_text(
+                json.dumps({"model_id": model_id, "rank": adapter.rank, "steps": adapter.steps})
+            )
 
     def load(self, model_id: str, path: Path, optimizer: bool) -> None:
         """Load a `save` directory into `model_id`'s adapter (and its Adam state with `optimizer`)."""

@@ -1,5 +1,6 @@
-"""The Tinker SDK's protobuf messages (`tinker.proto.tinker_public_pb2`, SDK 0.38): a `forward_backward` request
-in, `ForwardBackwardOutput` and `SampleResponse` out (the two results the SDK accepts only as protobuf).
+"""The Tinker SDK's protobuf messages (`tinker.proto.tinker_public_pb2`, SDK 0.38): a `forward_backward`
+request in, `ForwardBackwardOutput` and `SampleResponse` out (the two results the SDK accepts only as
+protobuf).
 
 Owns the byte layouts: tokens are int32, dense tensors their dtype's bytes, a per-datum output field one
 `BatchedTensor` (the datums' bytes end to end, `offsets` the byte offset of each datum's start plus the end).
@@ -60,7 +61,7 @@ def _dense(name: str, msg) -> np.ndarray:
             raise UserError(f"loss_fn_inputs[{name!r}]: malformed sparse CSR tensor of shape {shape}")
         dense = np.zeros(shape, dtype=dtype)
         for r in range(shape[0]):
-            dense[r, col[crow[r]:crow[r + 1]]] = values[crow[r]:crow[r + 1]]
+            dense[r, col[crow[r] : crow[r + 1]]] = values[crow[r] : crow[r + 1]]
         return dense
     if len(msg.dense) % dtype.itemsize:
         raise UserError(f"loss_fn_inputs[{name!r}]: {len(msg.dense)} bytes is not a whole number of {dtype}")
@@ -78,13 +79,17 @@ def parse_forward_backward(body: bytes) -> ForwardBackwardRequest:
     try:
         msg.ParseFromString(body)
     except Exception as e:  # NOTE: protobuf's DecodeError
-        raise UserError(f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({e})") from None
+        raise UserError(
+            f"forward_backward: the body is not a ForwardBackwardRequest protobuf ({e})"
+        ) from None
     data = []
     for i, d in enumerate(msg.data):
         tokens: list[int] = []
         for chunk in d.model_input:
             if chunk.WhichOneof("chunk") not in (None, "encoded_text"):
-                raise UserError(f"data[{i}]: only encoded_text chunks are supported, got {chunk.WhichOneof('chunk')}")
+                raise UserError(
+                    f"data[{i}]: only encoded_text chunks are supported, got {chunk.WhichOneof('chunk')}"
+                )
             tokens.extend(np.frombuffer(chunk.encoded_text.tokens, dtype=np.int32).tolist())
         data.append(Datum(tokens, {k: _dense(k, v) for k, v in d.loss_fn_inputs.items()}))
     config: dict[str, float | str] = {k: float(v) for k, v in msg.loss_fn_config.items()}
@@ -102,7 +107,7 @@ def forward_backward_output(per_datum: list[dict[str, np.ndarray]], metrics: dic
         out.metrics[k] = float(v)
     record = out.loss_fn_outputs.add()
     record.num_datums = len(per_datum)
-    for name in (per_datum[0] if per_datum else {}):
+    for name in per_datum[0] if per_datum else {}:
         arrays = [np.ascontiguousarray(d[name], dtype=np.float32).reshape(-1) for d in per_datum]
         bt = record.fields[name]
         bt.dtype = p.DTYPE_FLOAT32
@@ -124,8 +129,11 @@ class Sequence:
     stop_reason: str  # "stop" | "length"
 
 
-def sample_response(sequences: list[Sequence], prompt_logprobs: list[float] | None = None,
-                    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+def sample_response(
+    sequences: list[Sequence],
+    prompt_logprobs: list[float] | None = None,
+    topk_prompt: tuple[np.ndarray, np.ndarray] | None = None,
+) -> bytes:
     """`SampleResponse` bytes. `prompt_logprobs`: one per prompt token (the first is NaN: no context; the SDK
     reads NaN as None); `topk_prompt`: (ids, logprobs) `[len(prompt), k]`."""
     p = pb()

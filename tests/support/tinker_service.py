@@ -35,10 +35,13 @@ def tinker_serving(model_dir: Path, checkpoint_dir: Path, start_timeout: float =
     from .serving import free_port
 
     model, tokenizer, gc = load(str(model_dir), "float32")
-    service = build_service(model, tokenizer, gc, str(model_dir), checkpoint_dir,
-                            **{"num_blocks": 256, "poll_s": 2.0, **kwargs})
+    service = build_service(
+        model, tokenizer, gc, str(model_dir), checkpoint_dir, **{"num_blocks": 256, "poll_s": 2.0, **kwargs}
+    )
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(service, KEY), host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(build_app(service, KEY), host="127.0.0.1", port=port, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, name="uvicorn-tinker", daemon=True)
     thread.start()
     deadline = time.monotonic() + start_timeout

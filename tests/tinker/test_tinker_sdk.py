@@ -10,8 +10,9 @@ import pytest
 import torch
 
 # NOTE: the submodule: on the tests' path this folder alone would import as a namespace package `tinker`
-pytest.importorskip("tinker.proto.tinker_public_pb2",
-                    reason="the tinker SDK is not installed (pip install 'rollout[tinker]')")
+pytest.importorskip(
+    "tinker.proto.tinker_public_pb2", reason="the tinker SDK is not installed (pip install 'rollout[tinker]')"
+)
 import tinker  # noqa: E402
 
 pytest.importorskip("peft", reason="the Tinker service trains PEFT LoRA adapters (the lora extra)")
@@ -27,8 +28,10 @@ GREEDY = types.SamplingParams(max_tokens=8, temperature=0.0)
 
 
 def datum(seq: list[int]) -> types.Datum:
-    return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]),
-                       loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)})
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(seq[:-1]),
+        loss_fn_inputs={"target_tokens": seq[1:], "weights": [1.0] * (len(seq) - 1)},
+    )
 
 
 def train(tc, seq: list[int], steps: int, lr: float = 2e-2) -> list[float]:
@@ -104,8 +107,13 @@ def test_sampler_serves_the_adapter_as_the_peft_model(client, served, model_dir)
         torch.testing.assert_close(torch.tensor(seq.logprobs), tf, atol=1e-4, rtol=0)
     # prompt logprobs: teacher forcing of the prompt under the adapter (None at position 0), top-k too
     long_prompt = SEQ_B[:9]
-    res = sampler.sample(types.ModelInput.from_ints(long_prompt), 1, types.SamplingParams(max_tokens=2),
-                         include_prompt_logprobs=True, topk_prompt_logprobs=3).result()
+    res = sampler.sample(
+        types.ModelInput.from_ints(long_prompt),
+        1,
+        types.SamplingParams(max_tokens=2),
+        include_prompt_logprobs=True,
+        topk_prompt_logprobs=3,
+    ).result()
     assert res.prompt_logprobs[0] is None and len(res.prompt_logprobs) == len(long_prompt)
     tf = teacher_forced_logprobs(oracle, long_prompt[:1], long_prompt[1:])
     torch.testing.assert_close(torch.tensor(res.prompt_logprobs[1:]), tf, atol=1e-4, rtol=0)
@@ -120,7 +128,9 @@ def test_sampler_serves_the_adapter_as_the_peft_model(client, served, model_dir)
 
 def test_two_training_clients_do_not_see_each_others_adapters(client, served, model_dir):
     a = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=2).result()
-    b = client.create_lora_training_client(base_model=str(model_dir), rank=8, seed=3, train_unembed=False).result()
+    b = client.create_lora_training_client(
+        base_model=str(model_dir), rank=8, seed=3, train_unembed=False
+    ).result()
     train(a, SEQ_A, 5)
     before = a.forward([datum(SEQ_A)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     sampler_a = a.save_weights_and_get_sampling_client().result()
@@ -145,8 +155,10 @@ def test_bad_requests_are_errors_and_the_server_keeps_serving(client, served, mo
     tc = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=4).result()
     with pytest.raises(tinker.RequestFailedError, match="loss_fn 'nope' is not supported"):
         tc.forward_backward([datum(SEQ_A)], "nope").result()
-    bad = types.Datum(model_input=types.ModelInput.from_ints([1, 2, 3]),
-                      loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]})
+    bad = types.Datum(
+        model_input=types.ModelInput.from_ints([1, 2, 3]),
+        loss_fn_inputs={"target_tokens": [2, 3], "weights": [1.0, 1.0]},
+    )
     with pytest.raises(tinker.RequestFailedError, match="2 entries for 3 input tokens"):
         tc.forward_backward([bad], "cross_entropy").result()
     with pytest.raises(tinker.RequestFailedError, match="outside"):
@@ -161,11 +173,15 @@ def test_bad_requests_are_errors_and_the_server_keeps_serving(client, served, mo
     with pytest.raises(tinker.BadRequestError, match="not served here"):
         client.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result()
     with pytest.raises(tinker.BadRequestError, match="top_p"):
-        sampler.sample(types.ModelInput.from_ints(SEQ_A[:3]), 1, types.SamplingParams(max_tokens=2, top_p=0.0)).result()
+        sampler.sample(
+            types.ModelInput.from_ints(SEQ_A[:3]), 1, types.SamplingParams(max_tokens=2, top_p=0.0)
+        ).result()
     # and the same clients go on working
     losses = train(tc, SEQ_A, 2)
     assert losses[1] < losses[0]
-    assert len(sampler.sample(types.ModelInput.from_ints(SEQ_A[:3]), 1, GREEDY).result().sequences[0].tokens) > 0
+    assert (
+        len(sampler.sample(types.ModelInput.from_ints(SEQ_A[:3]), 1, GREEDY).result().sequences[0].tokens) > 0
+    )
 
 
 def test_seeded_samples_repeat_and_sampler_logprobs_follow_the_adapter(client, served, model_dir):
@@ -177,6 +193,27 @@ def test_seeded_samples_repeat_and_sampler_logprobs_follow_the_adapter(client, s
     two = sampler.sample(types.ModelInput.from_ints(SEQ_B[:3]), 3, sp).result()
     assert [s.tokens for s in one.sequences] == [s.tokens for s in two.sequences]
     assert len({tuple(s.tokens) for s in one.sequences}) > 1  # NOTE: n samples, different streams
+    # stop token ids end a completion at (and with) that token; stop=[] runs to max_tokens
+    greedy = sampler.sample(types.ModelInput.from_ints(SEQ_B[:3]), 1, GREEDY).result().sequences[0].tokens
+    stop = types.SamplingParams(max_tokens=8, temperature=0.0, stop=[greedy[2]])
+    cut = sampler.sample(types.ModelInput.from_ints(SEQ_B[:3]), 1, stop).result().sequences[0]
+    first = greedy.index(greedy[2])
+    assert cut.tokens == greedy[: first + 1] and cut.stop_reason == "stop"
+
+
+def test_eos_stops_a_sample_unless_stop_is_empty(client, served, model_dir):
+    eos = 3  # NOTE: the tiny tokenizer's </s>
+    tc = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=10).result()
+    train(tc, [30, 31, 32, 33, eos, 30, 31, 32, 33, eos], 8)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompt = types.ModelInput.from_ints([30, 31])
+    plain = (
+        sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0)).result().sequences[0]
+    )
+    assert plain.tokens == [32, 33, eos] and plain.stop_reason == "stop"
+    free = sampler.sample(prompt, 1, types.SamplingParams(max_tokens=6, temperature=0.0, stop=[])).result()
+    assert free.sequences[0].tokens[:3] == [32, 33, eos] and len(free.sequences[0].tokens) == 6
+    assert free.sequences[0].stop_reason == "length"
 
 
 @pytest.fixture(scope="module")
@@ -192,22 +229,29 @@ def test_batch_invariant_sampler_logprobs_equal_the_trainers_forward(invariant, 
     for round_ in range(2):  # NOTE: the second save is copied into the client's engine in place
         train(tc, SEQ_A, 3)
         sampler = tc.save_weights_and_get_sampling_client().result()
-        out = sampler.sample(types.ModelInput.from_ints(prompt), 4, types.SamplingParams(max_tokens=6, seed=3),
-                             include_prompt_logprobs=True).result()
+        out = sampler.sample(
+            types.ModelInput.from_ints(prompt),
+            4,
+            types.SamplingParams(max_tokens=6, seed=3),
+            include_prompt_logprobs=True,
+        ).result()
         data = []
         for s in out.sequences:
             full = prompt + s.tokens
-            data.append(types.Datum(model_input=types.ModelInput.from_ints(full[:-1]),
-                                    loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)}))
+            data.append(
+                types.Datum(
+                    model_input=types.ModelInput.from_ints(full[:-1]),
+                    loss_fn_inputs={"target_tokens": full[1:], "weights": [1.0] * (len(full) - 1)},
+                )
+            )
         fwd = tc.forward(data, "cross_entropy").result()
         for s, o in zip(out.sequences, fwd.loss_fn_outputs, strict=True):
             trainer = o["logprobs"].tolist()
-            assert trainer[len(prompt) - 1:] == s.logprobs, round_  # NOTE: exactly: the same bits
+            assert trainer[len(prompt) - 1 :] == s.logprobs, round_  # NOTE: exactly: the same bits
             assert trainer[: len(prompt) - 1] == out.prompt_logprobs[1:]
     # forward_backward reports the same logprobs (the cookbook's kl_sample_train reads these)
     fb = tc.forward_backward(data[:1], "cross_entropy").result()
-    assert fb.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1:] == out.sequences[0].logprobs
-
+    assert fb.loss_fn_outputs[0]["logprobs"].tolist()[len(prompt) - 1 :] == out.sequences[0].logprobs
 
 
 def test_save_state_and_load_state_round_trip(client, served, model_dir):
@@ -216,15 +260,26 @@ def test_save_state_and_load_state_round_trip(client, served, model_dir):
     path = tc.save_state("rt").result().path
     want = tc.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     other = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=9).result()
-    assert other.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() != want
+    assert (
+        other.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        != want
+    )
     other.load_state_with_optimizer(path).result()
-    assert other.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == want
+    assert (
+        other.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        == want
+    )
     fresh = client.create_training_client_from_state(path).result()
-    assert fresh.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == want
+    assert (
+        fresh.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        == want
+    )
     # the same Adam state: one more step from each gives the same adapter
     for c in (tc, other):
         train(c, SEQ_A, 1)
-    assert other.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist() == \
-        tc.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    assert (
+        other.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+        == tc.forward([datum(SEQ_B)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    )
     with pytest.raises(tinker.BadRequestError, match="not tinker://MODEL_ID/weights/NAME"):
         other.load_state("tinker://x/y").result()
