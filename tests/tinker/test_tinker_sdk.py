@@ -283,3 +283,32 @@ def test_save_state_and_load_state_round_trip(client, served, model_dir):
     )
     with pytest.raises(tinker.BadRequestError, match="not tinker://MODEL_ID/weights/NAME"):
         other.load_state("tinker://x/y").result()
+
+
+def test_importance_sampling_and_ppo_losses_are_tinkers(client, served, model_dir):
+    tc = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=11).result()
+    train(tc, SEQ_A, 2)
+    seq = SEQ_A
+    n = len(seq) - 1
+    lp = torch.tensor(
+        tc.forward([datum(seq)], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
+    )
+    old = lp + torch.linspace(-0.5, 0.5, n)  # NOTE: ratios exp(lp - old) from e^0.5 to e^-0.5: some clip
+    adv = torch.linspace(1.0, -1.0, n)  # NOTE: positive where the ratio is above 1: the clip bites
+
+    def loss(fn, **config):
+        d = types.Datum(
+            model_input=types.ModelInput.from_ints(seq[:-1]),
+            loss_fn_inputs={"target_tokens": seq[1:], "logprobs": old.tolist(), "advantages": adv.tolist()},
+        )
+        return tc.forward([d], fn, loss_fn_config=config or None).result().metrics["loss:sum"]
+
+    ratio = torch.exp(lp - old)
+    assert loss("importance_sampling") == pytest.approx(-(ratio * adv).sum().item(), rel=1e-4)
+    clipped = torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)
+    assert loss("ppo") == pytest.approx(-clipped.sum().item(), rel=1e-4)
+    assert -clipped.sum().item() != pytest.approx(-(ratio * adv).sum().item(), rel=1e-3)
+    wide = torch.minimum(ratio * adv, ratio.clamp(0.5, 2.0) * adv)
+    assert loss("ppo", clip_low_threshold=0.5, clip_high_threshold=2.0) == pytest.approx(
+        -wide.sum().item(), rel=1e-4
+    )
