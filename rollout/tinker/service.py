@@ -3,8 +3,9 @@ that run requests.
 
 Every training request (`create_model`, `forward_backward`, `optim_step`, saves and loads) goes to one FIFO
 worker in the order it arrived (the SDK submits a training client's requests in its own order); `asample`
-requests go to a second worker, which takes every request queued at once and runs those with the same
-adapter and sampling fields as one `generate` call. A request returns a future id at once;
+requests go to a second worker, which takes every request queued at once (waiting `batch_wait_s` for
+more) and runs those with the same adapter and sampling fields as one `generate` call. A request returns a
+future id at once;
 `retrieve_future` answers its result, `try_again` while it is queued or running (after waiting up to
 `poll_s` for it), or `{error, category}` (`user`: the request was wrong; `server`: it failed here).
 """
@@ -75,6 +76,7 @@ class Service:
         self.engine, self.trainer, self.sampler = engine, trainer, sampler
         self.base_model, self.checkpoint_dir, self.max_context = base_model, Path(checkpoint_dir), max_context
         self.poll_s = poll_s
+        self.batch_wait_s = 0.005  # NOTE: how long the sampling worker waits for more requests to batch
         self.tokenizer = engine.tokenizer
         self.vocab = trainer.vocab
         self.sessions: dict[str, dict] = {}
@@ -144,6 +146,7 @@ class Service:
                 jobs = [self._sample.get(timeout=0.5)]
             except queue.Empty:
                 continue
+            time.sleep(self.batch_wait_s)  # NOTE: requests sent together (a group, a batch) arrive together
             while True:
                 try:
                     jobs.append(self._sample.get_nowait())

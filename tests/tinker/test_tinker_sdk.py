@@ -312,3 +312,22 @@ def test_importance_sampling_and_ppo_losses_are_tinkers(client, served, model_di
     assert loss("ppo", clip_low_threshold=0.5, clip_high_threshold=2.0) == pytest.approx(
         -wide.sum().item(), rel=1e-4
     )
+
+
+def test_concurrent_samples_run_as_one_generate_and_each_gets_its_own(client, served, model_dir, monkeypatch):
+    tc = client.create_lora_training_client(base_model=str(model_dir), rank=4, seed=12).result()
+    train(tc, SEQ_B, 3)
+    sampler = tc.save_weights_and_get_sampling_client().result()
+    prompts = [SEQ_B[:3], SEQ_A[:4], SEQ_B[2:6], SEQ_A[5:7]]
+    alone = [sampler.sample(types.ModelInput.from_ints(p), 2, GREEDY).result() for p in prompts]
+    calls = []
+    inner = served.service.sampler.sample
+    monkeypatch.setattr(
+        served.service.sampler, "sample", lambda t, ps, params: calls.append(len(ps)) or inner(t, ps, params)
+    )
+    monkeypatch.setattr(served.service, "batch_wait_s", 0.5)  # NOTE: the four requests arrive in the window
+    futures = [sampler.sample(types.ModelInput.from_ints(p), 2, GREEDY) for p in prompts]
+    together = [f.result() for f in futures]
+    assert sum(calls) == len(prompts) and max(calls) > 1, calls  # NOTE: at least two requests shared a call
+    for a, b in zip(alone, together, strict=True):
+        assert [s.tokens for s in a.sequences] == [s.tokens for s in b.sequences]
