@@ -49,6 +49,10 @@ class GenerationOutput:
     score_ranks: list[int] | None = None  # [G - score_from] 1-based rank of each given token (with k > 0)
     top_logprobs: list[list[float]] | None = None  # [num generated, k]
     top_ids: list[list[int]] | None = None  # [num generated, k]
+    top_ranks: list[int] | None = None  # [num generated] 1-based rank of each generated token (with top k)
+    # NOTE: with return_sampling_mask, per generated token the ids the sampler could have drawn (after the
+    # logits processors, top-k, top-p and min-p: `rollout.sampling.sampler.support`); [argmax] for a greedy row
+    sampling_masks: list[list[int]] | None = None
     # NOTE: with return_routed_experts, an int16 tensor [prompt + forced + generated, L, k]: the experts each MoE
     # layer chose at every position that ran through the model, -1 where none ran (the last sampled token).
     routed_experts: Any = None
@@ -105,7 +109,8 @@ class Request:
     score_from: int | None = None
     top_logprobs: int = 0
     scores: dict[int, tuple] = field(default_factory=dict)  # position -> (logprob, top values, top ids, rank)
-    top: list[tuple[list[float], list[int]]] = field(default_factory=list)  # per generated token
+    top: list[tuple[list[float], list[int], int]] = field(default_factory=list)  # per generated token (+ rank)
+    masks: list[list[int]] = field(default_factory=list)  # with sampling.return_sampling_mask: each token's support
     routes: Any = None  # NOTE: its `rollout.model.routes.RequestRoutes` when it asked for routed experts
     # NOTE: LoRA (`rollout.model.lora`): the adapter slot it runs under (None: the base model), and the salt of its
     # prefix-cache keys (the adapter and its version), so KV is shared only between requests of one adapter version
@@ -173,6 +178,9 @@ class Request:
                 out.score_ranks = [r[3] for r in rows]
         if self.top_logprobs:
             out.top_logprobs, out.top_ids = [t[0] for t in self.top], [t[1] for t in self.top]
+            out.top_ranks = [t[2] for t in self.top]
+        if self.sampling.return_sampling_mask:
+            out.sampling_masks = [list(m) for m in self.masks]
         if self.routes is not None and self.status.is_final:
             out.routed_experts = self.routes.tensor(self.num_tokens)
         return out

@@ -329,9 +329,12 @@ class EngineCore:
         news: list[Request] = []
         logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
         tops = [None] * len(reqs) if result.top is None else result.top
-        for req, token, logprob, top in zip(reqs, result.tokens, logprobs, tops, strict=True):
+        masks = [None] * len(reqs) if result.masks is None else result.masks
+        for req, token, logprob, top, mask in zip(reqs, result.tokens, logprobs, tops, masks, strict=True):
             if top is not None:
                 req.top.append(top)
+            if mask is not None:
+                req.masks.append(mask)
             reason = req.append_token(token, logprob, self.policy_version)
             if reason is not None:
                 self._finalize(req, RequestStatus.FINISHED, reason)

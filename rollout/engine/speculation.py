@@ -154,6 +154,8 @@ class Speculator:
                 req = rows[i]
                 if tops[a] is not None:
                     req.top.append(tops[a])
+                if result.masks is not None and result.masks[a] is not None:
+                    req.masks.append(result.masks[a])
                 reason = req.append_token(result.tokens[a], logprobs[a], core.policy_version)
                 emitted[i] += 1
                 accepted += kept[a]

@@ -35,8 +35,11 @@ from rollout.tensors import int_tensor
 class SamplerOutput:
     tokens: list[int]
     logprobs: list[float] | None
-    # NOTE: per row, (top values, top ids) of a row whose request has top_logprobs > 0, else None
-    top: list[tuple[list[float], list[int]] | None] | None = None
+    # NOTE: per row, (top values, top ids, the sampled token's 1-based rank) of a row whose request has
+    # top_logprobs > 0, else None
+    top: list[tuple[list[float], list[int], int] | None] | None = None
+    # NOTE: per row, the ids it could have drawn (`support`) when its request asks for a sampling mask, else None
+    masks: list[list[int] | None] | None = None
 
 
 class Sampler:
@@ -87,6 +90,7 @@ class Sampler:
         raw = logits.float()  # [R, V]
         top_mode = top_mode or logprobs_mode
         wants = [] if requests is None or top_mode is None else [i for i, r in enumerate(requests) if r.top_logprobs]
+        masked = [] if requests is None else [i for i, r in enumerate(requests) if r.sampling.return_sampling_mask]
         processed = raw
         uses = any(p.uses_processors for p in params)
         if uses:
@@ -94,7 +98,7 @@ class Sampler:
                 raise ValueError("rows with logits processors need their requests (the token histories)")
             processed = self.processors.apply(raw, requests)  # [R, V], a new tensor
         s_rows = [i for i, p in enumerate(params) if not p.greedy]
-        if not s_rows and logprobs_mode is None and not wants:  # NOTE: the common greedy step: one argmax
+        if not s_rows and logprobs_mode is None and not wants and not masked:  # NOTE: the common greedy step
             tokens = row_argmax(processed)  # [R]
             if uses:
                 self.processors.update(requests, tokens)
@@ -114,7 +118,9 @@ class Sampler:
             tokens[idx] = row_argmax(warped - noise.log())  # [S]
         if uses:
             self.processors.update(requests, tokens)
-        chosen = top = token_list = None
+        chosen = top = token_list = masks = None
+        if masked:
+            masks = support(tokens, warped, s_rows, masked, raw.shape[0])
         if logprobs_mode is not None:
             dist = log_distribution(raw, processed, params, logprobs_mode, warped)  # [R, V]
             # NOTE: tokens and their logprobs reach the host in one read (fp64 holds both exactly)
@@ -124,12 +130,16 @@ class Sampler:
             if top_mode != logprobs_mode:
                 dist = log_distribution(raw, processed, params, top_mode, warped)  # [R, V]
             idx = torch.tensor(wants, device=raw.device)
-            vals, ids = top_k(dist.index_select(0, idx), max(requests[i].top_logprobs for i in wants))
+            rows = dist.index_select(0, idx)  # [W, V]
+            vals, ids = top_k(rows, max(requests[i].top_logprobs for i in wants))
+            # NOTE: vLLM's rank of the sampled token: 1 + how many tokens are strictly more likely
+            sampled_lp = rows.gather(1, tokens.index_select(0, idx)[:, None])  # [W, 1]
+            ranks = ((rows > sampled_lp).sum(dim=-1) + 1).tolist()
             top = [None] * raw.shape[0]
             for j, i in enumerate(wants):
                 k = requests[i].top_logprobs
-                top[i] = (vals[j][:k], ids[j][:k])
-        return SamplerOutput(tokens.tolist() if token_list is None else token_list, chosen, top)
+                top[i] = (vals[j][:k], ids[j][:k], ranks[j])
+        return SamplerOutput(tokens.tolist() if token_list is None else token_list, chosen, top, masks)
 
     def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams],
                requests: Sequence[Request] | None = None) -> torch.Tensor:
@@ -170,6 +180,22 @@ def resolve_seed_stream(setting: str, device: torch.device) -> str:
     if setting != "auto":
         return setting
     return "counter" if device.type == "cuda" else "generator"
+
+
+def support(tokens: torch.Tensor, warped: torch.Tensor | None, s_rows: list[int], rows: list[int],
+            num_rows: int) -> list[list[int] | None]:
+    """Per row of `rows`, the token ids it could have drawn: where its warped distribution (after the logits
+    processors, temperature, top-k, top-p and min-p: `warped_logprobs`, the tensor the draw read) is above -inf;
+    a greedy row could only draw its argmax. None for the other rows."""
+    out: list[list[int] | None] = [None] * num_rows
+    where = {i: j for j, i in enumerate(s_rows)}
+    for i in rows:
+        j = where.get(i)
+        if j is None:
+            out[i] = [int(tokens[i])]
+        else:
+            out[i] = torch.isfinite(warped[j]).nonzero()[:, 0].tolist()  # NOTE: sorted ascending
+    return out
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64

@@ -25,9 +25,12 @@ from rollout.serve import (
     control,
     lora_routes,
     openai_routes,
+    render,
     sglang_control,
     sglang_routes,
     sglang_weights,
+    tito,
+    vllm_control,
     vllm_routes,
 )
 from rollout.serve.bridge import EngineBridge
@@ -156,6 +159,8 @@ def build_app(engine: RolloutEngine, tokenizer=None, served_model_name: str = "m
     app.include_router(lora_routes.router)
     for sglang in (sglang_routes, sglang_control, sglang_weights):  # NOTE: SGLang's native API
         app.include_router(sglang.router)
+    for module in (tito, render, vllm_control):  # NOTE: vLLM 0.32's token-in/token-out, derender, dev-mode control
+        app.include_router(module.router)
 
     @app.get("/health")
     async def health() -> Response:

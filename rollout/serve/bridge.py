@@ -120,7 +120,7 @@ class EngineBridge:
                 min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
                 presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
                 min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
-                bad_words_ids=self._bad_words(req.bad_words))
+                bad_words_ids=self._bad_words(req.bad_words), return_sampling_mask=bool(req.return_sampling_mask))
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
         return Sample(sp, 1 if req.scores_prompt else None, self.wants_routes(req))
@@ -158,13 +158,16 @@ class EngineBridge:
         return tuple(out)
 
     def submit(self, samples: Sequence[tuple[list[int], Sample]], streaming: bool, queue: asyncio.Queue,
-               lora: str | None = None) -> list[str]:
+               lora: str | None = None, cache_salt: str | None = None) -> list[str]:
         """Queue samples, all or none, under LoRA adapter `lora` (None: the base model); their outputs (partial
-        ones too when `streaming`) go to `queue`. Returns their ids in order."""
+        ones too when `streaming`) go to `queue`. Returns their ids in order. `cache_salt` (vLLM's): prefix KV
+        is shared only between requests of the same salt."""
         loop = asyncio.get_running_loop()
         reqs = []
         try:
             slot, salt = self.engine.resolve_lora(lora)  # NOTE: (slot, prefix-cache salt), `rollout.api.lora`
+            if cache_salt:  # NOTE: vLLM's: a request's own salt on top of the adapter's
+                salt = salt + b"|salt:" + cache_salt.encode()
             for ids, sample in samples:
                 reqs.append(self.manager.make_request(
                     ids, request_id=f"srv-{next(self._ids)}", streaming=streaming, sampling=sample.sampling,
@@ -193,6 +196,12 @@ class EngineBridge:
         for rid in rids:
             if rid in self._sinks:  # NOTE: finished ones have left; their sink is gone
                 self.manager.cancel_request(rid)
+
+    def cancel_all(self) -> int:
+        """Cancel every request this server has in flight; returns how many samples."""
+        live = list(self._sinks)
+        self.cancel(live)
+        return len(live)
 
     # ------------------------------------------------------------- control
     def pause(self, mode: InFlight) -> None:

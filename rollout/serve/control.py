@@ -21,7 +21,13 @@ from rollout.serve.lora_routes import (
     check_lora_chunk,
     check_lora_push,
 )
-from rollout.serve.protocol import APIError, InitTransferRequest, UpdateFromDiskRequest, UpdateWeightsRequest
+from rollout.serve.protocol import (
+    APIError,
+    FinishWeightUpdateRequest,
+    InitTransferRequest,
+    UpdateFromDiskRequest,
+    UpdateWeightsRequest,
+)
 from rollout.serve.sglang_routes import label_version
 from rollout.serve.weights import WeightReceiver, check_update, load_checkpoint
 
@@ -218,7 +224,9 @@ async def update_weights(req: UpdateWeightsRequest, request: Request) -> dict:
 
 
 @router.post("/finish_weight_update")
-async def finish_weight_update(request: Request, in_flight: str = UPDATE_DEFAULT) -> dict:
+async def finish_weight_update(request: Request, in_flight: str = UPDATE_DEFAULT,
+                               req: FinishWeightUpdateRequest | None = None) -> dict:
+    """`weight_version` (vLLM's, optional) names the version it lands (`rollout.serve.vllm_control`)."""
     _mode(in_flight, "in_flight")  # NOTE: refused before the staged tensors are taken; a retry can apply them
     t = _transfer(request)
     if t["receiver"] is None:
@@ -235,4 +243,5 @@ async def finish_weight_update(request: Request, in_flight: str = UPDATE_DEFAULT
     if lora is not None:
         return await apply_lora_push(request.app.state, lora, staged, in_flight)
     version = await _apply(_bridge(request), staged, "update_info", in_flight)
+    label_version(request, version, None if req is None else req.weight_version)
     return {"success": True, "weight_version": version}

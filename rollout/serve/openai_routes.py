@@ -101,6 +101,7 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
         budget = bridge.budget(len(ids), req.max_tokens, param)
         for j in range(req.n):
             samples.append(SampleText(i * req.n + j, ids, state.tokenizer, req.stop_strings, req.skip_special_tokens))
+            samples[-1].ids_as_tokens = getattr(req, "return_tokens_as_token_ids", False)
             if texts is not None and isinstance(texts[i], str):
                 samples[-1].prompt_text = texts[i]  # NOTE: echo returns the prompt as sent
             plan.append((ids, bridge.sampling(req, budget, i, j)))
@@ -173,6 +174,8 @@ def _response(req, samples: list[SampleText], prompts, rid: str, model: str, cha
             choice["weight_versions"] = s.versions[: len(s.tokens)]
             if not chat:
                 choice["prompt_token_ids"] = list(s.prompt_ids)
+        if req.return_sampling_mask:  # NOTE: per token, the ids the sampler could draw (`rollout.sampling.sampler`)
+            choice["sampling_mask"] = s.masks
         if (routes := s.routes()) is not None:  # NOTE: vLLM's field: [prompt + completion - 1, L, k], base64 .npy
             choice["routed_experts"] = encode_routes(routes)
         choices.append(choice)

@@ -40,6 +40,8 @@ def validation_error(errors: list[dict]) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(f"malformed JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}", "body")
     param = str(loc[0]) if loc and isinstance(loc[0], str) else "body"
+    if param == "sampling_params" and len(loc) > 1 and isinstance(loc[1], str):
+        param = f"sampling_params.{loc[1]}"  # NOTE: /inference/v1/generate's nested fields, named in full
     if param == "prompt":
         return APIError("prompt must be a string, a list of strings, a list of token ids (ints) or a list of "
                         "lists of token ids", param)
@@ -70,6 +72,7 @@ class SamplingRequest(BaseModel):
     return_token_ids: bool = False
     return_routed_experts: bool = False  # MoE: each choice's `routed_experts` (`rollout.api.route_wire`)
     skip_special_tokens: bool = True
+    return_sampling_mask: bool = False  # per token, the ids the sampler could draw (`sampling_mask`)
     # vLLM's sampling fields, its names and ranges (rollout.sampling.processors applies them)
     min_p: Annotated[float, Field(ge=0.0, le=1.0, allow_inf_nan=False)] = 0.0
     repetition_penalty: Annotated[float, Field(gt=0.0, allow_inf_nan=False)] = 1.0
@@ -118,6 +121,14 @@ class CompletionRequest(SamplingRequest):
     prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[list[TokenIds], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=0, strict=True)] | None = 16  # 0 only with echo (scoring)
     logprobs: TopK | None = None  # N: the N most likely tokens of each position besides the chosen one
+    # NOTE: vLLM's: logprobs.tokens (and top_logprobs keys) as "token_id:N" (AReaL's vLLM backend reads them)
+    return_tokens_as_token_ids: bool = False
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _bool_logprobs(cls, v: Any) -> Any:
+        """`logprobs: true` (SkyRL's Tinker client, AReaL) is 1 and false 0, as vLLM's lax int reads them."""
+        return int(v) if isinstance(v, bool) else v
     echo: bool = False  # the prompt is returned before the completion (its logprobs too with `logprobs`)
     prompt_logprobs: TopK | None = None  # vLLM's: per prompt token, its logprob and the top N
 
@@ -202,3 +213,9 @@ class InitTransferRequest(BaseModel):
 
 class UpdateWeightsRequest(BaseModel):
     update_info: dict[str, Any]
+
+
+class FinishWeightUpdateRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    weight_version: Annotated[str, Field(min_length=1)] | None = None  # vLLM's: names the version it lands

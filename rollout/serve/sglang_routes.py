@@ -171,7 +171,12 @@ class Sample:
 
 
 def sglang_state(request: Request) -> dict:
-    state = request.app.state
+    return app_sglang_state(request.app.state)
+
+
+def app_sglang_state(state) -> dict:
+    """The SGLang routes' state on the app; its "labels" are every wire's weight-version names
+    (`rollout.serve.vllm_control` reads and writes them too)."""
     if not hasattr(state, "sglang"):
         state.sglang = {"rids": {}, "labels": {}}  # rid -> engine ids; policy_version -> SGLang version label
     return state.sglang

@@ -41,6 +41,9 @@ class SampleText:
         self.prompt_text: str | None = None  # the prompt as sent, when a string (echo returns it)
         self.final: GenerationOutput | None = None  # the final output (top and prompt logprobs live there)
         self.top: tuple[list[list[float]], list[list[int]]] | None = None  # top k of each generated token
+        self.ranks: list[int] | None = None  # the rank of each generated token (with a top k)
+        self.ids_as_tokens = False  # token strings of logprobs as "token_id:N" (return_tokens_as_token_ids)
+        self.masks: list[list[int]] | None = None  # each token's sampling support (with return_sampling_mask)
 
     @property
     def done(self) -> bool:
@@ -63,7 +66,8 @@ class SampleText:
         self.versions = list(out.versions or [])
         self.cached_tokens = out.num_cached_tokens
         if out.top_logprobs is not None:
-            self.top = (out.top_logprobs, out.top_ids)
+            self.top, self.ranks = (out.top_logprobs, out.top_ids), out.top_ranks
+        self.masks = out.sampling_masks
         final = out.status.is_final
         if final:
             self.final = out
@@ -102,6 +106,8 @@ class SampleText:
         return min(hits) if hits else None
 
     def token_strings(self, tokens: list[int]) -> list[str]:
+        if self.ids_as_tokens:  # NOTE: vLLM's return_tokens_as_token_ids
+            return [f"token_id:{t}" for t in tokens]
         if self.tokenizer is None:
             return [""] * len(tokens)
         return [self.tokenizer.decode([t], skip_special_tokens=False) for t in tokens]
