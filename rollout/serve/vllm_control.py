@@ -13,8 +13,7 @@
   {name: sha256 hex}}` of every parameter and buffer the engine runs (the bytes the forward reads, so any change of
   weights changes them) and remembers them; `compare` -> `{"match", "mismatches": [names]}` against `baseline` (a
   `checksums` dict) or the remembered ones; `reset` forgets the remembered ones.
-- `GET /server_info` -> `{"model", "max_model_len", "world_size", "weight_version", "policy_version",
-  "engine_config"}`.
+- `GET /server_info` is SGLang's shape (`rollout.serve.sglang_control`): vLLM's clients only probe it.
 - `POST /finish_session?session_id=ID` -> `{"success": true}`: the server keeps no per-session state (a session's
   stickiness lives in the pools and fleets that route it, `rollout.fleet.sessions`).
 """
@@ -22,10 +21,9 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hashlib
-from typing import Any
 
+import torch
 from fastapi import APIRouter, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -115,15 +113,9 @@ def checksums(targets: dict) -> dict[str, str]:
     """sha256 of each tensor's bytes, by name."""
     out = {}
     for name, t in sorted(targets.items()):
-        data = t.detach().contiguous().cpu().view(-1).view(dtype=_bytes_dtype()).numpy().tobytes()
+        data = t.detach().contiguous().cpu().view(-1).view(torch.uint8).numpy().tobytes()
         out[name] = hashlib.sha256(data).hexdigest()
     return out
-
-
-def _bytes_dtype():
-    import torch
-
-    return torch.uint8
 
 
 @router.post("/weight_checker")
@@ -144,18 +136,6 @@ async def weight_checker(req: CheckerRequest, request: Request) -> dict:
     names = sorted(set(baseline) | set(now))
     mismatches = [n for n in names if baseline.get(n) != now.get(n)]
     return {"match": not mismatches, "mismatches": mismatches}
-
-
-@router.get("/server_info")
-async def server_info(request: Request) -> dict[str, Any]:
-    state = request.app.state
-    bridge = state.bridge
-    config = getattr(bridge.manager, "config", None)
-    fields = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else {}
-    return {"model": state.served_model_name, "max_model_len": bridge.max_model_len,
-            "world_size": (await get_world_size(request))["world_size"],
-            "weight_version": version_name(state, bridge.weight_version), "policy_version": bridge.weight_version,
-            "engine_config": {k: v for k, v in fields.items() if isinstance(v, (int, float, str, bool, type(None)))}}
 
 
 @router.post("/finish_session")

@@ -248,9 +248,9 @@ def test_control_routes(server):
     assert call(server, "GET", "/get_world_size").json() == {"world_size": 1}
     assert call(server, "GET", "/get_world_size", include_dp="false").json() == {"world_size": 1}
     info = call(server, "GET", "/server_info").json()
-    assert info["model"] == "tiny" and info["max_model_len"] and info["weight_version"] == "default"
+    assert info["served_model_name"] == "tiny" and info["context_length"]
     model = call(server, "GET", "/v1/models").json()["data"][0]
-    assert model["max_model_len"] == info["max_model_len"]
+    assert model["max_model_len"] == info["context_length"]
     assert call(server, "POST", "/finish_session", session_id="s1").status_code == 200
 
 
