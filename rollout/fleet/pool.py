@@ -37,6 +37,7 @@ from rollout.api.batch import RolloutBatch, pack_batch
 from rollout.api.route_wire import decode_routes
 from rollout.api.score_batch import ScoreBatch, pack_scores, score_inputs
 from rollout.fleet.prefix_routing import PrefixRouter
+from rollout.fleet.sessions import SessionTable, check_session_ids
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_remote_update
 from rollout.requests import GenerationOutput, RequestStatus
 from rollout.sampling.seeding import group_seed
@@ -80,6 +81,7 @@ class RolloutPool:
         if routing not in ("prefix", "least_loaded"):
             raise ValueError(f"routing must be 'prefix' or 'least_loaded', got {routing!r}")
         self.router = PrefixRouter() if routing == "prefix" else None
+        self.sessions = SessionTable()  # NOTE: X-Session-ID -> its server (`rollout.fleet.sessions`)
         self.urls = [u.rstrip("/") for u in urls]
         self.alive = list(self.urls)
         self.tokenizer = tokenizer
@@ -133,6 +135,7 @@ class RolloutPool:
             lost = self.in_flight.get(url, 0)
             if self.router is not None:
                 self.router.forget(url)
+            self.sessions.forget(url)
         left = ", ".join(self.alive) or "none"
         logger.warning("rollout server %s is down (%s): resubmitting its %d group(s) to the %d live server(s) "
                        "left (%s)", url, reason, lost, len(self.alive), left)
@@ -144,26 +147,32 @@ class RolloutPool:
                 self.mark_dead(url, "no answer to /health")
         return list(self.alive)
 
-    def _pick(self, tried: set[str], ids: Sequence[int] = ()) -> str:
+    def _pick(self, tried: set[str], ids: Sequence[int] = (), session: str | None = None) -> str:
         with self._lock:
             if not self.alive:
                 raise RuntimeError(f"no rollout server left alive (of {len(self.urls)}: {', '.join(self.urls)})")
             fresh = [u for u in self.alive if u not in tried] or self.alive
-            url = (self.router.pick(ids, self.in_flight, fresh) if self.router is not None
-                   else min(fresh, key=lambda u: self.in_flight[u]))
+            url = None if session is None else self.sessions.get(session, fresh)  # NOTE: a session sticks
+            if url is None:
+                url = (self.router.pick(ids, self.in_flight, fresh) if self.router is not None
+                       else min(fresh, key=lambda u: self.in_flight[u]))
+                if session is not None:
+                    self.sessions.stick(session, url)
             self.in_flight[url] += 1
             return url
 
     # ---------------------------------------------------------------------- generation
-    def _group(self, i: int, body: dict) -> dict:
-        """One group's response from some live server, trying others when one fails."""
+    def _group(self, i: int, body: dict, session: str | None = None) -> dict:
+        """One group's response from some live server (its session's, if it has one), trying others when one
+        fails."""
         tried: set[str] = set()
         errors: list[str] = []
+        headers = {} if session is None else {"X-Session-ID": session}
         for attempt in range(self.max_attempts):
-            url = self._pick(tried, body["prompt"])
+            url = self._pick(tried, body["prompt"], session)
             tried.add(url)
             try:
-                r = self.http.post(url + "/v1/completions", json=body)
+                r = self.http.post(url + "/v1/completions", json=body, headers=headers)
             except Exception as e:  # connection refused / reset, read timeout (the request's deadline)
                 if self.closed:  # NOTE: the learner is leaving (Ctrl-C): no server is to blame
                     self._done(url)
@@ -215,19 +224,23 @@ class RolloutPool:
                  group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, *,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 return_routed_experts: bool = False) -> RolloutBatch:
+                 return_routed_experts: bool = False,
+                 session_ids: Sequence[str | None] | None = None) -> RolloutBatch:
         """`group_size` samples per prompt from the servers; returns a `RolloutBatch` on the CPU, rows grouped
         by prompt, `policy_version` the oldest weight version that answered. `return_routed_experts` (an MoE
-        policy) adds `batch.routed_experts` [N, P + T, L, k], from each choice's `routed_experts`."""
+        policy) adds `batch.routed_experts` [N, P + T, L, k], from each choice's `routed_experts`. `session_ids`
+        (one per prompt, or None): a prompt's group goes to the server its session's earlier groups went to
+        (sent as `X-Session-ID`), until `finish_session`."""
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
         ids = [self._encode(p) for p in prompts]
         each = per_prompt(sampling, len(ids), temps=temps, top_k=top_k, top_p=top_p, seed=seed,
                           max_new_tokens=max_new_tokens)  # NOTE: refused here, before any request leaves
+        sessions = check_session_ids(session_ids, len(ids))
         bodies = [{"prompt": p, "n": group_size, "return_token_ids": True, **completion_fields(each[i], i),
                    **({"return_routed_experts": True} if return_routed_experts else {})}
                   for i, p in enumerate(ids)]
-        futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
+        futures = [self._workers.submit(self._group, i, b, sessions[i]) for i, b in enumerate(bodies)]
         # NOTE: each future ends within max_attempts x (request deadline + health probe)
         bound = self.max_attempts * (self.request_timeout_s + 2 * self.health_timeout_s) + 30
         outputs: list[GenerationOutput] = []
@@ -366,6 +379,18 @@ class RolloutPool:
         return self.policy_version
 
     # ------------------------------------------------------------- the engine's API
+    def finish_session(self, session_id: str) -> None:
+        """Forget `session_id`'s server (its next group routes afresh) and tell that server (`POST /finish_session`,
+        best effort: a server that does not know the route or is gone changes nothing here)."""
+        with self._lock:
+            url = self.sessions.finish(session_id)
+        if url is None:
+            return
+        try:
+            self.http.post(url + "/finish_session", params={"session_id": session_id}, timeout=self.health_timeout_s)
+        except Exception as e:
+            logger.info("finish_session %s on %s: %s: %s", session_id, url, type(e).__name__, e)
+
     def sleep(self) -> None:  # NOTE: the servers' memory is theirs; nothing to free on the learner
         pass
 

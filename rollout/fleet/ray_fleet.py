@@ -41,6 +41,7 @@ from rollout.api.score_batch import score_inputs
 from rollout.fleet import weight_group
 from rollout.fleet.engine_health import EngineHealth
 from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, tokenizer_in
+from rollout.fleet.sessions import SessionTable, check_session_ids, place_sessions
 from rollout.fleet.shards import merge_scores
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
 from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
@@ -148,6 +149,7 @@ class RolloutFleet:
             self.close()
             raise
         self.health = EngineHealth(ray, self.actors, infos, max_restarts, start_timeout_s, self.store)
+        self.sessions = SessionTable()  # NOTE: session id -> its engine (`rollout.fleet.sessions`)
         if self.weight_transfer == "collective":
             try:
                 self.weight_group.form(ray, list(enumerate(self.actors)), self.group_address)
@@ -190,10 +192,11 @@ class RolloutFleet:
                  group_size: int = 1, max_new_tokens: int | None = None, top_k: int | None = None,
                  top_p: float | None = None, seed: int | None = None, *,
                  sampling: SamplingParams | Sequence[SamplingParams] | None = None,
-                 return_routed_experts: bool = False) -> RolloutBatch:
+                 return_routed_experts: bool = False, session_ids=None) -> RolloutBatch:
         """`group_size` samples per prompt over the engines; a `RolloutBatch` on the CPU, rows grouped by prompt
         in the call's order (the arguments are `RolloutEngine.generate`'s: `sampling` one `SamplingParams` or one
-        per prompt, the keywords setting the same fields)."""
+        per prompt, the keywords setting the same fields). `session_ids` (one per prompt, or None): a prompt's group
+        runs on the engine its session's earlier groups ran on (`rollout.fleet.sessions`), until `finish_session`."""
         self._check_open()
         if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
             raise ValueError(f"group_size must be a positive int, got {group_size!r}")
@@ -204,11 +207,12 @@ class RolloutFleet:
         ids = [self._encode(p) for p in prompts]
         each = per_prompt(sampling, len(ids), temps=temps, top_k=top_k, top_p=top_p, seed=seed,
                           max_new_tokens=max_new_tokens)  # NOTE: refused here, before anything is sent
+        sessions = None if session_ids is None else check_session_ids(session_ids, len(ids))
 
         def call(actor, start: int, end: int):
             return actor.generate.remote(ids[start:end], each[start:end], group_size, start)
 
-        parts = self._run(call, len(ids), "group")
+        parts = self._run(call, len(ids), "group", None if sessions is None else self._session_shards(sessions))
         outputs = [o for part in parts for o in part]
         top_logprobs = max((s.logprobs for s in each), default=0)
         return pack_batch(ids, outputs, [s.temperature for s in each], group_size, self.pad_token_id,
@@ -246,11 +250,27 @@ class RolloutFleet:
             return list(self.tokenizer(prompt, add_special_tokens=special)["input_ids"])
         return [int(t) for t in prompt]
 
-    def _run(self, call, n: int, unit: str) -> list:
-        """Run `call(actor, start, end)` over contiguous shards of `n` items, least loaded first; resubmit the
-        shards of an engine that dies or passes its deadline. Returns the shards' results in order."""
+    def _session_shards(self, sessions: list[str | None]) -> list[tuple[int, int, int]]:
+        """One shard per group, on its session's engine (or the least loaded), counted in flight."""
+        health = self.health
+        serving = health.serving()
+        with health.lock:
+            engines = place_sessions(sessions, self.sessions, dict(enumerate(health.load)), serving)
+            for k in engines:
+                health.load[k] += 1
+        return [(k, i, i + 1) for i, k in enumerate(engines)]
+
+    def finish_session(self, session_id: str) -> None:
+        """Forget `session_id`'s engine: its next group goes to the least loaded one."""
+        self.sessions.finish(session_id)
+
+    def _run(self, call, n: int, unit: str, shards: list[tuple[int, int, int]] | None = None) -> list:
+        """Run `call(actor, start, end)` over contiguous shards of `n` items (`shards`, already counted in flight,
+        or least loaded first); resubmit the shards of an engine that dies or passes its deadline. Returns the
+        shards' results in order."""
         ray, health = self.ray, self.health
-        pending = {call(self.actors[k], s, e): (k, s, e, 1, time.monotonic()) for k, s, e in health.reserve(n)}
+        shards = health.reserve(n) if shards is None else shards
+        pending = {call(self.actors[k], s, e): (k, s, e, 1, time.monotonic()) for k, s, e in shards}
         results: dict[int, object] = {}
         try:
             while pending:

@@ -45,7 +45,15 @@ def _top_p(logits: torch.Tensor, p: float, context: Mapping) -> torch.Tensor:
 
 
 # NOTE: the order the engine applies them in (DESIGN.md: temperature, then top-k, then top-p).
-PROCESSORS: dict[str, Processor] = {"temperature": _temperature, "top_k": _top_k, "top_p": _top_p}
+def _min_p(logits: torch.Tensor, m: float, context: Mapping) -> torch.Tensor:
+    """Drop tokens whose probability (after the warpers before it) is below m x the most likely one's."""
+    if not m:
+        return logits
+    probs = torch.softmax(logits.double(), -1)
+    return torch.where(probs >= m * probs.max(), logits, torch.tensor(float("-inf"), dtype=logits.dtype))
+
+
+PROCESSORS: dict[str, Processor] = {"temperature": _temperature, "top_k": _top_k, "top_p": _top_p, "min_p": _min_p}
 
 
 def expected_logprobs(logits: torch.Tensor, context: Mapping | None = None, **sampling) -> torch.Tensor:
