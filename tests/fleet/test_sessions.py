@@ -66,7 +66,7 @@ def test_pool_keeps_a_session_on_one_server(tmp_path):
             pool.generate(prompts, group_size=2, max_new_tokens=3, session_ids=sessions)
             homes = {s: pool.sessions.members[s] for s in ("s0", "s1")}
             assert homes["s0"] != homes["s1"]  # least loaded spreads the two sessions
-            for turn in range(2):  # later turns stay where the session is, whatever the load
+            for _ in range(2):  # later turns stay where the session is, whatever the load
                 pool.generate(prompts[:3], group_size=1, max_new_tokens=2, session_ids=["s0"] * 3)
             after = served()
             assert after[homes["s0"]] - before[homes["s0"]] == 3 + 6
