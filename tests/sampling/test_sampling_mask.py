@@ -32,7 +32,7 @@ def rows_logits(rows: int, seed: int = 0) -> torch.Tensor:
 
 def draw(logits: torch.Tensor, sampling: dict, seed0: int = 0):
     rows = logits.shape[0]
-    reqs = [Request(f"r{i}", [1], 1, SamplingParams(seed=seed0 + i, **sampling), return_sampling_mask=True)
+    reqs = [Request(f"r{i}", [1], 1, SamplingParams(seed=seed0 + i, return_sampling_mask=True, **sampling))
             for i in range(rows)]
     out = Sampler(torch.device("cpu"), seed=0)(logits, [r.sampling for r in reqs], [r.request_id for r in reqs],
                                                 None, requests=reqs)
