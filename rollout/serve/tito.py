@@ -34,7 +34,7 @@ from rollout.serve.logprobs import FLOOR, prompt_logprobs
 from rollout.serve.lora_routes import lora_of
 from rollout.serve.protocol import MAX_LOGPROBS, APIError, SamplingRequest, TokenIds
 from rollout.serve.text import SampleText
-from rollout.serve.vllm_control import version_spans
+from rollout.serve.vllm_control import abort, registry, version_spans
 
 router = APIRouter()
 DISCONNECT_POLL_S = 0.5
@@ -94,13 +94,6 @@ class AbortRequest(BaseModel):
     request_ids: list[str] = Field(default_factory=list)
 
 
-def registry(state) -> dict[str, list[str]]:
-    """Client request id (and its `generate-tokens-` form) -> the engine ids of its samples, while in flight."""
-    if not hasattr(state, "generate_ids"):
-        state.generate_ids = {}
-    return state.generate_ids
-
-
 @router.post("/inference/v1/generate")
 async def generate(req: GenerateRequest, request: Request):
     state = request.app.state
@@ -153,15 +146,6 @@ async def generate(req: GenerateRequest, request: Request):
 async def abort_requests(req: AbortRequest, request: Request) -> Response:
     abort(request.app.state, req.request_ids)
     return Response(status_code=200)
-
-
-def abort(state, request_ids: list[str]) -> int:
-    """Cancel the samples of these client request ids (either form); returns how many requests were found."""
-    table = registry(state)
-    found = [table[r] for r in request_ids if r in table]
-    for rids in found:
-        state.bridge.cancel(rids)
-    return len(found)
 
 
 class Reply:

@@ -61,6 +61,22 @@ def version_spans(state, versions: list[int]) -> list[dict]:
     return spans
 
 
+def registry(state) -> dict[str, list[str]]:
+    """Client request id (and its `generate-tokens-` form) -> the engine ids of its samples, while in flight."""
+    if not hasattr(state, "generate_ids"):
+        state.generate_ids = {}
+    return state.generate_ids
+
+
+def abort(state, request_ids: list[str]) -> int:
+    """Cancel the samples of these client request ids (either form); returns how many requests were found."""
+    table = registry(state)
+    found = [table[r] for r in request_ids if r in table]
+    for rids in found:
+        state.bridge.cancel(rids)
+    return len(found)
+
+
 class NewVersion(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -101,8 +117,6 @@ async def update_weight_version(req: NewVersion, request: Request) -> dict:
 
 @router.post("/abort_requests")
 async def abort_requests(request: Request, req: AbortAll | None = None) -> dict:
-    from rollout.serve.tito import abort
-
     state = request.app.state
     if req is None or req.request_ids is None:
         return {"status": "aborted", "aborted": state.bridge.cancel_all()}
