@@ -43,6 +43,9 @@ class RolloutBatch:
     # NOTE: with return_routed_experts (an MoE policy): aligned with `input_ids`, the experts each of the L MoE
     # layers chose for the token there; -1 at padding and at the last sampled token (never an input).
     routed_experts: torch.Tensor | None = None  # [N, P + T, L, k] int16
+    # NOTE: with SamplingParams(return_sampling_mask=True): per row, per generated token, the ids the sampler could
+    # have drawn (`rollout.sampling.sampler.support`), what a trainer scores the old and new policy on
+    sampling_masks: list[list[list[int]]] | None = None
 
     @property
     def input_ids(self) -> torch.Tensor:  # [N, P + T]
@@ -127,6 +130,8 @@ def pack_batch(prompts: Sequence[Sequence[int]], outputs: Sequence[GenerationOut
         versions=versions,
         routed_experts=pack_routes([prompts[r // group_size] for r in range(n)], outputs, p_len, t_len)
         if routed_experts else None,
+        sampling_masks=[list(o.sampling_masks or []) for o in outputs]
+        if any(o.sampling_masks is not None for o in outputs) else None,
     )
     return batch.to(device)
 

@@ -320,7 +320,7 @@ class RolloutPool:
                 request_id=f"pool_{i}_{j}", prompt_ids=prompt, generated_tokens=tokens, logprobs=lps,
                 status=RequestStatus.FINISHED, finish_reason=c["finish_reason"],
                 policy_version=min(versions) if versions else version, versions=versions,
-                routed_experts=_routes(i, c, len(prompt) + len(tokens))))
+                routed_experts=_routes(i, c, len(prompt) + len(tokens)), sampling_masks=_masks(i, c, len(tokens))))
         return outs
 
     # ------------------------------------------------------------------------- weights
@@ -411,6 +411,16 @@ class RolloutPool:
         self.close()
 
 
+def _masks(i: int, choice: dict, num_tokens: int) -> list[list[int]] | None:
+    """A choice's `sampling_mask` (one id list per generated token), None when the server sent none."""
+    masks = choice.get("sampling_mask")
+    if masks is None:
+        return None
+    if len(masks) != num_tokens:
+        raise RuntimeError(f"group {i}: sampling_mask has {len(masks)} rows for {num_tokens} tokens")
+    return [[int(t) for t in row] for row in masks]
+
+
 def _routes(i: int, choice: dict, num_tokens: int) -> torch.Tensor | None:
     """A choice's `routed_experts` ([num_tokens - 1, L, k] on the wire) as the engine's `[num_tokens, L, k]`
     int16, -1 at the last sampled token; None when the server sent none."""
@@ -428,10 +438,10 @@ def _routes(i: int, choice: dict, num_tokens: int) -> torch.Tensor | None:
 
 # NOTE: the fields `/v1/completions` takes under the same name (vLLM's), and those it cannot carry
 WIRE_FIELDS = ("temperature", "top_p", "min_p", "max_tokens", "min_tokens", "stop_token_ids", "ignore_eos",
-               "repetition_penalty", "presence_penalty", "frequency_penalty")
+               "repetition_penalty", "presence_penalty", "frequency_penalty", "return_sampling_mask")
 OFF_WIRE = ("bad_words_ids", "no_repeat_ngram_size", "min_length", "sequence_bias", "suppress_tokens",
             "begin_suppress_tokens", "forced_bos_token_id", "forced_eos_token_ids", "prompt_lookup_num_tokens",
-            "max_matching_ngram_size", "prompt_logprobs", "return_sampling_mask")
+            "max_matching_ngram_size", "prompt_logprobs")
 
 
 def completion_fields(sp: SamplingParams, group: int) -> dict:

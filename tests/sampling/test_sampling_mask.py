@@ -89,3 +89,25 @@ def test_no_mask_unless_asked():
     reqs = [Request("a", [1], 1, SamplingParams(seed=1, top_k=5))]
     out = Sampler(torch.device("cpu"), seed=0)(rows_logits(1), [reqs[0].sampling], ["a"], None, requests=reqs)
     assert out.masks is None
+
+
+def test_engine_batches_carry_the_masks():
+    """`RolloutEngine.generate(sampling=SamplingParams(return_sampling_mask=True))`: `batch.sampling_masks` holds one
+    mask per generated token, each holding its token, top-k wide."""
+    from support.tiny_models import make_model
+
+    from rollout import ContinuousBatchingConfig, RolloutEngine
+    from rollout import SamplingParams as PublicSamplingParams
+
+    engine = RolloutEngine(make_model("qwen3"), config=ContinuousBatchingConfig(page_size=16, num_blocks=64))
+    try:
+        sp = PublicSamplingParams(temperature=1.0, top_k=4, seed=3, max_tokens=6, ignore_eos=True,
+                                  return_sampling_mask=True)
+        batch = engine.generate([[5, 6, 7], [8, 9]], sampling=sp, group_size=2)
+        plain = engine.generate([[5, 6, 7]], sampling=sp.with_fields(return_sampling_mask=False))
+    finally:
+        engine.close()
+    assert len(batch.sampling_masks) == 4
+    for row, tokens in zip(batch.sampling_masks, batch.completion_ids.tolist(), strict=True):
+        assert len(row) == 6 and all(len(m) == 4 and t in m for t, m in zip(tokens, row, strict=True))
+    assert plain.sampling_masks is None

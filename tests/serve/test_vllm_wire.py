@@ -305,3 +305,18 @@ def test_completions_answer_areal_and_tinker_requests(server):
                                                  "seed": 3, "prompt_logprobs": 1})
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2 and r.json()["choices"][0]["logprobs"]["token_logprobs"]
+
+
+def test_pool_batches_carry_sampling_masks(server):
+    """`RolloutBatch.sampling_masks` through a pool (`/v1/completions` with return_sampling_mask): the masks and tokens
+    the server's own generate route gives the same seeded request."""
+    from rollout import SamplingParams
+    from rollout.fleet.pool import RolloutPool
+
+    sp = SamplingParams(temperature=1.0, top_k=3, seed=11, max_tokens=5, ignore_eos=True, return_sampling_mask=True)
+    with RolloutPool([server.url], api_key=server.key, weight_transfer="disk") as pool:
+        batch = pool.generate([PROMPT], group_size=2, sampling=sp)
+    direct = generate(server, n=2, top_k=3, seed=11, max_tokens=5, return_sampling_mask=True)["choices"]
+    assert batch.sampling_masks == [c["sampling_mask"] for c in direct]
+    assert batch.completion_ids.tolist() == [c["token_ids"] for c in direct]
+    assert all(len(m) == 3 for row in batch.sampling_masks for m in row)
