@@ -21,7 +21,7 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor
 
-from rollout import RolloutBatch
+from rollout import RolloutBatch, SamplingParams
 from rollout.contract import Rollout
 from trainers.algorithms import get_algorithm
 from trainers.checkpoints import STATE_FILE, checkpoints
@@ -210,6 +210,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
             top_p=cfg.top_p,
             seed=rollout_seed(cfg.seed, step, self.data_rank),  # NOTE: a TP group's ranks share one
             **({"return_routed_experts": True} if cfg.routing_replay else {}),  # NOTE: engines, pools (a Ray fleet refuses it)
+            **({"sampling": SamplingParams(return_sampling_mask=True)} if cfg.score_on_sampling_mask else {}),
         ).to(acc.device)
         if sleep:  # NOTE: woken before the sync; counted in time_generate as before
             self.engine.sleep()
@@ -281,6 +282,8 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
             own = self.recompute(data)
         data["old_logprobs"] = own["logprobs"]  # [N, T]
         metrics.update(logprob_mismatch(data["rollout_logprobs"], own["logprobs"], mask))
+        if "sampling_support" in data:  # NOTE: scored on the engine's masks (score_on_sampling_mask)
+            metrics["sampling_mask_kept"] = (data["sampling_support"] >= 0).sum(-1)[mask.bool()].float().mean().item()
         metrics["entropy"] = masked_mean(own["entropy"], mask).item()
         if self.config.tis_cap is not None:
             data["tis_weights"] = truncated_importance_weights(

@@ -73,6 +73,9 @@ class RLConfig(LoraFields):
             ops on the engine's dtype (`trainers.invariant`): `logprob_mismatch_max` is exactly 0.0.
         routing_replay: MoE policies: the trainer's passes take the experts the engine chose (R3,
             `trainers.routing_replay`); logs `routing_mismatch_fraction`.
+        score_on_sampling_mask: the engine returns each token's sampling mask (`SamplingParams(
+            return_sampling_mask=True)`) and the trainer scores the old and new policy on exactly that support, not
+            on its own top-k / top-p cut of its logits; logs `sampling_mask_kept` (ids kept per token).
         fsdp: shard the policy with FSDP2 (`trainers.sharding`): True, False, or "auto" (when the accelerate
             launch config is FSDP, e.g. `recipes/accelerate/2cpu_fsdp.yaml`).
     """
@@ -113,6 +116,7 @@ class RLConfig(LoraFields):
     progress: bool = True
     batch_invariant: bool = False
     routing_replay: bool = False
+    score_on_sampling_mask: bool = False
     fsdp: bool | str = "auto"
 
     def __post_init__(self) -> None:
@@ -270,6 +274,15 @@ def truncate_logits(scaled: Tensor, tokens: Tensor, top_k: int | None, top_p: fl
     return scaled.masked_fill(drop, float("-inf"))
 
 
+def support_mask(ids: Tensor, vocab: int) -> Tensor:
+    """`[N, T, K]` support ids (-1 padding; `rollout_support_ids`) as a `[N, T, V]` bool mask; a position without
+    ids (padding past a completion) keeps every token, so its (unused) logprobs stay finite."""
+    mask = torch.zeros((*ids.shape[:2], vocab), dtype=torch.bool, device=ids.device)  # [N, T, V]
+    valid = ids >= 0
+    mask.scatter_(-1, ids.clamp(min=0), valid)
+    return mask | ~valid.any(-1, keepdim=True)
+
+
 def scored_logprobs(
     logits: Tensor,
     data: Mapping[str, Tensor],
@@ -291,7 +304,10 @@ def scored_logprobs(
     # trainer's policy is that one as well: the ratio and the parity probe compare like with like.
     temps = safe_temperatures(data["temperatures"])  # [N]
     scaled = logits[:, :-1].float() / temps[:, None, None]  # [N, T, V]
-    truncated = truncate_logits(scaled, data["completion_ids"], top_k, top_p)  # [N, T, V]
+    if "sampling_support" in data:  # NOTE: the engine's own support of each token (score_on_sampling_mask)
+        truncated = scaled.masked_fill(~support_mask(data["sampling_support"], scaled.shape[-1]), float("-inf"))
+    else:
+        truncated = truncate_logits(scaled, data["completion_ids"], top_k, top_p)  # [N, T, V]
     logprobs = token_logprobs(truncated, data["completion_ids"])  # [N, T]
     entropy = entropy_from_logits(scaled.detach()) if with_entropy else None  # [N, T]
     return logprobs, entropy

@@ -58,6 +58,8 @@ def merge_batches(batches: Sequence[RolloutBatch], pad_id: int) -> RolloutBatch:
         completions_text=None if any(x is None for x in texts) else [s for x in texts for s in x],
         **{name: _cat_optional([getattr(b, name) for b in batches], width) for name, width in
            (("loss_mask", t), ("rewards", None), ("num_turns", None), ("versions", t))},
+        sampling_masks=None if any(b.sampling_masks is None for b in batches)
+        else [m for b in batches for m in b.sampling_masks],
         routed_experts=None if any(b.routed_experts is None for b in batches) else torch.cat([
             torch.nn.functional.pad(b.routed_experts, (0, 0, 0, 0, p - b.prompt_ids.shape[1],
                                                        t - b.completion_ids.shape[1]), value=-1) for b in batches]),
@@ -88,6 +90,7 @@ def take_rows(batch: RolloutBatch, index: Tensor) -> RolloutBatch:
         finish_reasons=[batch.finish_reasons[i] for i in rows],
         policy_version=batch.policy_version,
         completions_text=None if batch.completions_text is None else [batch.completions_text[i] for i in rows],
+        sampling_masks=None if batch.sampling_masks is None else [batch.sampling_masks[i] for i in rows],
         **{name: None if getattr(batch, name) is None else getattr(batch, name)[index]
            for name in ("loss_mask", "rewards", "num_turns", "versions", "routed_experts")},
     )
@@ -104,7 +107,20 @@ def batch_tensors(batch: RolloutBatch) -> dict[str, Tensor]:
         "temperatures": batch.temperatures,  # [N]
         **({} if batch.versions is None else {"versions": batch.versions}),  # [N, T] policy version per token
         **({} if batch.routed_experts is None else {"routed_experts": batch.routed_experts}),  # [N, P+T, L, k]
+        **({} if batch.sampling_masks is None else {"sampling_support": rollout_support_ids(batch)}),  # [N, T, K]
     }
+
+
+def rollout_support_ids(batch: RolloutBatch) -> Tensor:
+    """`batch.sampling_masks` as one `[N, T, K]` int64 tensor (K the widest mask), -1 where no id."""
+    masks = batch.sampling_masks
+    n, t = batch.completion_ids.shape
+    k = max((len(m) for row in masks for m in row), default=1)
+    out = torch.full((n, t, k), -1, dtype=torch.long)
+    for i, row in enumerate(masks):
+        for j, ids in enumerate(row):
+            out[i, j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return out.to(batch.completion_ids.device)
 
 
 def completion_id_lists(batch: RolloutBatch) -> list[list[int]]:

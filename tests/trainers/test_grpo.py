@@ -493,3 +493,27 @@ def test_engine_sleeps_around_the_update_when_it_shares_the_device(tokenizer, da
     assert engine.cache_stats()["kv_bytes"] > 0
     assert engine_vs_trainer(trainer, tokenizer) < 1e-5  # it still serves, with the new weights
     trainer.close()
+
+
+def test_score_on_sampling_mask_scores_on_the_engines_support(tokenizer, dataset, tmp_path):
+    """`score_on_sampling_mask`: the trainer's logprobs are on the engine's own masks (the engine's processed
+    logprobs, within float error), `sampling_mask_kept` is logged, and dropping one id of a mask moves them."""
+    trainer = small_trainer(tokenizer, dataset, tmp_path, top_k=6, top_p=0.8, max_new_tokens=8,
+                            score_on_sampling_mask=True)
+    data, metrics = trainer.collect()
+    mask = data["completion_mask"]
+    assert "sampling_support" in data and 1.0 <= metrics["sampling_mask_kept"] <= 6.0
+    assert metrics["logprob_mismatch_max"] <= 1e-4
+    with torch.no_grad():
+        logits, _ = trainer.forward(trainer.policy, data)
+        on_mask, _ = scored_logprobs(logits, data)
+        support = data["sampling_support"].clone()
+        wide = (support >= 0).sum(-1) > 1  # [N, T] tokens with another id to drop
+        rows = wide & mask
+        n, t = rows.nonzero()[0].tolist()
+        drop = next(i for i in support[n, t].tolist() if i >= 0 and i != int(data["completion_ids"][n, t]))
+        support[n, t][support[n, t] == drop] = -1
+        narrower, _ = scored_logprobs(logits, {**data, "sampling_support": support})
+    torch.testing.assert_close(on_mask[mask], data["rollout_logprobs"][mask], atol=1e-4, rtol=0)
+    assert narrower[n, t] > on_mask[n, t] + 1e-6  # a smaller support renormalises the token up
+    trainer.close()
