@@ -103,6 +103,26 @@ def test_skyrl_remote_inference_client(server):
     assert out["asleep"] and out["awake_again"] and out["after_wake"] == direct["token_ids"]
 
 
+def test_skyrl_tinker_external_inference_client(server):
+    """SkyRL's Tinker server samples through `ExternalInferenceClient` (token prompts to `/v1/completions`, `n`, `seed`,
+    `logprobs: true`, `prompt_logprobs`, `X-Session-ID`): its `SampleOutput` is our answer to the same body."""
+    python = client_python("skyrl", "skyrl.tinker.extra.external_inference")
+    out = drive(python, "drive_skyrl_tinker.py", server.url, json.dumps(PROMPT))
+    r = httpx.post(server.url + "/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": PROMPT, "n": 2, "seed": 11, "max_tokens": 5, "temperature": 1.0, "top_p": 1,
+        "top_k": -1, "logprobs": True, "return_token_ids": True, "prompt_logprobs": 1})
+    choices = r.json()["choices"]
+    assert [s["tokens"] for s in out["sequences"]] == [c["token_ids"] for c in choices]
+    for seq, c in zip(out["sequences"], choices, strict=True):
+        assert seq["logprobs"] == pytest.approx(c["logprobs"]["token_logprobs"], abs=1e-4)
+        assert seq["stop_reason"] == c["finish_reason"]
+    plp = choices[0]["prompt_logprobs"]
+    assert out["prompt_logprobs"][0] is None and len(out["prompt_logprobs"]) == len(PROMPT)
+    assert out["prompt_logprobs"][1:] == pytest.approx([plp[i][str(t)]["logprob"] for i, t in enumerate(PROMPT)
+                                                        if i > 0], abs=1e-4)
+    assert all(len(k) == 1 for k in out["topk_prompt_logprobs"][1:])
+
+
 def test_areal_remote_vllm_engine(server):
     python = client_python("areal", "areal.engine.vllm_remote")
     addr = server.url.removeprefix("http://")
