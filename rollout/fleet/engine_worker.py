@@ -134,7 +134,8 @@ def outputs_of(batch: RolloutBatch, prompts: Sequence[Sequence[int]], group_size
             status=RequestStatus.FINISHED, finish_reason=batch.finish_reasons[row],
             policy_version=min(versions) if versions else batch.policy_version, versions=versions,
             top_logprobs=batch.top_logprobs[row, :k].tolist() if batch.top_logprobs is not None else None,
-            top_ids=batch.top_ids[row, :k].tolist() if batch.top_ids is not None else None))
+            top_ids=batch.top_ids[row, :k].tolist() if batch.top_ids is not None else None,
+            sampling_masks=batch.sampling_masks[row] if batch.sampling_masks is not None else None))
     return outs
 
 

@@ -142,6 +142,19 @@ def test_sessions_keep_their_groups_on_one_engine(fleet_setup, monkeypatch):
     assert "a" not in fleet.sessions.members and fleet.sessions.members["b"] == engine_of[1]
 
 
+def test_fleet_batches_carry_sampling_masks(fleet_setup):
+    """`SamplingParams(return_sampling_mask=True)` through the fleet: `batch.sampling_masks`, one top-k-wide mask per
+    token, each holding its token."""
+    fleet, _, _ = fleet_setup
+    from rollout import SamplingParams
+
+    sp = SamplingParams(temperature=1.0, top_k=3, seed=2, max_tokens=MAX_NEW, return_sampling_mask=True)
+    batch = fleet.generate(PROMPTS, group_size=2, sampling=sp)
+    assert len(batch.sampling_masks) == 2 * len(PROMPTS)
+    for tokens, masks in zip(rows(batch), batch.sampling_masks, strict=True):
+        assert len(masks) == len(tokens) and all(len(m) == 3 and t in m for t, m in zip(tokens, masks, strict=True))
+
+
 def test_update_weights_reaches_every_engine(fleet_setup):
     fleet, _, state = fleet_setup
     new = make_model("qwen3", seed=5)

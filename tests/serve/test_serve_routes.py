@@ -150,3 +150,21 @@ def test_wire_dtypes_and_bad_payloads():
     np.save(flat, np.zeros(4, np.uint8))
     with pytest.raises(ValueError, match="3-d integer array"):
         decode_routes(base64.b64encode(flat.getvalue()).decode())
+
+
+def test_generate_route_routes_in_verifiers_shape(server, expected):
+    """`/inference/v1/generate` with `return_routed_experts`: `{data: base64 uint8, shape: [T, L, k], start: 0}` (what
+    verifiers' TrainClient decodes), the engine's routes of prompt + completion but the last token."""
+    for i, prompt in enumerate(PROMPTS):
+        r = post(server, "/inference/v1/generate", {"token_ids": prompt, "return_routed_experts": True,
+                                                    "sampling_params": {"max_tokens": MAX_TOKENS, "temperature": 0}})
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        routes = choice["routed_experts"]
+        assert set(routes) == {"data", "shape", "start"} and routes["start"] == 0
+        arr = np.frombuffer(base64.b64decode(routes["data"]), dtype=np.uint8).reshape(routes["shape"])
+        assert arr.shape == (len(prompt) + len(choice["token_ids"]) - 1, 2, 2)
+        assert torch.equal(torch.from_numpy(arr.astype(np.int16)), engine_rows(expected, i))
+    r = post(server, "/inference/v1/generate", {"token_ids": PROMPTS[0], "return_routed_experts": True,
+                                                "stream": True, "sampling_params": {"max_tokens": 2}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "return_routed_experts"
