@@ -11,6 +11,7 @@ import math
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 
@@ -36,9 +37,12 @@ from trainers.warm_start import sft_warm_start
 # (seed 0: ~step 450; seed 1: past 1000), so `--seed` varies the RL run on one fixed, partly trained
 # policy. See trainers.warm_start.sft_warm_start.
 GRPO_WARM_START = dict(target_exact=0.3, max_sft_steps=1000, seed=0)
-# NOTE: warm starts are built once per machine and settings, here, and copied to each run's OUTPUT_DIR/init
-# (the first recipe run pays the ~40-90 s; every later one, whatever its --output_dir, reuses it)
-WARM_START_CACHE = "~/.cache/rollout/warm_starts"  # NOTE: ROLLOUT_WARM_START_CACHE moves it
+# NOTE: warm starts are built once per machine, here, and copied to each run's OUTPUT_DIR/init (the first recipe
+# run pays the warm start; every later one, whatever its --output_dir, reuses it). A cache entry is keyed by every
+# setting that changes the checkpoint (seed, target, steps, band, rule version, model size) and by the torch and
+# transformers versions (the SFT transition moves between releases), so a run is served only a warm start its own
+# settings and libraries would build. An entry is built in a temporary directory and renamed into place whole.
+WARM_START_CACHE = "~/.cache/rollout/warm_starts"  # NOTE: ROLLOUT_WARM_START_CACHE moves it; deleting it is safe
 WARM_START_BAND = 0.05  # the warm start lands within target_exact +- this (trainers.warm_start.sft_warm_start)
 WARM_START_VERSION = 2  # NOTE: bumped with the stop rule, so a cache an older rule built is not reused
 # NOTE: the embedded sequences are ~15 tokens: small pages, and a cache sized to the batch, not to memory.
@@ -222,7 +226,8 @@ def write_jsonl(rows: Sequence[dict], path: str) -> str:
 
 # ------------------------------------------------------------------------- the embedded model
 
-WARM_START_FILE = "warm_start.json"  # the settings and greedy accuracy of a saved warm start
+WARM_START_FILE = "warm_start.json"  # the settings, versions and held-out greedy accuracy of a saved warm start
+HELDOUT_PROBLEMS = 512  # the recipes' held-out greedy accuracy before and after RL (recipes/grpo.py HELDOUT)
 
 
 def build_warm_start(
@@ -242,47 +247,81 @@ def build_warm_start(
     task = AdditionTask(num_digits=3, seed=seed)
     model = build_tiny_model(tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed)
     sft_warm_start(model, tokenizer, task, steps=max_sft_steps, seed=seed, target_exact=target_exact, band=band)
-    accuracy = greedy_accuracy(model, tokenizer, task)
-    print(f"warm start: greedy exact {accuracy['exact']:.3f}, reward {accuracy['reward']:.3f} -> {path}")
+    # NOTE: the recipes' own held-out problems (the seed and count of their "held-out greedy exact match" before
+    # RL), so the warm start is reported with one figure everywhere
+    accuracy = greedy_accuracy(model, tokenizer, AdditionTask(num_digits=3), n=HELDOUT_PROBLEMS)
+    print(f"warm start: held-out greedy exact {accuracy['exact']:.3f}, reward {accuracy['reward']:.3f} "
+          f"({HELDOUT_PROBLEMS} problems) -> {path}")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
-    settings = dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps, band=band, version=version)
+    record = warm_start_key(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps, band=band,
+                            version=version, hidden_size=hidden_size, num_layers=num_layers)
     with open(os.path.join(path, WARM_START_FILE), "w") as f:
-        json.dump({**settings, "hidden_size": hidden_size, "num_layers": num_layers, **accuracy}, f)
+        json.dump({**record, **accuracy}, f)
     return path
 
 
+def warm_start_key(seed: int, target_exact: float, max_sft_steps: int, band: float = WARM_START_BAND,
+                   version: int = WARM_START_VERSION, hidden_size: int = 128, num_layers: int = 3) -> dict:
+    """Everything a saved warm start must match to be reused: its settings, the model's size and the torch and
+    transformers versions that built it."""
+    import transformers
+
+    return dict(seed=seed, target_exact=target_exact, max_sft_steps=max_sft_steps, band=band, version=version,
+                hidden_size=hidden_size, num_layers=num_layers, torch=torch.__version__,
+                transformers=transformers.__version__)
+
+
 def warm_start_cache_dir(seed: int, target_exact: float, max_sft_steps: int, band: float = WARM_START_BAND,
-                         version: int = WARM_START_VERSION) -> str:
-    """Where the shared cache keeps the embedded addition model warm-started with these settings."""
+                         version: int = WARM_START_VERSION, hidden_size: int = 128, num_layers: int = 3) -> str:
+    """Where the shared cache keeps the embedded addition model warm-started with these settings, by these
+    torch and transformers versions (`warm_start_key`)."""
+    key = warm_start_key(seed, target_exact, max_sft_steps, band, version, hidden_size, num_layers)
     root = os.path.expanduser(os.environ.get("ROLLOUT_WARM_START_CACHE", WARM_START_CACHE))
-    return os.path.join(root, f"addition3_v{version}_seed{seed}_target{target_exact:g}_steps{max_sft_steps}_band{band:g}")
+    name = (f"addition3_v{version}_seed{seed}_target{target_exact:g}_steps{max_sft_steps}_band{band:g}"
+            f"_h{hidden_size}_l{num_layers}_torch{key['torch']}_transformers{key['transformers']}")
+    return os.path.join(root, name.replace("+", "-"))
 
 
 def prepare_embedded_model(accelerator: Accelerator, path: str, **warm_start) -> str:
-    """Rank 0 puts the warm-started model at `path`: a checkpoint already there built with the same settings is
-    kept, else one from the shared cache (`warm_start_cache_dir`, built there first when missing) is copied in;
-    then every rank may load it from disk."""
+    """Rank 0 puts the warm-started model at `path`: a checkpoint already there built with the same settings and
+    library versions is kept, else one from the shared cache (`warm_start_cache_dir`, built there first when
+    missing) is copied in; then every rank may load it from disk."""
     if accelerator.is_main_process:
-        warm_start = {"band": WARM_START_BAND, "version": WARM_START_VERSION, **warm_start}
-        if saved_settings_match(path, warm_start):
+        key = warm_start_key(**warm_start)
+        if saved_settings_match(path, key):
             print(f"warm start: reusing {path}")
         else:
             cached = warm_start_cache_dir(**warm_start)
-            if saved_settings_match(cached, warm_start):
-                print(f"warm start: reusing the cached {cached}")
+            if saved_settings_match(cached, key):
+                print(f"warm start: reusing the cached {cached} (built with these settings and versions)")
             else:
-                build_warm_start(cached, **warm_start)
-            shutil.copytree(cached, path, dirs_exist_ok=True)
+                # NOTE: built beside the entry and renamed into place: a process reading the cache meanwhile
+                # finds either no entry or a whole one, never a half-written one
+                os.makedirs(os.path.dirname(cached), exist_ok=True)
+                building = tempfile.mkdtemp(prefix=os.path.basename(cached) + ".building-",
+                                            dir=os.path.dirname(cached))
+                try:
+                    build_warm_start(building, **warm_start)
+                except BaseException:
+                    shutil.rmtree(building, ignore_errors=True)
+                    raise
+                try:
+                    os.rename(building, cached)
+                except OSError:  # NOTE: another process renamed its own build there first: it has the same key
+                    shutil.rmtree(building, ignore_errors=True)
+            if os.path.exists(path):
+                shutil.rmtree(path)  # NOTE: an init/ of other settings or versions: no stale file survives
+            shutil.copytree(cached, path)
     accelerator.wait_for_everyone()
     return path
 
 
-def saved_settings_match(path: str, warm_start: dict) -> bool:
-    """Whether `path` holds a warm start saved with `warm_start`'s settings."""
+def saved_settings_match(path: str, key: dict) -> bool:
+    """Whether `path` holds a warm start saved with `key`'s settings (`warm_start_key`)."""
     record = os.path.join(path, WARM_START_FILE)
     saved = json.load(open(record)) if os.path.exists(record) else {}  # noqa: SIM115 - a small file, read once
-    return bool(saved) and all(saved.get(k) == v for k, v in warm_start.items())
+    return bool(saved) and all(saved.get(k) == v for k, v in key.items())
 
 
 def load_policy_and_prompts(
@@ -329,9 +368,75 @@ def load_policy_and_prompts(
 # -------------------------------------------------------------------------------------- outputs
 
 
-def fresh_output_dir(accelerator: Accelerator, output_dir: str, resume_step: int | None = None) -> None:
-    """Create `output_dir`. A new run drops the metrics of an earlier one (the trainer appends); a
-    resumed run keeps them up to its checkpoint's step (later records are redone)."""
+RUN_FILE = "rollout_run.json"  # in each recipe's output directory: which recipe wrote it, with which flags
+RESULTS = ("summary.json", "final", "metrics.jsonl", "sweep.csv")  # what a finished or running recipe leaves
+# NOTE: flags that change where or how a run is written or resumed, not what it computes
+NOT_THE_RUN = {"output_dir", "overwrite", "resume_from_checkpoint", "report_to", "save_steps", "save_total_limit"}
+
+
+def add_overwrite_arg(p) -> None:
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the results of another run (another recipe, or other flags) in --output_dir")
+
+
+def run_record(recipe: str, args=None) -> dict:
+    """What `claim_output_dir` keeps in `RUN_FILE`: the recipe and the flags that decide its result (all of them
+    but `NOT_THE_RUN`; `args=None`: the recipe alone, for a recipe that adds to its results, the sweep)."""
+    flags = {} if args is None else {k: v for k, v in sorted(vars(args).items()) if k not in NOT_THE_RUN}
+    return {"recipe": recipe, "flags": json.loads(json.dumps(flags, default=str))}
+
+
+def _flag_diff(theirs: dict, ours: dict) -> str:
+    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    return ", ".join(f"--{k} {theirs.get(k)!r} there, {ours.get(k)!r} here" for k in keys[:4]) + (
+        f" (+{len(keys) - 4} more)" if len(keys) > 4 else "")
+
+
+def output_dir_owner_problem(output_dir: str, record: dict, resuming: bool = False) -> str | None:
+    """Why this run may not write into `output_dir` (None: it may): the directory holds the results of another
+    recipe, or of the same recipe with other flags (a resumed run may change flags), or results no recipe marked."""
+    if not os.path.isdir(output_dir):
+        return None
+    marker = os.path.join(output_dir, RUN_FILE)
+    if not os.path.exists(marker):
+        found = [name for name in RESULTS if os.path.exists(os.path.join(output_dir, name))]
+        return f"it holds {', '.join(found)} of an earlier run that did not record its recipe" if found else None
+    with open(marker) as f:
+        theirs = json.load(f)
+    if theirs.get("recipe") != record["recipe"]:
+        return f"it holds the results of {theirs.get('recipe')}"
+    if resuming or theirs.get("flags") == record["flags"]:
+        return None
+    return f"it holds the results of {theirs['recipe']} run with other flags ({_flag_diff(theirs['flags'], record['flags'])})"
+
+
+def claim_output_dir(accelerator: Accelerator, output_dir: str, record: dict, overwrite: bool = False,
+                     resuming: bool = False) -> None:
+    """Refuse (SystemExit, one line) to write into another run's `output_dir` unless `overwrite`; else mark it as
+    this run's (`RUN_FILE`). Rerunning the same command into its own directory redoes its results (the warm start
+    in init/ is reused when its settings match); `--overwrite` replaces another run's, its `final/` first (a
+    LoRA adapter's files left beside a full model's would make a third, broken checkpoint)."""
+    problem = output_dir_owner_problem(output_dir, record, resuming)
+    if problem and not overwrite:
+        raise SystemExit(f"{record['recipe']}: refusing to write into {output_dir}: {problem}. Choose another "
+                         "--output_dir, or pass --overwrite to replace those results.")
+    accelerator.wait_for_everyone()  # NOTE: every rank decided on the directory as it was
+    if accelerator.is_main_process:
+        os.makedirs(output_dir, exist_ok=True)
+        if problem:
+            shutil.rmtree(os.path.join(output_dir, "final"), ignore_errors=True)
+        with open(os.path.join(output_dir, RUN_FILE), "w") as f:
+            json.dump(record, f, indent=1)
+    accelerator.wait_for_everyone()
+
+
+def fresh_output_dir(accelerator: Accelerator, output_dir: str, resume_step: int | None = None,
+                     record: dict | None = None, overwrite: bool = False) -> None:
+    """Create `output_dir` (claimed for `record`'s run first, `claim_output_dir`). A new run drops the metrics of an
+    earlier one (the trainer appends); a resumed run keeps them up to its checkpoint's step (later records are
+    redone)."""
+    if record is not None:
+        claim_output_dir(accelerator, output_dir, record, overwrite, resuming=resume_step is not None)
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)
         metrics = os.path.join(output_dir, "metrics.jsonl")
@@ -368,7 +473,7 @@ def plot_rewards(history: Sequence[dict], path: str, title: str = "reward") -> s
     ax.plot(steps, smooth(rewards), color="tab:blue", linewidth=2, label="smoothed (EMA 0.2)")
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward")
-    ax.set_title(title)
+    ax.set_title(wrapped_title(title), fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -378,14 +483,17 @@ def plot_rewards(history: Sequence[dict], path: str, title: str = "reward") -> s
 
 
 def summarize(history: Sequence[dict], wall_time: float, **extra) -> dict:
-    """First-5 / last-5 mean reward, steps, wall time and rollout throughput of a run."""
+    """First-5 / last-5 mean reward, steps, wall time and rollout throughput of a run. A run of fewer than 10 steps
+    compares its first and last halves instead (`reward_window` steps each), so the two never share a step."""
     rewards = [h["reward_mean"] for h in history if h.get("reward_mean") is not None]
     gen_time = sum(h.get("time_generate", 0.0) for h in history)
     tokens = sum(h.get("rollout_tokens_per_s", 0.0) * h.get("time_generate", 0.0) for h in history)
-    first5 = statistics.mean(rewards[:5]) if rewards else math.nan
-    last5 = statistics.mean(rewards[-5:]) if rewards else math.nan
+    window = reward_window(len(rewards))
+    first5 = statistics.mean(rewards[:window]) if rewards else math.nan
+    last5 = statistics.mean(rewards[-window:]) if rewards else math.nan
     return {
         "steps": len(history),
+        "reward_window": window,
         "reward_first5": first5,
         "reward_last5": last5,
         "reward_rise": last5 - first5,
@@ -396,6 +504,28 @@ def summarize(history: Sequence[dict], wall_time: float, **extra) -> dict:
         "time_train_s": sum(h.get("time_train", 0.0) for h in history),
         **extra,
     }
+
+
+def reward_window(steps: int) -> int:
+    """Steps averaged at each end of a run for "first N -> last N": 5, or half the run when it is shorter than 10."""
+    return 5 if steps >= 10 else max(1, steps // 2)
+
+
+def reward_span(summary: dict) -> str:
+    """`reward first5 0.548 -> last5 0.771 (rise +0.222)`; a short run names its own window, and a one-step run
+    has no rise to show."""
+    first, last = summary["reward_first5"], summary["reward_last5"]
+    if summary.get("steps", 0) < 2:
+        return f"reward {first:.3f} (one step: no first and last steps to compare)"
+    n = summary.get("reward_window", 5)
+    return f"reward first{n} {first:.3f} -> last{n} {last:.3f} (rise {last - first:+.3f})"
+
+
+def wrapped_title(title: str, width: int = 60) -> str:
+    """A plot title broken into lines of at most `width` characters (a 6-inch figure clips one long line)."""
+    import textwrap
+
+    return "\n".join(textwrap.wrap(title, width)) or title
 
 
 def write_json(obj: dict, path: str) -> str:

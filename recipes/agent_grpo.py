@@ -38,7 +38,18 @@ import json
 import time
 
 import torch
-from _common import fresh_output_dir, make_accelerator, read_metrics, smooth, summarize, write_json
+from _common import (
+    add_overwrite_arg,
+    fresh_output_dir,
+    make_accelerator,
+    read_metrics,
+    reward_window,
+    run_record,
+    smooth,
+    summarize,
+    wrapped_title,
+    write_json,
+)
 from accelerate.utils import set_seed
 
 from rollout import ContinuousBatchingConfig
@@ -84,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--heldout", type=int, default=HELDOUT)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/agent_grpo")
+    add_overwrite_arg(p)
     return p.parse_args(argv)
 
 
@@ -134,7 +146,7 @@ def plot(history: list[dict], path: str, title: str) -> str:
     ax.set_xlabel("RL step")
     ax.set_ylabel("mean reward / tool-use rate")
     ax.set_ylim(-0.02, 1.02)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(wrapped_title(title, 70), fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()
@@ -147,7 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     accelerator = make_accelerator()
     set_seed(args.seed)
-    fresh_output_dir(accelerator, args.output_dir)
+    fresh_output_dir(accelerator, args.output_dir, record=run_record("recipes/agent_grpo.py", args),
+                     overwrite=args.overwrite)
     start = time.perf_counter()
 
     # 1-2. the warm-started policy, saved and loaded back as a hub checkpoint would be
@@ -193,10 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
     # 4. outputs
     history = read_metrics(args.output_dir) if accelerator.is_main_process else []
     tool_rates = [h["tool_use_rate"] for h in history]
+    window = reward_window(len(tool_rates))
     summary = summarize(
         history, wall, warm_start_s=warm_start_s, num_processes=accelerator.num_processes, algorithm=args.algorithm,
-        tool_use_first5=sum(tool_rates[:5]) / max(1, len(tool_rates[:5])),
-        tool_use_last5=sum(tool_rates[-5:]) / max(1, len(tool_rates[-5:])),
+        tool_use_first5=sum(tool_rates[:window]) / max(1, len(tool_rates[:window])),
+        tool_use_last5=sum(tool_rates[-window:]) / max(1, len(tool_rates[-window:])),
         examples=describe(examples, tokenizer, range(len(examples))), **heldout,
     )
     policy = trainer.gather_policy()  # NOTE: under FSDP every rank gathers the shards
@@ -204,7 +218,8 @@ def main(argv: list[str] | None = None) -> dict:
         final = os.path.join(args.output_dir, "final")
         policy.save_pretrained(final)
         tokenizer.save_pretrained(final)
-        title = (f"{args.algorithm} + calculator tool, first/last 5 steps: reward {summary['reward_first5']:.2f} -> "
+        title = (f"{args.algorithm} + calculator tool, first/last {summary['reward_window']} steps: reward "
+                 f"{summary['reward_first5']:.2f} -> "
                  f"{summary['reward_last5']:.2f}, tool use {summary['tool_use_first5']:.2f} -> "
                  f"{summary['tool_use_last5']:.2f}")
         plot(history, os.path.join(args.output_dir, "reward.png"), title)

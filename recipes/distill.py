@@ -36,7 +36,15 @@ import argparse
 import time
 
 import torch
-from _common import GRPO_EMBEDDED_ENGINE, get_reward, make_accelerator, write_json
+from _common import (
+    GRPO_EMBEDDED_ENGINE,
+    add_overwrite_arg,
+    fresh_output_dir,
+    get_reward,
+    make_accelerator,
+    run_record,
+    write_json,
+)
 from accelerate.utils import set_seed
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -157,6 +165,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no_grpo_baseline", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/distill")
+    add_overwrite_arg(p)
     return p.parse_args(argv)
 
 
@@ -181,6 +190,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     accelerator = make_accelerator()
     set_seed(args.seed)
+    fresh_output_dir(accelerator, args.output_dir, record=run_record("recipes/distill.py", args),
+                     overwrite=args.overwrite)
     teacher_path = args.teacher or os.path.join(args.grpo_dir, "final")
     if not os.path.isdir(teacher_path):  # NOTE: train the GRPO demo's teacher on the fly
         import grpo

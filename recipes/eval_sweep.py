@@ -42,7 +42,17 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
-from _common import REWARDS, build_warm_start, get_reward, load_prompts, make_accelerator, write_jsonl
+from _common import (
+    REWARDS,
+    add_overwrite_arg,
+    build_warm_start,
+    claim_output_dir,
+    get_reward,
+    load_prompts,
+    make_accelerator,
+    run_record,
+    write_jsonl,
+)
 from accelerate.utils import gather_object
 from tqdm.auto import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -84,6 +94,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--page_size", type=int, default=PAGE_SIZE)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/eval_sweep")
+    add_overwrite_arg(p)
     return p.parse_args(argv)
 
 
@@ -275,7 +286,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hf_logging.disable_progress_bar()  # NOTE: per-checkpoint loading bars would break up the sweep's bar
     accelerator = make_accelerator()
     rank, main_process = accelerator.process_index, accelerator.is_main_process
-    os.makedirs(args.output_dir, exist_ok=True)
+    # NOTE: the recipe alone, not its flags: a widened grid adds its cells to the same sweep.csv
+    claim_output_dir(accelerator, args.output_dir, run_record("recipes/eval_sweep.py"), args.overwrite)
     csv_path = os.path.join(args.output_dir, "sweep.csv")
     reward_fn = get_reward(args.reward)
 

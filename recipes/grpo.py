@@ -70,7 +70,9 @@ from _common import (
     plot_rewards,
     read_metrics,
     resolve_checkpoint,
+    reward_span,
     run_engine_dtype,
+    run_record,
     summarize,
     trainer_run_kwargs,
     write_json,
@@ -139,7 +141,7 @@ def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: 
     plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
     write_json(summary, os.path.join(args.output_dir, "summary.json"))
     print(
-        f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in "
+        f"{reward_span(summary)} in "
         f"{summary['steps']} steps on {accelerator.num_processes} process(es), {summary['wall_time_s']:.0f}s "
         f"(warm start {summary['warm_start_s']:.0f}s), {summary['rollout_tokens_per_s']:.0f} rollout tok/s; "
         f"outputs in {args.output_dir}"
@@ -159,7 +161,8 @@ def main(argv: list[str] | None = None) -> dict:
     check_tp_args(args, accelerator)  # --tp_size: the launch and the flags it combines with
     set_seed(args.seed)
     resume = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
-    fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None)
+    fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None,
+                     record=run_record("recipes/grpo.py", args), overwrite=args.overwrite)
     if args.report_to:
         accelerator.init_trackers("rollout-grpo", config=vars(args))
     start = time.perf_counter()

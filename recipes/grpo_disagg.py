@@ -46,6 +46,8 @@ from _common import (
     make_accelerator,
     plot_rewards,
     read_metrics,
+    reward_span,
+    run_record,
     summarize,
     write_json,
 )
@@ -95,7 +97,8 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(len(learner_cpus))
     accelerator = make_accelerator()
     set_seed(args.seed)
-    fresh_output_dir(accelerator, args.output_dir)
+    fresh_output_dir(accelerator, args.output_dir, record=run_record("recipes/grpo_disagg.py", args),
+                     overwrite=args.overwrite)
     start = time.perf_counter()
     model_path, tokenizer, model, dataset, warm_start_s = load_policy_and_prompts(
         accelerator, args, TRAIN_PROMPTS, sft_seed=args.sft_seed
@@ -129,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict:
     write_json(summary, os.path.join(args.output_dir, "summary.json"))
     trainer.policy.save_pretrained(os.path.join(args.output_dir, "final"))
     tokenizer.save_pretrained(os.path.join(args.output_dir, "final"))
-    print(f"reward first5 {first:.3f} -> last5 {last:.3f} in {summary['steps']} steps, {wall:.0f}s "
+    print(f"{reward_span(summary)} in {summary['steps']} steps, {wall:.0f}s "
           f"({args.rollout_servers} rollout servers, {alive} alive at the end); outputs in {args.output_dir}")
     return summary
 

@@ -35,6 +35,7 @@ import time
 import torch
 from _common import (
     REWARDS,
+    add_overwrite_arg,
     add_run_args,
     checkpoint_step,
     fresh_output_dir,
@@ -44,7 +45,9 @@ from _common import (
     plot_rewards,
     read_metrics,
     resolve_checkpoint,
+    reward_span,
     run_engine_dtype,
+    run_record,
     summarize,
     trainer_run_kwargs,
     write_json,
@@ -90,6 +93,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft_steps", type=int, default=WARM_START["max_sft_steps"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/ppo")
+    add_overwrite_arg(p)
     add_run_args(p)
     return p.parse_args(argv)
 
@@ -99,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     accelerator = make_accelerator(bf16=args.bf16, report_to=args.report_to)
     set_seed(args.seed)
     resume = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
-    fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None)
+    fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None,
+                     record=run_record("recipes/ppo.py", args), overwrite=args.overwrite)
     if args.report_to:
         accelerator.init_trackers("rollout-ppo", config=vars(args))
     start = time.perf_counter()
@@ -159,7 +164,7 @@ def main(argv: list[str] | None = None) -> dict:
         plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
         write_json(summary, os.path.join(args.output_dir, "summary.json"))
         print(
-            f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in "
+            f"{reward_span(summary)} in "
             f"{summary['steps']} steps on {accelerator.num_processes} process(es), {wall:.0f}s "
             f"(warm start {warm_start_s:.0f}s), outputs in {args.output_dir}"
         )

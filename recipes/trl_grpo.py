@@ -47,10 +47,14 @@ from _common import (
     GRPO_EMBEDDED_ENGINE,
     GRPO_WARM_START,
     REWARDS,
+    add_overwrite_arg,
+    fresh_output_dir,
     get_reward,
     load_policy_and_prompts,
     make_accelerator,
     plot_rewards,
+    reward_span,
+    run_record,
     summarize,
     write_json,
 )
@@ -95,6 +99,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--sft_seed", type=int, default=WARM_START["seed"])
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output_dir", default="runs/trl_grpo")
+    add_overwrite_arg(p)
     return p.parse_args(argv)
 
 
@@ -167,7 +172,7 @@ def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: 
     plot_rewards(history, os.path.join(args.output_dir, "reward.png"), title)
     write_json(summary, os.path.join(args.output_dir, "summary.json"))
     print(
-        f"reward first5 {first:.3f} -> last5 {last:.3f} (rise {last - first:+.3f}) in {summary['steps']} rollout "
+        f"{reward_span(summary)} in {summary['steps']} rollout "
         f"batches on {accelerator.num_processes} process(es), {wall:.0f}s (warm start {warm_start_s:.0f}s, "
         f"generation {summary['time_generate_s']:.0f}s); logprob gap max {summary['logprob_gap_max']}; "
         f"outputs in {args.output_dir}"
@@ -182,10 +187,9 @@ def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     accelerator = make_accelerator()  # NOTE: cpu=True on a CPU machine, so a 2-process launch runs 2 real ranks
-    os.makedirs(args.output_dir, exist_ok=True)
+    fresh_output_dir(accelerator, args.output_dir, record=run_record("recipes/trl_grpo.py", args),
+                     overwrite=args.overwrite)
     metrics_path = os.path.join(args.output_dir, "metrics.jsonl")
-    if accelerator.is_main_process and os.path.exists(metrics_path):
-        os.remove(metrics_path)
     start = time.perf_counter()
 
     # 1. the policy and the prompts (recipes/grpo.py's warm start and dataset)

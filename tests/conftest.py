@@ -66,7 +66,9 @@ def pytest_sessionstart(session):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     say = reporter.write_line if reporter is not None else print
-    say("rollout: building the C++ CPU kernels first (once per machine, about 1-2 minutes on 2 cores)...")
+    say(f"rollout: building the C++ CPU kernels first (once per machine, {cpu_kernels.BUILD_TIME})...")
     start = time.perf_counter()
-    built = cpu_kernels.load() is not None
+    # NOTE: a line every 30 s with the time so far: pytest captures the kernels' own log lines
+    with cpu_kernels.build_progress("building the C++ CPU kernels", say=lambda fmt, *args: say(fmt % args)):
+        built = cpu_kernels.load() is not None
     say(f"rollout: C++ kernels {'built' if built else 'OFF (see the warning)'} in {time.perf_counter() - start:.0f} s")

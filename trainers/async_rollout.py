@@ -21,7 +21,10 @@ Threads: `torch.set_num_threads` acts per calling thread for the OpenMP pool tha
 (each thread keeps its own team size; a new thread starts from the last value set anywhere), so with
 `rollout_threads=1` / `learner_threads=1` rollout runs on one core and the learner on the other.
 Metrics: `staleness_mean` / `staleness_max` (over trained tokens), `stale_fraction`,
-`stale_logprob_gap` (|rollout - learner| logprob on stale tokens), `time_generate` (the producer's time
+`stale_logprob_gap` (|rollout - learner| logprob on stale tokens), `fresh_logprob_mismatch_max` (the largest
+|rollout - learner| logprob on the tokens the learner's current version sampled: the engine against the behaviour
+policy, the parity probe of an async run, absent from a step without such tokens; `logprob_mismatch_max` compares
+every token with the current policy, so it grows with staleness), `time_generate` (the producer's time
 for this batch), `time_generate_exposed` (the learner's wait for it), `time_generate_overlapped`.
 """
 
@@ -141,6 +144,9 @@ def stale_correction(data: dict[str, Tensor], version: int, max_staleness: int, 
         "stale_fraction": masked_mean(stale.float(), mask).item() if mask.any() else 0.0,
         "stale_logprob_gap": masked_mean(gap, stale).item() if stale.any() else 0.0,
     }
+    fresh = mask & (staleness == 0)  # [N, T] sampled by the version that is learning now: behaviour == current
+    if fresh.any():
+        metrics["fresh_logprob_mismatch_max"] = gap[fresh].max().item()
     if tis_cap is not None and stale.any():
         weights = torch.exp(data["old_logprobs"] - data["rollout_logprobs"]).clamp(max=tis_cap)  # [N, T]
         fresh = data.get("tis_weights", torch.ones_like(weights))

@@ -23,6 +23,11 @@ Loading and building (several processes may start at once, e.g. DDP ranks):
   `lock` file, if a killed build left one, is stale and removed first;
 - no compiler, no ninja, a failed build or a lock held past the timeout: one warning, and decode
   attention stays on torch's SDPA. `ROLLOUT_CPU_KERNELS=0` skips the kernels (and the build) altogether.
+  Without a compiler torch's loader is not called at all (it would print its own compiler banners first).
+
+A build prints one line when it starts and one every `PROGRESS_EVERY_S` seconds with the time elapsed (it takes
+1-5 minutes on 2 cores, longer when they are busy), then one when it is done. `status_line` is the one line an
+engine logs when it starts (which attention path and which kernels run), and `rollout doctor` prints it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import importlib.util
 import logging
 import os
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
@@ -53,6 +59,9 @@ LDFLAGS = ("-fopenmp",)
 BUILD_LOCK_TIMEOUT_S = 300.0  # most seconds to wait for another process's build
 DONE_MARKER = "rollout.ok"  # written once a build has loaded: the library in that directory is whole
 LOCK_FILE = "rollout.lock"
+PROGRESS_EVERY_S = 30.0  # a line with the seconds elapsed while a build runs
+# NOTE: measured on 2 shared cores: ~60-120 s calm, 292 s at load ~8 (issue 62)
+BUILD_TIME = "1-5 minutes on 2 cores, longer on a busy machine"
 
 _lock = threading.Lock()
 STATE: dict[str, object] = {}
@@ -136,16 +145,52 @@ def _file_lock(path: Path, timeout: float):
         os.close(fd)  # NOTE: closing the descriptor drops the lock
 
 
+class NoCompiler(RuntimeError):
+    """No C++ compiler on PATH: the build is not tried."""
+
+
+def compiler() -> str | None:
+    """The C++ compiler torch's loader would run (`CXX`, else `c++`, else `g++`), or None."""
+    for name in (os.environ.get("CXX"), "c++", "g++"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+@contextlib.contextmanager
+def build_progress(what: str, every: float = PROGRESS_EVERY_S, say=None):
+    """While the block runs, `say` (default: the "rollout" logger's warning) one line every `every` seconds with
+    the seconds elapsed, so a long build does not look hung; then one line with the total."""
+    say = say or logger.warning
+    start, done = time.monotonic(), threading.Event()
+
+    def tick() -> None:
+        while not done.wait(every):
+            say("rollout: %s: %.0f s so far", what, time.monotonic() - start)
+
+    thread = threading.Thread(target=tick, name="rollout-build-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+    say("rollout: %s: done in %.0f s", what, time.monotonic() - start)
+
+
 def compile_sources(name: str, directory: Path):
     """Compile the kernels' sources into `directory` as the extension `name` and import it (the build step
-    `build` runs under its lock; a test replaces it to check the lock)."""
+    `build` runs under its lock; a test replaces it to check the lock). NoCompiler without a C++ compiler."""
     from torch.utils import cpp_extension  # noqa: PLC0415
 
+    if compiler() is None:
+        raise NoCompiler("no C++ compiler")
     _ensure_ninja()
-    logger.warning("rollout: compiling the C++ CPU kernels (%s) into %s: once per machine, about 1-2 minutes "
-                   "on 2 cores; ROLLOUT_CPU_KERNELS=0 skips them", KERNELS, directory)
-    return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
-                              extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
+    logger.warning("rollout: building the C++ CPU kernels (%s) into %s: once per machine, %s; a line every %.0f s "
+                   "until done; ROLLOUT_CPU_KERNELS=0 skips them", KERNELS, directory, BUILD_TIME, PROGRESS_EVERY_S)
+    with build_progress("building the C++ CPU kernels"):
+        return cpp_extension.load(name=name, sources=[str(f) for f in SOURCES], extra_cflags=list(CFLAGS),
+                                  extra_ldflags=list(LDFLAGS), build_directory=str(directory), verbose=False)
 
 
 def build(timeout: float | None = None):
@@ -180,9 +225,9 @@ def why_off(error: BaseException) -> str:
                 "carry every file the C++ sources include)")
     if isinstance(error, TimeoutError):
         return str(error)
-    compiler = os.environ.get("CXX", "c++")
-    if shutil.which(compiler) is None and shutil.which("g++") is None:
-        return f"no C++ compiler found (`{compiler}` and `g++` are not on PATH; install g++ to get the kernels)"
+    if isinstance(error, NoCompiler) or compiler() is None:
+        cxx = os.environ.get("CXX", "c++")
+        return f"no C++ compiler found (`{cxx}` and `g++` are not on PATH; install g++ to get the kernels)"
     text = str(error).strip()
     return f"the build failed ({type(error).__name__}: {text.splitlines()[-1] if text else ''})"
 
@@ -201,10 +246,52 @@ def load():
             try:
                 module = build()
             except Exception as e:  # NOTE: no compiler, no ninja, a missing header, a failed build: torch still works
+                STATE["why_off"] = why_off(e)
                 logger.warning("rollout: the C++ CPU kernels are off (%s); using torch SDPA and torch ops: %s",
-                               KERNELS, why_off(e))
+                               KERNELS, STATE["why_off"])
             STATE["module"] = module
         return STATE["module"]
+
+
+# NOTE: what each attention backend (rollout.attention.backends) runs, as the engine's start line says it
+ATTENTION_PATHS = {
+    "cpu": "rollout's C++ paged decode kernel for decode rows, torch SDPA for prompt chunks",
+    "sdpa": "torch SDPA over each request's gathered pages",
+    "flex": "torch FlexAttention over the paged cache, compiled",
+    "flash": "flash-attn with page tables",
+    "triton": "rollout's Triton paged decode kernel for decode rows, torch SDPA for prompt chunks",
+}
+_announced: set[str] = set()
+
+
+def status_line(attention: str, device: torch.device | str = "cpu", onednn_linears: int | None = None) -> str:
+    """One line: the attention path `attention` (a backend name) and whether rollout's C++ CPU kernels run (and
+    from where), or why not; `onednn_linears`: how many linears run through oneDNN on packed copies."""
+    path = f"rollout: attention {attention!r} ({ATTENTION_PATHS.get(attention, 'a backend of its own')})"
+    if torch.device(device).type != "cpu":
+        return f"{path} on {device}"
+    if not enabled():
+        kernels = "C++ CPU kernels off (ROLLOUT_CPU_KERNELS=0)"
+    elif STATE.get("module") is None:
+        kernels = f"C++ CPU kernels off ({STATE.get('why_off', 'not loaded')})"
+    else:
+        small = STATE["module"].small_gemm_available()
+        kernels = (f"C++ CPU kernels on ({KERNELS}; small-batch linears {'on' if small else 'off: no AVX-512'}), "
+                   f"built in {build_directory(build_name())}")
+    linears = "" if not onednn_linears else f"; {onednn_linears} linears through oneDNN on packed weights"
+    return f"{path}; {kernels}{linears}"
+
+
+def announce(line: str) -> None:
+    """Say `line` once per process: on the "rollout" logger at INFO where logging is set up, else on stderr (a
+    script that configured no logging would otherwise never see it)."""
+    if line in _announced:
+        return
+    _announced.add(line)
+    if logger.hasHandlers():
+        logger.info(line)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 def parallel_threads():

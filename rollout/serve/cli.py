@@ -1,11 +1,17 @@
 """`rollout serve MODEL_PATH [flags]`: load a `save_pretrained` directory and serve it (the entry point:
-the only place that reads the environment, `ROLLOUT_API_KEY`)."""
+the only place that reads the environment, `ROLLOUT_API_KEY`).
+
+MODEL_PATH may be a PEFT adapter directory (`adapter_config.json`, e.g. a LoRA recipe's `final/`): its base
+(`base_model_name_or_path`, a path as saved, else beside the adapter's directory, else a hub id) is loaded and the
+adapter served on it unmerged, as `RolloutEngine(peft_model)` serves a PEFT policy. Without peft, or without the
+base, the server refuses in one line that names the other way: the base with `--enable-lora`."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import ipaddress
+import json
 import logging
 import os
 
@@ -92,22 +98,77 @@ def engine_config(args: argparse.Namespace) -> ContinuousBatchingConfig:
     return ContinuousBatchingConfig(**given)
 
 
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+def adapter_base(model_path: str) -> str | None:
+    """The base model of the PEFT adapter directory `model_path`, or None when it is no adapter: its
+    `base_model_name_or_path` as saved (relative to the directory the training ran in), else the directory of that
+    name beside the adapter's (a recipe's `OUTPUT_DIR/init` for `OUTPUT_DIR/final`), else as given (a hub id)."""
+    config = os.path.join(model_path, ADAPTER_CONFIG)
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        base = json.load(f).get("base_model_name_or_path")
+    if not base:
+        raise SystemExit(f"rollout serve: {model_path} is a PEFT adapter whose {ADAPTER_CONFIG} names no base model; "
+                         f"serve its base with --enable-lora and load the adapter with POST /v1/load_lora_adapter")
+    beside = os.path.join(os.path.dirname(os.path.abspath(model_path)), os.path.basename(os.path.normpath(base)))
+    for candidate in (base, beside):
+        if os.path.isdir(candidate):
+            return candidate
+    if os.path.isabs(base) or base.startswith("."):
+        raise SystemExit(f"rollout serve: {model_path} is a PEFT adapter of {base}, which is not here (nor {beside}); "
+                         "serve the base with --enable-lora and load the adapter with POST /v1/load_lora_adapter")
+    return base  # NOTE: a hub id
+
+
+def load_adapter(model_path: str, base: str, dtype, tp_size: int):
+    """The PeftModel of the adapter `model_path` on its `base` (loaded in `dtype`), in eval mode."""
+    if tp_size > 1:
+        raise SystemExit(f"rollout serve: {model_path} is a PEFT adapter; --tensor-parallel-size does not take one "
+                         f"yet: serve {base} with --enable-lora instead")
+    try:
+        from peft import PeftModel
+    except ImportError:
+        raise SystemExit(f"rollout serve: {model_path} is a PEFT adapter of {base} and serving it needs peft (the "
+                         f"[lora] extra); or serve {base} with --enable-lora and POST /v1/load_lora_adapter") from None
+    from transformers import AutoModelForCausalLM
+
+    base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
+    try:
+        return PeftModel.from_pretrained(base_model, model_path).eval()
+    except Exception as e:  # NOTE: e.g. an adapter of other shapes: one line, no traceback
+        raise SystemExit(f"rollout serve: {model_path} does not load as a PEFT adapter of {base} ({type(e).__name__}: "
+                         f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); serve the base with "
+                         "--enable-lora and load the adapter with POST /v1/load_lora_adapter") from None
+
+
 def load(model_path: str, dtype: str, tp_size: int = 1):
     """(model, tokenizer or None, generation config) of a `save_pretrained` directory (sharded over `tp_size`
-    ranks with `DistributedConfig(tp_size=...)` when > 1)."""
+    ranks with `DistributedConfig(tp_size=...)` when > 1), or of a PEFT adapter directory (a PeftModel on its base,
+    `adapter_base`)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
     from transformers.distributed import DistributedConfig
 
-    kwargs = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype),
-                                                 **kwargs)
-    model.eval()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-    except Exception as e:  # NOTE: a model without a tokenizer still serves token ids
-        logging.getLogger("rollout.serve").warning("no tokenizer in %s (%s): token ids only", model_path, e)
-        tokenizer = None
+    torch_dtype = dtype if dtype == "auto" else getattr(torch, dtype)
+    base = adapter_base(model_path)
+    if base is not None:
+        model = load_adapter(model_path, base, torch_dtype, tp_size)
+    else:
+        kwargs = {"distributed_config": DistributedConfig(tp_size=tp_size)} if tp_size > 1 else {}
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype, **kwargs)
+        model.eval()
+    tokenizer, problems = None, []
+    for source in (model_path, base) if base is not None else (model_path,):  # NOTE: an adapter's, else its base's
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(source)
+            break
+        except Exception as e:  # NOTE: a model without a tokenizer still serves token ids
+            problems.append(f"{source}: {e}")
+    if tokenizer is None:
+        logging.getLogger("rollout.serve").warning("no tokenizer (%s): token ids only", "; ".join(problems))
     eos: set[int] = set()
     for src in (getattr(tokenizer, "eos_token_id", None), getattr(model.generation_config, "eos_token_id", None)):
         eos.update([src] if isinstance(src, int) else (src or []))

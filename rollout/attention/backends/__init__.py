@@ -17,8 +17,8 @@ backend). Backends (`BACKENDS`):
   chunks (`triton`; CUDA, or a CPU under Triton's interpreter; the `triton` extra; never picked by `"auto"`).
 
 This module is the registry: `select` (the backend for a config, a device and a model), `resolve`
-(`"auto"` alone), `attention_memory` and `create`. `"auto"` picks `cpu` on a CPU (`sdpa`, with one
-warning, when the kernel cannot build) and `flex` on CUDA (`flash` there once it is implemented); a
+(`"auto"` alone), `attention_memory` and `create`. `"auto"` picks `cpu` on a CPU (`sdpa` when the kernel cannot
+build: `rollout.kernels.cpu_kernels` has warned once, saying why) and `flex` on CUDA (`flash` there once it is implemented); a
 model with attention sinks (gpt-oss) gets a backend that implements them.
 """
 
@@ -106,6 +106,6 @@ def _auto(device: torch.device, dtype: torch.dtype) -> str:
         return "sdpa"
     if cpu_kernel(dtype) is None:
         # NOTE: rollout.kernels.cpu_kernels has said why (disabled, no compiler, failed build)
-        logger.warning("attn_backend='auto': rollout's CPU attention kernel is unavailable; using 'sdpa'")
+        logger.info("attn_backend='auto': rollout's CPU attention kernel is unavailable; using 'sdpa'")
         return "sdpa"
     return "cpu"
