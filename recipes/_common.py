@@ -13,12 +13,14 @@ import shutil
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
 from _tp import tp_load_kwargs
 from accelerate import Accelerator
 from datasets import Dataset, load_dataset, load_from_disk
+from transformers.utils import logging as hf_logging
 
 from rollout import ContinuousBatchingConfig
 from trainers.base import checkpoints
@@ -31,6 +33,12 @@ from trainers.tasks import (
 )
 from trainers.verifiers import math_reward
 from trainers.warm_start import sft_warm_start
+
+# NOTE: a recipe's output is its own progress bar and summary lines. peft reads transformers' deprecated
+# `is_gradient_checkpointing` on every get_peft_model / from_pretrained (a FutureWarning per call, nothing a user
+# can act on), and transformers draws a bar for every checkpoint it writes or loads.
+warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+hf_logging.disable_progress_bar()
 
 # NOTE: the embedded GRPO warm start (recipes/grpo.py and recipes/trl_grpo.py load the same checkpoint).
 # It has its own seed: SFT on this task learns through a sudden transition whose step varies with the seed

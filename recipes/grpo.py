@@ -17,13 +17,17 @@ With no arguments this is the embedded CPU demo, end to end and offline:
      final/ (save_pretrained) and summary.json (first-5 / last-5 mean reward, wall time, rollout
      tokens/s, greedy exact match on 512 held-out problems before and after).
 
-Launch (a tqdm bar shows the reward; the default took 175-190 s on 2 CPU cores, clean clone, 2026-12-02):
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --async_rollout --max_staleness 1   # generation overlaps training
-    accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/grpo.py      # 2 CPU ranks
-    torchrun --nproc-per-node 2 recipes/grpo.py --tp_size 2   # one policy sharded over 2 ranks (recipes/_tp.py)
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --rollout_engines 1 --async_rollout
-        # rollouts from a Ray fleet (the [ray] extra): engine actors in their own processes (docs/fleets.md)
+Launch (a tqdm bar shows the reward; times: README.md, "Quick start"). Each run writes its own --output_dir and
+refuses one another run wrote (`rollout_run.json` names the recipe and flags there) unless given --overwrite:
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --output_dir runs/grpo
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --async_rollout --max_staleness 1 \
+        --output_dir runs/grpo_async   # generation overlaps training
+    accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/grpo.py --output_dir runs/grpo_2cpu   # 2 ranks
+    torchrun --nproc-per-node 2 recipes/grpo.py --tp_size 2 --output_dir runs/grpo_tp2   # one policy over 2 ranks
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --rollout_engines 1 --async_rollout \
+        --output_dir runs/grpo_fleet   # rollouts from a Ray fleet (the [ray] extra): engine actors (docs/fleets.md)
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 8 --output_dir runs/grpo_r8
+        # a LoRA adapter (lr 1e-3 unless --lr: docs/lora.md); `rollout serve runs/grpo_r8/final` serves it on its base
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \\
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match \\
         --max_new_tokens 256 --lr 1e-6 --output_dir runs/grpo_qwen

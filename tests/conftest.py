@@ -56,7 +56,7 @@ def keep_rng():
 
 def pytest_sessionstart(session):
     """Build rollout's C++ kernels before the first test, visibly (else the first engine's test sits silent for
-    the 1-2 minutes of a first build); a cached build loads in a moment and prints nothing."""
+    the minutes of a first build); a cached build loads in a moment and prints nothing."""
     import time
 
     from rollout.kernels import cpu_kernels

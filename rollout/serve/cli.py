@@ -14,6 +14,7 @@ import ipaddress
 import json
 import logging
 import os
+import warnings
 
 from rollout.config import ContinuousBatchingConfig
 
@@ -137,7 +138,9 @@ def load_adapter(model_path: str, base: str, dtype, tp_size: int):
 
     base_model = AutoModelForCausalLM.from_pretrained(base, dtype=dtype)
     try:
-        return PeftModel.from_pretrained(base_model, model_path).eval()
+        with warnings.catch_warnings():  # NOTE: peft reads transformers' deprecated is_gradient_checkpointing
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated")
+            return PeftModel.from_pretrained(base_model, model_path).eval()
     except Exception as e:  # NOTE: e.g. an adapter of other shapes: one line, no traceback
         raise SystemExit(f"rollout serve: {model_path} does not load as a PEFT adapter of {base} ({type(e).__name__}: "
                          f"{str(e).strip().splitlines()[-1] if str(e).strip() else ''}); serve the base with "

@@ -122,3 +122,18 @@ def test_the_warm_start_cache_is_keyed_by_settings_model_and_library_versions(tm
     (path / _common.WARM_START_FILE).write_text(json.dumps({**key, "transformers": "5.23.0", "exact": 0.3}))
     assert not _common.saved_settings_match(str(path), key)
     assert not _common.saved_settings_match(str(tmp_path / "missing"), key)
+
+
+def test_the_summary_says_what_each_logprob_mismatch_compares():
+    import _mode
+
+    history = [{"step": 1, "staleness_mean": 0.0, "staleness_max": 0, "logprob_mismatch_max": 6e-5,
+                "fresh_logprob_mismatch_max": 6e-5},
+               {"step": 2, "staleness_mean": 1.0, "staleness_max": 1, "logprob_mismatch_max": 14.3}]
+    line = _mode.mode_line(argparse.Namespace(async_rollout=True, max_staleness=1), history)
+    assert "behaviour vs current policy (stale tokens included: the policy moved since) max 14.3" in line
+    assert "engine vs behaviour policy (tokens the current version sampled) max 6e-05" in line
+    line = _mode.mode_line(argparse.Namespace(async_rollout=True, max_staleness=1), history[1:])
+    assert "engine vs behaviour policy (tokens the current version sampled) not measured: no such tokens" in line
+    sync = _mode.mode_line(argparse.Namespace(), [{"step": 1, "logprob_mismatch_max": 6e-5}])
+    assert sync == "mode: sync: logprob mismatch engine vs trainer (parity probe) max 6e-05"

@@ -96,6 +96,8 @@ def test_stale_correction_by_hand():
     assert math.isclose(metrics["stale_fraction"], 3 / 7, rel_tol=1e-6)
     assert math.isclose(metrics["stale_logprob_gap"], (0.8 + 2.0 + 0.2) / 3, rel_tol=1e-6)
     assert math.isclose(metrics["stale_masked_fraction"], 1 / 7, rel_tol=1e-6)
+    # NOTE: the engine against the behaviour policy: only the tokens version 5 sampled, the largest gap 0.1
+    assert math.isclose(metrics["fresh_logprob_mismatch_max"], 0.1, rel_tol=1e-5)
     fresh = {"loss_mask": mask.clone(), "versions": torch.where(mask, 5, 0), "rollout_logprobs": rollout,
              "old_logprobs": old}
     stale_correction(fresh, version=5, max_staleness=0, tis_cap=2.0, mask_stale=True)
