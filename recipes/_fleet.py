@@ -26,5 +26,7 @@ def build_fleet(args, model_path: str, tokenizer, engine_config, accelerator):
     from rollout.fleet import RolloutFleet
 
     resources = {"CPU": args.engine_cpus, **({"GPU": args.engine_gpus} if args.engine_gpus else {})}
+    # NOTE: no tokenizer: each engine loads model_path's own (the recipe's too); a hub model's tokenizer is large
+    # enough that Ray would put it in its object store and log an error line about the actor's restarts
     return RolloutFleet(model_path, num_engines=args.rollout_engines, engine_config=engine_config,
-                        resources_per_engine=resources, tokenizer=tokenizer, address=args.ray_address)
+                        resources_per_engine=resources, address=args.ray_address)

@@ -2,7 +2,7 @@
 non-editable install builds and uses them (issue 39: the wheel shipped `csrc/*.cpp` without `kernels.h`,
 so a non-editable install silently fell back to SDPA, 1.3-1.5x slower; CI installs editable and never saw it).
 
-The install test is `slow` (a fresh build of the kernels: 1-2 minutes on 2 cores); `.ci/run` runs it.
+The install test is `slow` (a fresh build of the kernels: 1-5 minutes on 2 calm cores); `.ci/run` runs it.
 """
 
 from __future__ import annotations

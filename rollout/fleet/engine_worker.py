@@ -158,7 +158,7 @@ class EngineWorker:
         source: a `save_pretrained` directory, or the policy module itself (from the object store).
         tokenizer: the tokenizer (default: the directory's); used for stop ids only, prompts arrive as ids.
         engine_config, generation_config: the `RolloutEngine`'s.
-        store: the fleet's `WeightStore` actor (None: keep the initial weights).
+        store: the fleet's `WeightStore` actor, or its name (None: keep the initial weights).
         num_threads: torch threads of this engine (its CPU share).
         dtype: cast the policy ("bfloat16", ...; None: as loaded).
         engine_index: this engine's index in the fleet (a replacement copies broadcast weights from another).
@@ -178,6 +178,7 @@ class EngineWorker:
         if store is not None:
             import ray
 
+            store = ray.get_actor(store) if isinstance(store, str) else store  # NOTE: RolloutFleet names its store
             version, refs = ray.get(store.latest.remote())
             current, holders = ray.get(store.current.remote())
             if current != version:  # NOTE: the latest update came by broadcast: copy it from an engine holding it

@@ -32,6 +32,7 @@ import logging
 import os
 import socket
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -130,17 +131,22 @@ class RolloutFleet:
             ray.util.remove_placement_group(self.pg)
             raise RuntimeError(f"the Ray cluster has no room for {num_engines} engine(s) of {bundle} within "
                                f"{start_timeout_s:.0f} s (cluster resources: {ray.cluster_resources()})")
-        self.store = ray.remote(num_cpus=0)(WeightStore).remote()
+        # NOTE: named, and passed to the engines by name: an actor handle among an actor's constructor arguments makes
+        # Ray log an error line ("constructor arguments in the object store") at every engine's start
+        self.store_name = f"rollout-weight-store-{uuid.uuid4().hex}"
+        self.store = ray.remote(num_cpus=0)(WeightStore).options(name=self.store_name).remote()
         source = str(model_or_dir) if isinstance(model_or_dir, (str, os.PathLike)) else model_or_dir
-        # NOTE: the actors' constructor arguments, put once and held here: Ray restarts an actor from them
-        self.init_args = [ray.put(a) for a in (source, tokenizer, engine_config, generation_config)]
+        # NOTE: the actors' constructor arguments, held here: Ray restarts an actor from them. A model object is put
+        # once; the rest go inline (an object-store argument makes Ray log an error line at every actor's start)
+        self.init_args = [source if isinstance(source, str) else ray.put(source), tokenizer, engine_config,
+                          generation_config]
         threads = threads_per_engine or max(1, int(bundle.get("CPU", 1)))
         worker = ray.remote(EngineWorker)
         self.actors = [
             worker.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=max_restarts,
                            max_task_retries=0, max_concurrency=4,
                            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k))
-            .remote(*self.init_args, self.store, threads, dtype, k)
+            .remote(*self.init_args, self.store_name, threads, dtype, k)
             for k in range(num_engines)
         ]
         try:

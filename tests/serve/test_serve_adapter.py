@@ -78,3 +78,34 @@ def test_without_peft_the_refusal_names_the_extra_and_enable_lora(run_dir, monke
     monkeypatch.setitem(sys.modules, "peft", None)
     message = refusal([str(out / "final"), "--port", "0"])
     assert "\n" not in message and "needs peft (the [lora] extra)" in message and "--enable-lora" in message
+
+
+@pytest.mark.timeout(600)
+def test_a_lora_recipe_final_dir_is_served(tmp_path, keep_rng):
+    """The GRPO recipe with `--lora_rank` (its default learning rate 1e-3), then `rollout serve OUTPUT_DIR/final`."""
+    import importlib.util
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    recipes = Path(__file__).resolve().parents[2] / "recipes"
+    sys.path.insert(0, str(recipes))
+    spec = importlib.util.spec_from_file_location("recipe_grpo_lora_serve", recipes / "grpo.py")
+    grpo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(grpo)
+    out = tmp_path / "grpo_r2"
+    grpo.main(["--lora_rank", "2", "--steps", "2", "--sft_steps", "3", "--prompts_per_step", "4", "--group_size",
+               "4", "--output_dir", str(out)])
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["lr"] for r in records] == [1e-3, 1e-3]  # NOTE: the recipes' LoRA default, not 10x (docs/lora.md)
+    assert (out / "final" / "adapter_config.json").exists()
+    policy = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(out / "init"), out / "final").eval()
+    prompts = [[1, 5, 6, 7, 14, 8, 9, 10, 15], [1, 9, 9, 9, 14, 1, 2, 3, 15]]  # NOTE: "123+456=", "999+123="-like ids
+    with serving(out / "final") as s:
+        for prompt in prompts:
+            r = httpx.post(s.url + "/v1/completions", headers={"Authorization": f"Bearer {s.key}"}, timeout=60,
+                           json={"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                 "ignore_eos": True, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["token_ids"] == hf_greedy(policy, prompt, 4)
