@@ -261,7 +261,7 @@ ATTENTION_PATHS = {
     "flash": "flash-attn with page tables",
     "triton": "rollout's Triton paged decode kernel for decode rows, torch SDPA for prompt chunks",
 }
-_announced: set[str] = set()
+ANNOUNCED: set[str] = set()  # NOTE: the lines `announce` said in this process
 
 
 def status_line(attention: str, device: torch.device | str = "cpu", onednn_linears: int | None = None) -> str:
@@ -285,9 +285,9 @@ def status_line(attention: str, device: torch.device | str = "cpu", onednn_linea
 def announce(line: str) -> None:
     """Say `line` once per process: on the "rollout" logger at INFO where logging is set up, else on stderr (a
     script that configured no logging would otherwise never see it)."""
-    if line in _announced:
+    if line in ANNOUNCED:
         return
-    _announced.add(line)
+    ANNOUNCED.add(line)
     if logger.hasHandlers():
         logger.info(line)
     else:

@@ -44,7 +44,7 @@ def test_a_build_says_the_seconds_elapsed_while_it_runs():
 
 
 def test_a_line_is_announced_once_per_process(monkeypatch, caplog):
-    monkeypatch.setattr(cpu_kernels, "_announced", set())
+    monkeypatch.setattr(cpu_kernels, "ANNOUNCED", set())
     with caplog.at_level(logging.INFO, logger="rollout"):
         cpu_kernels.announce("rollout: attention 'x'")
         cpu_kernels.announce("rollout: attention 'x'")
@@ -55,7 +55,7 @@ def test_a_line_is_announced_once_per_process(monkeypatch, caplog):
 def test_an_engine_names_its_attention_path_and_kernels_when_it_starts(monkeypatch, caplog):
     from rollout import RolloutEngine
 
-    monkeypatch.setattr(cpu_kernels, "_announced", set())
+    monkeypatch.setattr(cpu_kernels, "ANNOUNCED", set())
     with caplog.at_level(logging.INFO, logger="rollout"):
         engine = RolloutEngine(make_model("qwen3"))
         engine.close()
