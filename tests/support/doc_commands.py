@@ -114,7 +114,8 @@ def run(scratch: Path, match: str | None, timeout: float) -> int:
         try:
             done = subprocess.run(text, shell=True, cwd=scratch, env=env, capture_output=True, text=True,
                                   timeout=timeout)
-            rc, tail = done.returncode, (done.stdout + done.stderr).strip().splitlines()[-4:]
+            # NOTE: a run's summary lines are on stdout (its progress bars on stderr); a failure's cause on stderr
+            rc, tail = done.returncode, (done.stdout if done.returncode == 0 else done.stderr).strip().splitlines()[-4:]
         except subprocess.TimeoutExpired:
             rc, tail = "timeout", []
         failed += rc != 0
