@@ -24,7 +24,7 @@ import pytest
 import torch
 from support.tiny_models import hf_greedy, make_model
 
-from rollout import ContinuousBatchingConfig, RolloutEngine
+from rollout import ContinuousBatchingConfig, RolloutEngine, SamplingParams
 from rollout.fleet.shards import plan_shards
 
 pytestmark = pytest.mark.timeout(600)
@@ -32,6 +32,7 @@ pytestmark = pytest.mark.timeout(600)
 PROMPTS = [[7, 30, 41, 9, 77, 12], [5, 66, 90, 3], [21, 54, 18, 33, 71], [3, 99, 14], [60, 61, 62, 63, 64]]
 ENGINE = dict(page_size=16, num_blocks=256, batch_invariant=True)
 MAX_NEW = 12
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)  # NOTE: what EngineWorker.generate takes per prompt
 
 
 def _descendants(pid: int) -> list[int]:
@@ -98,7 +99,7 @@ def test_two_engines_give_greedy_rows_equal_to_hf_generate(fleet_setup):
     # each engine on its own (both served a shard of the call above: 5 groups over 2 idle engines)
     ray = fleet.ray
     for actor in fleet.actors:
-        outs = ray.get(actor.generate.remote(PROMPTS[:2], [0.0, 0.0], 1, None, 0, {"max_new_tokens": MAX_NEW}))
+        outs = ray.get(actor.generate.remote(PROMPTS[:2], [GREEDY] * 2, 1, 0))
         assert [o.generated_tokens for o in outs] == greedy_oracle(state["model"], PROMPTS[:2], MAX_NEW)
 
 
@@ -165,7 +166,7 @@ def test_update_weights_reaches_every_engine(fleet_setup):
     assert fleet.engine_versions() == [1, 1]
     ray = fleet.ray
     for actor in fleet.actors:
-        outs = ray.get(actor.generate.remote(PROMPTS, [0.0] * 5, 1, None, 0, {"max_new_tokens": MAX_NEW}))
+        outs = ray.get(actor.generate.remote(PROMPTS, [GREEDY] * 5, 1, 0))
         assert [o.generated_tokens for o in outs] == greedy_oracle(new, PROMPTS, MAX_NEW)
         assert all(set(o.versions) == {1} for o in outs)
     batch = fleet.generate(PROMPTS, temps=0.0, max_new_tokens=MAX_NEW)
@@ -214,7 +215,7 @@ def test_an_engine_killed_mid_call_is_replaced_and_its_groups_resubmitted(fleet_
     # the replacement: a new process, on the current weights and version before it serves anything
     assert fleet.engine_versions() == [fleet.policy_version] * 2
     assert fleet.pids[0] != old_pid and _gone(old_pid)
-    outs = ray.get(fleet.actors[0].generate.remote(PROMPTS, [0.0] * 5, 1, None, 0, {"max_new_tokens": MAX_NEW}))
+    outs = ray.get(fleet.actors[0].generate.remote(PROMPTS, [GREEDY] * 5, 1, 0))
     assert [o.generated_tokens for o in outs] == greedy_oracle(state["model"], PROMPTS, MAX_NEW)
 
 
