@@ -34,7 +34,8 @@ def completion_logprobs(req, sample: SampleText, tokens: list[int], lps: list[fl
         values += [None] + [_clamp(x) for x in out.scores[: len(sample.prompt_ids) - 1]]
         tops.append(None)
         for j, tok in enumerate(sample.prompt_ids[1:]):
-            tops.append(_top_dict(sample, out.score_top_logprobs[j][:k], out.score_top_ids[j][:k], tok, out.scores[j]))
+            vals, tids = (out.score_top_logprobs[j][:k], out.score_top_ids[j][:k]) if k else ([], [])
+            tops.append(_top_dict(sample, vals, tids, tok, out.scores[j]))  # NOTE: k=0: the token itself only
     ids += tokens
     values += [_clamp(x) for x in lps]
     top = sample.top

@@ -69,6 +69,21 @@ def test_echo_scores_the_prompt_with_max_tokens_0(server, model, tok):
     assert lp["text_offset"] == [len(tok.decode(prompt[:j])) for j in range(len(prompt))]
 
 
+def test_echo_with_logprobs_0_gives_each_tokens_own_logprob(server, model, tok):
+    """`logprobs: 0` with echo (the sampled / given token's logprob only): each top dict holds the token alone
+    (it was a 500: the engine computes no top-k for k=0)."""
+    prompt = tok("The cat sat.")["input_ids"]
+    r = post(server, "/v1/completions", {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 1,
+                                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 1 and lp["top_logprobs"][0] is None
+    assert all(list(top) == [tok_] for top, tok_ in zip(lp["top_logprobs"][1:], lp["tokens"][1:], strict=True))
+    dist = log_dist(model, prompt)
+    ref = dist[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
+    torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(prompt)]), ref, atol=ATOL, rtol=0)
+
+
 def test_echo_with_one_generated_token_as_lm_eval_sends_it(server, model):
     """`echo, logprobs: 1, max_tokens: 1, temperature: 0` on token ids, two prompts in one request:
     prompt positions then the greedy token, whose top-1 is itself (lm-eval's is_greedy check)."""
