@@ -78,7 +78,8 @@ def test_echo_with_logprobs_0_gives_each_tokens_own_logprob(server, model, tok):
     assert r.status_code == 200, r.text
     lp = r.json()["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(prompt) + 1 and lp["top_logprobs"][0] is None
-    assert all(list(top) == [tok_] for top, tok_ in zip(lp["top_logprobs"][1:], lp["tokens"][1:], strict=True))
+    tops = zip(lp["top_logprobs"][1:], lp["tokens"][1:], strict=True)
+    assert all(list(top) == [token] for top, token in tops)
     dist = log_dist(model, prompt)
     ref = dist[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0]
     torch.testing.assert_close(torch.tensor(lp["token_logprobs"][1:len(prompt)]), ref, atol=ATOL, rtol=0)
