@@ -119,28 +119,29 @@ def test_seeded_samples_equal_the_in_process_engine(fleet_setup):
 
 
 def test_sessions_keep_their_groups_on_one_engine(fleet_setup, monkeypatch):
-    """`session_ids`: a session's groups run on the engine that took its first one, one shard per group, seeded as
-    the call's groups they are (the same rows as without sessions); `finish_session` forgets the engine."""
+    """`session_ids`: a session's groups run on the engine that took its first one, seeded as the call's groups they
+    are (the same rows as without sessions); `finish_session` forgets the engine."""
     fleet, _, _ = fleet_setup
-    seen = []
-    run = fleet._run
+    from rollout.fleet import ray_fleet, sessions
 
-    def spy(call, n, unit, shards=None):
-        seen.append(shards)
-        return run(call, n, unit, shards)
+    placed = []
 
-    monkeypatch.setattr(fleet, "_run", spy)
-    sessions = ["a", "b", "a", "b", "a"]
-    batch = fleet.generate(PROMPTS, temps=1.0, group_size=2, max_new_tokens=MAX_NEW, seed=5, session_ids=sessions)
+    def spy(*args):
+        placed.append(sessions.place_sessions(*args))
+        return placed[-1]
+
+    monkeypatch.setattr(ray_fleet, "place_sessions", spy)
+    batch = fleet.generate(PROMPTS, temps=1.0, group_size=2, max_new_tokens=MAX_NEW, seed=5,
+                           session_ids=["a", "b", "a", "b", "a"])
     plain = fleet.generate(PROMPTS, temps=1.0, group_size=2, max_new_tokens=MAX_NEW, seed=5)
     assert rows(batch) == rows(plain)
-    engine_of = {i: k for k, i, _ in seen[0]}
-    assert [e - s for _, s, e in seen[0]] == [1] * len(PROMPTS)
-    assert engine_of[0] == engine_of[2] == engine_of[4] != engine_of[1] == engine_of[3]
+    (first,) = placed
+    assert first[0] == first[2] == first[4] != first[1] == first[3]
+    assert fleet.sessions.members == {"a": first[0], "b": first[1]}
     fleet.generate(PROMPTS[:2], temps=1.0, max_new_tokens=2, session_ids=["b", "a"])  # later turns: same engines
-    assert [k for k, _, _ in seen[-1]] == [engine_of[1], engine_of[0]]
+    assert placed[-1] == [first[1], first[0]]
     fleet.finish_session("a")
-    assert "a" not in fleet.sessions.members and fleet.sessions.members["b"] == engine_of[1]
+    assert fleet.sessions.members == {"b": first[1]}
 
 
 def test_fleet_batches_carry_sampling_masks(fleet_setup):

@@ -36,7 +36,7 @@ async def main(url: str) -> dict:
         out["sample"] = sample
         # keep-mode pause: a request in flight freezes and finishes after /resume, no retry
         long = asyncio.create_task(client.generate({"prompt_token_ids": [ids], "sampling_params": {
-            "max_tokens": 200, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}}))
+            "max_tokens": 900, "temperature": 1.0, "ignore_eos": True, "logprobs": 0}}))
         await asyncio.sleep(0.3)
         await client.pause(mode="keep")
         out["paused_while_running"] = not long.done()

@@ -99,7 +99,7 @@ def test_skyrl_remote_inference_client(server):
     assert [s["tokens"] for s in sample["sequences"]] == [c["token_ids"] for c in pair]
     assert sample["prompt_logprobs"][0] is None and len(sample["prompt_logprobs"]) == len(ids)
     assert all(len(k) == 2 for k in sample["topk_prompt_logprobs"][1:])
-    assert out["paused_while_running"] and out["kept_tokens"] == 200 and out["kept_stop"] == "length"
+    assert out["paused_while_running"] and out["kept_tokens"] == 900 and out["kept_stop"] == "length"
     assert out["asleep"] and out["awake_again"] and out["after_wake"] == direct["token_ids"]
 
 
