@@ -301,8 +301,10 @@ def test_conversational_prompts_go_through_the_chat_template(tmp_path):
     assert prompt_row.tolist() == template
     assert seen["prompts"][0] == messages[0]
     assert all(c[0]["role"] == "assistant" for c in seen["completions"])
-    # plain text goes through the template only when asked (recipes: --chat_template)
-    assert encode_prompt(chat, "hi") == "hi"
+    # plain text goes through the template only when asked (recipes: --chat_template); otherwise the trainer
+    # encodes it as the engine would (so a rollout built without a tokenizer works under the trainer)
+    assert encode_prompt(chat, "hi") == chat("hi", add_special_tokens=True)["input_ids"]
+    assert encode_prompt(None, "hi") == "hi"
     assert encode_prompt(chat, "hi", chat_template=True) == chat.apply_chat_template(
         [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True
     )["input_ids"]
