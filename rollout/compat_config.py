@@ -6,8 +6,8 @@ transformers' continuous batching runs unchanged. The fields below are accepted 
 effect on rollout's engine, the compile configs and `max_blocks_per_request` shape its static decode step
 (`rollout.model.static_decode`). `COMPAT_FIELDS` says, for each, what it does in transformers (why
 it is accepted) and what it does here; `log_unavailable_features` is the one place that says so at
-run time. Some will get a real meaning later (`use_cuda_graph` / `use_async_batching` on CUDA); they stay
-fields of the config. `cpu_group_timeout` came from the same list and has its meaning (it bounds the tensor-parallel
+run time. `use_cuda_graph` and `use_async_batching` have their meaning on CUDA; they stay fields of the
+config. `cpu_group_timeout` came from the same list and has its meaning (it bounds the tensor-parallel
 CPU group, `rollout.engine.tp`), so it is declared in `rollout.config` with the engine's own fields.
 """
 
@@ -49,8 +49,10 @@ COMPAT_FIELDS: dict[str, CompatField] = {
     ),
     "use_async_batching": CompatField(
         "double-buffers the step inputs so batch preparation on the CPU overlaps the GPU step",
-        "nothing yet (planned on CUDA); as in transformers it requires use_cuda_graph=True (ValueError); "
-        "when True without CUDA, a warning that it needs CUDA",
+        "on CUDA the host schedules and queues step k+1 before it reads step k's tokens, which reach step k+1's "
+        "inputs on the device (rollout.engine.async_steps: the synchronous engine's outputs; written, NOT yet run on "
+        "a GPU); off under tensor parallelism or speculative decoding; as in transformers it requires "
+        "use_cuda_graph=True (ValueError); when True without CUDA, a warning that it needs CUDA",
         note="cuda",
     ),
     "varlen_compile_config": CompatField(

@@ -47,3 +47,25 @@ def plan_engine_cache(model: torch.nn.Module, config: ContinuousBatchingConfig, 
         num_pages, max_batch_tokens = tp.agree_min(num_pages, max_batch_tokens)
         offload_pages = tp.agree_min(offload_pages)[0]
     return CachePlan(shape, num_pages, max_batch_tokens, offload_pages)
+
+
+def engine_cache_stats(core) -> dict:
+    """An `EngineCore`'s cache and step counters (`cache_stats`)."""
+    pool = core.page_pool
+    return {  # NOTE: num_blocks / free_blocks are the seed API's (transformers') names for pages
+        "num_blocks": pool.num_pages,
+        "free_blocks": pool.num_free_pages,
+        "page_size": pool.page_size,
+        "cached_pages": len(pool.cached),
+        "preemptions": core.scheduler.num_preemptions,
+        "offloaded_pages": core.scheduler.num_offloaded_pages,
+        "restored_pages": core.scheduler.num_restored_pages,
+        "offload_fallbacks": core.scheduler.num_offload_fallbacks,
+        "offload_free_pages": core.cache.offload.num_free if core.cache.offload else 0,
+        "recycled_pages": core.scheduler.num_recycled_pages,
+        "peak_used_pages": core.scheduler.peak_used_pages,
+        "cached_prompt_tokens": core.scheduler.num_cached_prompt_tokens,
+        "kv_bytes": core.cache.nbytes,
+        "max_batch_tokens": core.max_batch_tokens,
+        **core.stats,
+    }

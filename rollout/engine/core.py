@@ -17,7 +17,8 @@ from transformers import GenerationConfig
 from rollout.attention.backends import create as create_backend
 from rollout.attention.backends import select as select_backend
 from rollout.config import ContinuousBatchingConfig
-from rollout.engine.cache_plan import plan_engine_cache
+from rollout.engine.async_steps import AsyncSteps
+from rollout.engine.cache_plan import engine_cache_stats, plan_engine_cache
 from rollout.engine.routed_experts import request_routes, start_recording
 from rollout.engine.speculation import Speculator
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
@@ -63,12 +64,8 @@ class EngineCore:
         config: the engine configuration.
     """
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        generation_config: GenerationConfig | None = None,
-        config: ContinuousBatchingConfig | None = None,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, generation_config: GenerationConfig | None = None,
+                 config: ContinuousBatchingConfig | None = None) -> None:
         self.config = config = config or ContinuousBatchingConfig()
         self._model_ref = weakref.ref(model)  # NOTE: weak: a persistent manager must not keep its model alive
         self.device = next(model.parameters()).device
@@ -133,6 +130,9 @@ class EngineCore:
         self._weights_seen = weights_version(self._weights)
         # NOTE: n-gram speculation (rollout.engine.speculation); not across tensor-parallel ranks nor batch-invariant
         self.speculator = None if self.tp is not None or config.batch_invariant else Speculator(self, self._finalize)
+        self.pipeline = None  # NOTE: use_async_batching on CUDA (rollout.engine.async_steps); not under TP, nor speculating
+        if config.use_async_batching and self.device.type == "cuda" and self.tp is None and not config.speculative_method:
+            self.enable_async()
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
             "attention windows %s, CPU offload %d pages",
@@ -277,6 +277,7 @@ class EngineCore:
         self.scheduler.add(request)
 
     def cancel(self, request_id: str) -> Request | None:
+        self.settle()  # NOTE: the step in flight's token is the request's, as in a synchronous engine
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -287,6 +288,7 @@ class EngineCore:
         self._finalize(request, RequestStatus.FAILED, "error", error)
 
     def fail_all(self, error: str) -> list[Request]:
+        self.settle()
         reqs = list(self.requests.values())
         for req in reqs:
             self.fail(req, error)
@@ -303,16 +305,31 @@ class EngineCore:
             self.speculator.finished(req)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or (self.pipeline is not None and self.pipeline.busy())
 
     # ---------------------------------------------------------------- step
+    def enable_async(self, queue=None) -> None:
+        """Queue each step before the previous one's tokens are read (`rollout.engine.async_steps`; `queue`: tests')."""
+        self.pipeline = AsyncSteps(self, self._finalize, self._check_weights, self._count_prompt_tokens, self._unstick,
+                                   queue)
+
+    def settle(self) -> None:
+        if self.pipeline is not None:  # NOTE: resolve the asynchronous step in flight (rollout.engine.async_steps)
+            self.pipeline.settle()
+
     def step(self) -> list[Request]:
         """One engine step. Returns the requests with news (final, or a new token when streaming)."""
+        if self.pipeline is not None:
+            return self.pipeline.step()
         if self.scheduler.waiting:
             self._check_weights()
         out = self.scheduler.schedule()
         if not out:
             return self._unstick()
+        return self.run_step(out)
+
+    def run_step(self, out: SchedulerOutput) -> list[Request]:
+        """Run, sample and update one scheduled step, synchronously."""
         if out.decode_only and self.speculator is not None and (news := self.speculator.step(out)) is not None:
             return news
         self._count_prompt_tokens(out)
@@ -453,6 +470,7 @@ class EngineCore:
 
     def release_memory(self) -> int:
         """Free the KV tensors while idle (their contents, and so the prefix cache, are lost)."""
+        self.settle()
         if self.has_work():
             raise RuntimeError("release_memory needs an idle engine")
         self.reset_prefix_cache()
@@ -461,22 +479,4 @@ class EngineCore:
     def restore_memory(self) -> int:
         return self.cache.reallocate()
 
-    def cache_stats(self) -> dict:
-        pool = self.page_pool
-        return {  # NOTE: num_blocks / free_blocks are the seed API's (transformers') names for pages
-            "num_blocks": pool.num_pages,
-            "free_blocks": pool.num_free_pages,
-            "page_size": pool.page_size,
-            "cached_pages": len(pool.cached),
-            "preemptions": self.scheduler.num_preemptions,
-            "offloaded_pages": self.scheduler.num_offloaded_pages,
-            "restored_pages": self.scheduler.num_restored_pages,
-            "offload_fallbacks": self.scheduler.num_offload_fallbacks,
-            "offload_free_pages": self.cache.offload.num_free if self.cache.offload else 0,
-            "recycled_pages": self.scheduler.num_recycled_pages,
-            "peak_used_pages": self.scheduler.peak_used_pages,
-            "cached_prompt_tokens": self.scheduler.num_cached_prompt_tokens,
-            "kv_bytes": self.cache.nbytes,
-            "max_batch_tokens": self.max_batch_tokens,
-            **self.stats,
-        }
+    cache_stats = engine_cache_stats

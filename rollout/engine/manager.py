@@ -29,6 +29,7 @@ import torch
 from transformers import GenerationConfig
 
 from rollout.config import ContinuousBatchingConfig
+from rollout.engine.async_steps import StepLock
 from rollout.engine.core import EngineCore
 from rollout.engine.engine_thread import LIVE_MANAGERS, start_engine_thread, wake
 from rollout.engine.inbox import Inbox
@@ -65,7 +66,9 @@ class ContinuousBatchingManager:
         self._cv = threading.Condition()
         # NOTE: a manager dropped without destroy() wakes its thread, which then ends (rollout.engine.engine_thread).
         weakref.finalize(self, wake, self._cv)
-        self.step_lock = threading.RLock()  # held during a round; hold it to keep steps out
+        # NOTE: held during a round; hold it to keep steps out (a caller's hold first settles an asynchronous step)
+        self.step_lock = StepLock()
+        self.step_lock.settle = lambda: self._core is not None and self._core.settle()
         self._inbox = Inbox(self._cv, follower=self._core.follower)
         self._outbox = Outbox(self._cv)
         self._thread: threading.Thread | None = None
@@ -184,7 +187,7 @@ class ContinuousBatchingManager:
         deadline = None if timeout is None else time.monotonic() + timeout
         # NOTE: a round holds step_lock from start to end: once we get it, no step is under way.
         while self.is_running():
-            with self.step_lock, self._cv:
+            with self.step_lock.stepping(), self._cv:  # NOTE: reads only: the step in flight may go on
                 if self._paused != mode:
                     return
                 if self._inbox.paused == mode and (mode == "keep" or not self.core.has_work()):
@@ -204,7 +207,7 @@ class ContinuousBatchingManager:
         """Block until no request is queued or running (steps go on meanwhile); TimeoutError after `timeout`."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self.step_lock:
+            with self.step_lock.stepping():  # NOTE: reads only
                 if not self.core.has_work() and not self._inbox:
                     return
             if deadline is not None and time.monotonic() > deadline:
@@ -416,7 +419,7 @@ class ContinuousBatchingManager:
             commands, stop_mode, stepping = core.tp.exchange(commands, stop_mode, stepping, core, self._outbox)
         if not commands and not stepping and stop_mode is None:
             return False, True
-        with self.step_lock:
+        with self.step_lock.stepping():
             news = self._inbox.apply(core, commands)
             if stop_mode == "hard":
                 news += core.fail_all(HARD_STOP_ERROR)

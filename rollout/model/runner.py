@@ -9,6 +9,8 @@ mutates a request (the route recorder, `rollout.model.routes`, writes the routes
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +24,19 @@ from rollout.scheduling.stages import SchedulerOutput
 from rollout.tensors import int_tensor
 
 logger = logging.getLogger("rollout")
+
+
+@dataclass(slots=True)
+class Feed:
+    """The previous step's sampled tokens, written on the device into this step's input ids (an asynchronous step:
+    the host queued this step before it read them): ids[dst[j]] = tokens[src[j]]."""
+
+    dst: torch.Tensor  # [m] int64 positions in this step's packed ids
+    src: torch.Tensor  # [m] int64 rows of `tokens`
+    tokens: torch.Tensor  # [R'] int64 the previous step's sampled tokens
+
+    def write(self, ids: torch.Tensor) -> None:
+        ids.view(-1).index_copy_(0, self.dst, self.tokens.index_select(0, self.src))
 
 
 class ModelRunner:
@@ -155,23 +170,56 @@ class ModelRunner:
                 sampled.append(i)
         return ids, keep, sampled, starts, lens
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int], Scores | None]:
         """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`, the scored
         rows' logits and where they belong, or None when no row is scored); with `drafts` (see `prepare`), the
         logits [sum(1 + len(draft)), V] of every position run."""
-        for src, dst, n in out.copies:
-            ps = self.page_size
-            idx = torch.arange(n, device=self.device)
-            self.cache.copy_slots(src * ps + idx, dst * ps + idx)
+        run, sampled = self.stage(out, drafts)
+        logits, scores = run()
+        return logits, sampled, scores
+
+    @torch.inference_mode()
+    def stage(self, out: SchedulerOutput, drafts: list[list[int]] | None = None,
+              feed: Feed | None = None) -> tuple[Callable[[], tuple[torch.Tensor, Scores | None]], list[int]]:
+        """The step's host part now (its inputs built from the requests as they are), its device part as `run`:
+        returns (run, the sampled rows' indices into `out.scheduled`); `run()` -> (fp32 logits of the sampled rows,
+        the scored rows or None). `run` reads no request: an asynchronous step (`rollout.engine.async_steps`)
+        queues it, and `feed` writes the previous step's sampled tokens into this one's inputs on the device."""
+        copies = out.copies
         if out.decode_only and self.static is not None and self.verified and self.routes is None \
                 and self.lora is None and not drafts:  # NOTE: the static step runs no adapters and no drafts
-            logits = self._static_decode(out)
-            if logits is not None:
-                return logits, list(range(len(out.scheduled))), None
+            staged = self._static_stage(out)
+            if staged is not None:
+                def run_static():
+                    with torch.inference_mode():
+                        self._copy_slots(copies)
+                        return self.static.launch(*staged, feed), None
+
+                return run_static, list(range(len(out.scheduled)))
         if self.lora is not None:  # NOTE: may order the rows by adapter (`EngineLoras.begin`), so before `prepare`
             self.lora.begin(out, drafts)
         kwargs, sampled, scored = self.prepare(out, drafts)
+
+        def run() -> tuple[torch.Tensor, Scores | None]:
+            with torch.inference_mode():
+                self._copy_slots(copies)
+                if feed is not None:
+                    feed.write(kwargs["input_ids"])
+                logits = self._forward(kwargs, out)
+            if not scored:
+                return logits, None
+            return logits[: len(sampled)], Scores(logits[len(sampled) :], scored)
+
+        return run, sampled
+
+    def _copy_slots(self, copies) -> None:
+        for src, dst, n in copies:
+            ps = self.page_size
+            idx = torch.arange(n, device=self.device)
+            self.cache.copy_slots(src * ps + idx, dst * ps + idx)
+
+    def _forward(self, kwargs: dict, out: SchedulerOutput) -> torch.Tensor:
+        """fp32 logits of the kept rows (none when nothing is kept) of one general forward."""
         kept = len(kwargs["logits_to_keep"])
         if not kept:
             kwargs["logits_to_keep"] = kwargs["logits_to_keep"].new_tensor([0])
@@ -191,15 +239,12 @@ class ModelRunner:
             self._verify(meta.layers_seen)
         if not kept:
             logits = logits[:0]
-        logits = logits.float()
-        if not scored:
-            return logits, sampled, None
-        return logits[: len(sampled)], sampled, Scores(logits[len(sampled) :], scored)
+        return logits.float()
 
-    def _static_decode(self, out: SchedulerOutput) -> torch.Tensor | None:
-        """fp32 logits [B, V] of a decode-only step through the static buffers, or None when a request's page table
-        is wider than them (then the general path runs the step). The first step runs the general path (its layer
-        check)."""
+    def _static_stage(self, out: SchedulerOutput) -> tuple | None:
+        """The host part of a decode-only step through the static buffers (`StaticDecode.stage`), or None when a
+        request's page table is wider than them (then the general path runs the step). The first step runs the
+        general path (its layer check)."""
         requests = [s.request for s in out.scheduled]
         if len(self.windows) == 1:
             tables = [[r.page_ids for r in requests]]
@@ -208,7 +253,7 @@ class ModelRunner:
         if not self.static.fits(tables):
             return None
         rows = self.device_page_tables.sync(requests, tables)
-        return self.static.run(requests, rows, tables)
+        return self.static.stage(requests, rows, tables)
 
     def _verify(self, seen: set[int]) -> None:
         """Refuse a model whose forward did not run our attention in every layer (silent garbage otherwise)."""

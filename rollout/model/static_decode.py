@@ -168,8 +168,9 @@ class StaticDecode:
         self.buckets[size] = b
         return b
 
-    def fill(self, requests: list, rows: list[int], tables: list[list[list[int]]]) -> Bucket:
-        """Write the step's inputs into its bucket's buffers (one packed upload, a table copy per group)."""
+    def stage(self, requests: list, rows: list[int], tables: list[list[list[int]]]) -> tuple[Bucket, torch.Tensor, int]:
+        """The host part of a step: its bucket and its inputs packed in one host tensor (pinned on CUDA), read from
+        the requests now; `launch` copies them into the buffers on the device."""
         n = len(requests)
         b = self._bucket(bucket(n))
         pad = b.size - n
@@ -184,7 +185,12 @@ class StaticDecode:
             host += [group[i][p // ps] * ps + p % ps for i, p in enumerate(positions)] + [null_slot] * pad
             host += ([0] * n if window is None else [max(0, p - window + 1) for p in positions]) + [0] * pad
             host += [p + 1 for p in positions] + [1] * pad
-        b.flat.copy_(int_tensor(host, self.cache.device), non_blocking=True)
+        packed = int_tensor(host, torch.device("cpu"))
+        return b, (packed.pin_memory() if self.cache.device.type == "cuda" else packed), n
+
+    def fill(self, b: Bucket, packed: torch.Tensor) -> Bucket:
+        """Write a staged step's inputs into its bucket's buffers (one packed upload, a table copy per group)."""
+        b.flat.copy_(packed, non_blocking=True)
         for g, table in enumerate(b.tables):  # NOTE: on the device, from the persistent tables: no host read
             persistent = self.page_tables.group(g)
             width = min(persistent.shape[1], self.max_pages)
@@ -193,7 +199,14 @@ class StaticDecode:
 
     def run(self, requests: list, rows: list[int], tables: list[list[list[int]]]) -> torch.Tensor:
         """fp32 logits [B, V] of the step's B decode rows (one token each, in order)."""
-        b = self.fill(requests, rows, tables)
+        return self.launch(*self.stage(requests, rows, tables))
+
+    def launch(self, b: Bucket, packed: torch.Tensor, n: int, feed=None) -> torch.Tensor:
+        """The device part of a staged step: fill the buffers (then `feed`, the previous step's tokens written into
+        the ids on the device: `rollout.model.runner.Feed`), run or replay the bucket's forward; fp32 logits [n, V]."""
+        self.fill(b, packed)
+        if feed is not None:
+            feed.write(b.ids)
         if b.fn is None:
             b.fn = (self.forward.eager if self.compile_kwargs is None
                     else self.forward.compile(f"_decode{b.size}", self.compile_kwargs))
@@ -204,15 +217,15 @@ class StaticDecode:
             if b.graph is not None and b.captured_for == storages:
                 b.graph.replay()
                 self.replays += 1
-                return b.logits[0, : len(requests)].float()  # [B, V]
+                return b.logits[0, :n].float()  # [B, V]
             if b.captured_for == ("warm", storages):  # NOTE: the second step of this bucket on this cache
-                return self._capture(b, kwargs, storages)[0, : len(requests)].float()  # [B, V]
+                return self._capture(b, kwargs, storages)[0, :n].float()  # [B, V]
             b.graph, b.logits, b.captured_for = None, None, ("warm", storages)
         out, fn = self.forward.run(b.fn, b.meta, kwargs)
         if fn is not b.fn:
             self.eager_fallbacks += 1
             b.fn = fn
-        return out.logits[0, : len(requests)].float()  # [B, V]
+        return out.logits[0, :n].float()  # [B, V]
 
     def _storages(self) -> tuple:
         """The cache storages' addresses (a host property: no device read)."""

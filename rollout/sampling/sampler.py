@@ -141,8 +141,37 @@ class Sampler:
                 top[i] = (vals[j][:k], ids[j][:k], ranks[j])
         return SamplerOutput(tokens.tolist() if token_list is None else token_list, chosen, top, masks)
 
+    @torch.inference_mode()
+    def draw(self, logits: torch.Tensor, params: list[SamplingParams], request_ids: list[str],
+             logprobs_mode: str | None, positions: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Tokens [R] (int64) and their logprobs [R] (fp32, or None without `logprobs_mode`) left on the device: no
+        host read, for a step whose rows use no logits processor and want no top logprobs (an asynchronous step,
+        `rollout.engine.async_steps`). `positions`: each row's stream position (tokens its request generated
+        before this draw), taken by the caller when it queued the step. The same tokens as `__call__`."""
+        raw = logits.float()  # [R, V]
+        if any(p.uses_processors for p in params):
+            raise ValueError("Sampler.draw takes rows without logits processors (use the sampler's call)")
+        s_rows = [i for i, p in enumerate(params) if not p.greedy]
+        if not s_rows:
+            tokens = row_argmax(raw)  # [R]
+            return tokens, None if logprobs_mode is None else raw.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+        tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)  # [R]
+        g_rows = [i for i, p in enumerate(params) if p.greedy]
+        if g_rows:
+            idx, sub = _take(raw, g_rows)
+            tokens[idx] = row_argmax(sub)
+        idx, rows = _take(raw, s_rows)
+        sub = [params[i] for i in s_rows]
+        warped = warped_logprobs(rows, sub)  # [S, V]
+        noise = self._noise(warped.shape, [request_ids[i] for i in s_rows], sub, positions=[positions[i] for i in s_rows])
+        tokens[idx] = row_argmax(warped - noise.log())  # [S]
+        if logprobs_mode is None:
+            return tokens, None
+        dist = log_distribution(raw, raw, params, logprobs_mode, warped)  # [R, V]
+        return tokens, dist.gather(1, tokens[:, None])[:, 0]
+
     def _noise(self, shape: torch.Size, request_ids: list[str], params: list[SamplingParams],
-               requests: Sequence[Request] | None = None) -> torch.Tensor:
+               requests: Sequence[Request] | None = None, positions: list[int] | None = None) -> torch.Tensor:
         """Exp(1) noise [S, V]: one shared draw for unseeded rows, a per-request stream for seeded ones."""
         noise = torch.empty(shape, dtype=torch.float32, device=self.device)
         seeded = [i for i, p in enumerate(params) if p.seed is not None]
@@ -150,7 +179,8 @@ class Sampler:
             noise.exponential_(generator=self.generator)
         if self.seed_stream == "counter":
             if seeded:
-                positions = self._positions(seeded, request_ids, requests)
+                positions = (self._positions(seeded, request_ids, requests) if positions is None
+                             else [positions[i] for i in seeded])
                 rows = counter_exponential([params[i].seed for i in seeded], positions, shape[1], self.device)
                 if len(seeded) == len(params):
                     return rows  # [S, V]
@@ -212,5 +242,5 @@ def _take(logits: torch.Tensor, rows: list[int]) -> tuple[slice | torch.Tensor, 
     """(index, logits[rows]): every row in order is a slice and the logits themselves, no [R, V] copy."""
     if len(rows) == logits.shape[0]:  # NOTE: rows are increasing, so all of them means 0 .. R - 1
         return slice(None), logits
-    idx = torch.tensor(rows, device=logits.device)
+    idx = int_tensor(rows, logits.device)  # NOTE: from pinned memory on CUDA: no synchronising upload
     return idx, logits.index_select(0, idx)
