@@ -423,6 +423,7 @@ class EngineCore:
         """The one after-care of every weight change: `copy()` copies the new tensors in (returns how many); then
         every prefix page computed with the old weights is dropped, the running requests' KV too with
         `recompute_kv`, and `policy_version` becomes `version` (default: one more). Returns (version, copied)."""
+        self.settle()  # NOTE: an asynchronous step in flight runs under the old weights, as in a synchronous engine
         try:
             copied = copy()
         finally:  # NOTE: a stream of (name, tensor) rejected half way has changed weights too

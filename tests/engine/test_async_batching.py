@@ -175,6 +175,23 @@ def test_a_weight_update_between_steps_lands_after_the_step_in_flight(model, sto
         same(run(DelayedQueue(1), False), want)
 
 
+def test_load_weights_settles_the_step_in_flight(model, stops):
+    """`EngineCore.load_weights`, the one weight door (what `update_weights` calls), settles by itself."""
+    def run(queue):
+        m = make_model("qwen3")
+        core = make_core(m, queue)
+
+        def update(core, n):
+            if n == 5:
+                core.load_weights({name: p.detach() * 1.05 for name, p in core.view.named_parameters()})
+
+        return drive(core, [], between=update)
+
+    want = run(None)
+    assert any(1 in versions for *_, versions in want)
+    same(run(DelayedQueue(1)), want)
+
+
 def test_a_hand_off_one_row_off_fails(model, stops, monkeypatch):
     want = drive(make_core(model), stops)
 
@@ -211,3 +228,32 @@ def test_through_the_manager_and_its_thread(model, stops):
     for g, w in zip(got, want, strict=True):
         assert g[:2] == w[:2]
         assert g[2] == pytest.approx(w[2], abs=1e-5)
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["general", "static"])
+def test_an_overlapped_step_reads_the_device_once_for_the_previous_step(model, static):
+    """Under `HostReads` a steady overlapped step (greedy and counter-seeded rows, logprobs) reads one thing: the
+    previous step's outputs, in `Copied.result` (on CUDA, from pinned memory after its event)."""
+    from support.host_reads import HostReads
+
+    core = make_core(model, DeviceQueue(), **(dict(decode_compile_config=CompileConfig()) if static else {}))
+    if static:
+        core.runner.static.compile_kwargs = None
+    for i, p in enumerate(random_prompts(6, 5, 20, seed=1)):
+        core.add(core.make_request(p, request_id=f"r{i}", max_new_tokens=30, temperature=0.9 if i % 2 else 0.0,
+                                   seed=i if i % 2 else None))
+    for _ in range(6):
+        core.step()  # NOTE: prefill, the first (synchronous) decode step, then overlapped ones
+    host = (core.runner.forward.step,) if static else ()
+    for _ in range(3):
+        overlapped = core.pipeline.overlapped
+        with HostReads(host) as reads:
+            core.step()
+        assert core.pipeline.overlapped == overlapped + 1
+        # NOTE: the CPU-only rotary table of `rollout.kernels.fused_attention` sizes itself from the positions (a
+        # CPU read; on CUDA that module keeps HF's own rotary forward)
+        found = [(what, where) for what, where in reads.found if not where.startswith("kernels/fused_attention.py")]
+        assert [what for what, _ in found] == ["Tensor.tolist"], reads.found
+        assert found[0][1].startswith("engine/async_steps.py"), reads.found
+    if static:
+        assert core.runner.static.steps > 3
