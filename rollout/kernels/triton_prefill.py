@@ -12,8 +12,9 @@ softmax in fp32 over key tiles of `BLOCK_N`. A one-token sequence is a decode ro
 `rollout.kernels.triton_decode` and the C++ kernel.
 
 Written without a GPU: exact under `TRITON_INTERPRET=1` against an fp64 reference and the C++ decode kernel
-(`tests/kernels/test_triton_prefill.py`); NOT yet wired into the `triton` backend (its prompt chunks still run
-through SDPA) nor run on a GPU. Optional: needs `triton`; import after setting `TRITON_INTERPRET=1` on a CPU.
+(`tests/kernels/test_triton_prefill.py`), and the `triton` backend's prompt chunks run through it
+(`tests/attention/test_triton_backend.py`); NOT yet run on a GPU. Optional: needs `triton`; import after setting
+`TRITON_INTERPRET=1` on a CPU.
 """
 
 from __future__ import annotations

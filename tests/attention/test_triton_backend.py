@@ -1,7 +1,7 @@
 """The `triton` attention backend (`rollout.attention.backends.triton`) in the engine.
 
-On a CPU the kernel runs under Triton's interpreter (`support.triton_interpreter`), on a CUDA machine
-compiled: greedy tokens equal `model.generate` and raw logprobs equal teacher forcing on the correctness
+On a CPU the kernels (decode rows, and prompt chunks through the varlen kernel) run under Triton's interpreter
+(`support.triton_interpreter`), on a CUDA machine compiled: greedy tokens equal `model.generate` and raw logprobs equal teacher forcing on the correctness
 workload (chunked prefill, prefix-cache hits, prompt chunks mixed with decode rows), on RoPE + GQA
 (Qwen3), a sliding window (Mistral), logit softcap (Gemma 2) and attention sinks (gpt-oss). It is chosen by
 name only; without triton, or on a CPU outside the interpreter, the name is a ValueError saying why.
@@ -51,8 +51,17 @@ def test_greedy_and_logprobs_match_the_oracles(kernel_module, arch):
         return kernel(q, *args)
 
     core.backend.kernel = counting
+    chunks = []
+    prefill = core.backend.prefill_kernel
+
+    def counting_prefill(q, k, v, table, row, q_start, pos_start, lens, *args):
+        chunks.extend(lens)
+        return prefill(q, k, v, table, row, q_start, pos_start, lens, *args)
+
+    core.backend.prefill_kernel = counting_prefill
     reqs, _, step_tokens = run_engine(core, prompts, max_new_tokens=4)
     assert max(step_tokens) <= BUDGET and sum(calls) > 0, "the Triton kernel should have attended the decode rows"
+    assert chunks and min(chunks) > 1, "the varlen kernel should have attended the prompt chunks"
     assert max(map(len, prompts)) > BUDGET, "no prompt is long enough to be chunked"
     for p, r in zip(prompts, reqs, strict=True):
         assert r.generated == hf_greedy(model, p, 4), f"{arch}: greedy differs from generate"
