@@ -100,7 +100,8 @@ def _version(name: str) -> str | None:
 
 
 GPU_TEST_FILES = ("tests/model/test_gpu_async.py", "tests/model/test_gpu.py", "tests/kernels/test_triton_decode.py",
-                  "tests/kernels/test_triton_prefill.py", "tests/attention/test_triton_backend.py",
+                  "tests/kernels/test_triton_prefill.py", "tests/kernels/test_triton_cascade.py",
+                  "tests/attention/test_triton_backend.py",
                   "tests/sampling/test_counter_seed.py")
 
 
