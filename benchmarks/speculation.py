@@ -1,26 +1,29 @@
-"""Lossless n-gram speculative decoding (issue 44): the same engine with and without
-`speculative_method="ngram"`, greedy tokens compared, on three workloads:
+"""Lossless speculative decoding (issues 44, 60): the same engine with and without `speculative_method="ngram"`
+(suffix drafts, the cost model's gate), tokens compared, on these workloads:
 
-  tail    the long tail of an RL step: `--tail-rows` rows x `--tail-tokens` new tokens (short prompts), the
-          decode batch small and memory-bound: where speculation pays
-  rl      `--prompts` prompts x G=`--group` samples, prompt 64-256 tokens, completions 64-`--tail-tokens`, run
-          twice on one persistent engine (two epochs of the same prompts: the second also drafts from the
-          first's rollouts); the batch drains into a tail
-  large   `--large-rows` rows x 64 tokens: a batch past the cost model's bound, where speculation must stay off
-          (no slowdown)
+  tail     the long tail of an RL step: `--tail-rows` rows x `--tail-tokens` new tokens after `--prompt-len`-token
+           random prompts (at `--init 0.02` the 5M model's text repeats in part: runs, short cycles, breaks)
+  lognorm  `--prompts` prompts x G=`--group`, prompts 64-256 tokens, completion lengths log-normal (median
+           `--median`, sigma `--sigma`, capped at `--cap`): a batch that drains into a long few-row tail
+  large    `--large-rows` rows x `--large-tokens` tokens: a wide batch (at `--init 0.3` text that never repeats),
+           where speculation must not cost
 
-Each engine is built and warmed up outside the timing; systems alternate per repeat. Reported: wall seconds and
-CPU seconds of this process, tok/s, the speedup (wall and CPU), the engine steps (forwards) of each, drafted /
-accepted tokens, greedy identical. On a box shared with other jobs the steps are the stable figure.
+Each repeat draws new prompts (seed `--seed` + repeat) and runs both engines on them, built and warmed up once
+outside the timing, in alternating order (A B, then B A); a run's CPU seconds are this process's. Rows are greedy,
+or with `--temperature T` sampled with a seed each (tokens must then be identical too: one draw per emitted token).
+Reported per run: wall and CPU seconds, the speedup, engine steps, drafted / accepted tokens, tokens identical,
+the load average; then the medians of the speedups.
 
-    python benchmarks/speculation.py --model 100m --threads 2
+    python benchmarks/speculation.py --model 5m --init 0.02 --workloads tail --repeats 4
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import random
+import statistics
 import sys
 import time
 
@@ -28,14 +31,17 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 from common import Workload, greedy_config, machine_info, make_model  # noqa: E402
+from transformers import GenerationConfig  # noqa: E402
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
 from rollout.engine.core import EngineCore  # noqa: E402
 
 
-def engine(model, spec_k: int) -> EngineCore:
+def engine(model, spec_k: int, temperature: float) -> EngineCore:
     extra = dict(speculative_method="ngram", num_speculative_tokens=spec_k) if spec_k else {}
-    core = EngineCore(model, greedy_config(), ContinuousBatchingConfig(page_size=32, **extra))
+    gc = greedy_config() if not temperature else GenerationConfig(do_sample=True, temperature=temperature,
+                                                                  top_k=0, eos_token_id=None, pad_token_id=0)
+    core = EngineCore(model, gc, ContinuousBatchingConfig(page_size=32, return_logprobs=True, **extra))
     for i in range(2):  # NOTE: warm-up outside the timing, as a persistent engine in a training loop is
         core.add(core.make_request([5 + i] * 16, request_id=f"warmup_{i}", max_new_tokens=8))
     while core.has_work():
@@ -43,10 +49,10 @@ def engine(model, spec_k: int) -> EngineCore:
     return core
 
 
-def run(core: EngineCore, wl: Workload, tag: str) -> tuple[float, float, list[list[int]], dict]:
+def run(core: EngineCore, wl: Workload, tag: str, seeded: bool) -> tuple[float, float, list, dict]:
     """(wall s, CPU s of this process, tokens, counters: drafted / accepted / generated tokens, engine steps)."""
     before = dict(core.cache_stats())
-    reqs = [core.make_request(p, request_id=f"{tag}_{i}", max_new_tokens=n)
+    reqs = [core.make_request(p, request_id=f"{tag}_{i}", max_new_tokens=n, **({"seed": 1000 + i} if seeded else {}))
             for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
     c0, w0 = time.process_time(), time.perf_counter()
     for r in reqs:
@@ -62,65 +68,82 @@ def run(core: EngineCore, wl: Workload, tag: str) -> tuple[float, float, list[li
     return wall, cpu, [r.generated for r in reqs], delta
 
 
-def workloads(args, vocab: int) -> dict[str, list[Workload]]:
-    rng = random.Random(args.seed)
+def workload(name: str, args, vocab: int, seed: int) -> Workload:
+    rng = random.Random(seed)
 
     def prompt(lo: int, hi: int) -> list[int]:
         return [rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))]
 
-    tail = Workload([prompt(32, 64) for _ in range(args.tail_rows)], [args.tail_tokens] * args.tail_rows)
-    rl_prompts, rl_new = [], []
-    for _ in range(args.prompts):
-        p = prompt(64, 256)
-        rl_prompts += [p] * args.group
-        rl_new += [rng.randint(64, args.tail_tokens) for _ in range(args.group)]
-    rl = Workload(rl_prompts, rl_new, args.group)
-    large = Workload([prompt(32, 64) for _ in range(args.large_rows)], [64] * args.large_rows)
-    return {"tail": [tail], "rl": [rl, rl], "large": [large]}
+    if name == "tail":
+        n = args.tail_rows
+        return Workload([prompt(args.prompt_len, args.prompt_len) for _ in range(n)], [args.tail_tokens] * n)
+    if name == "lognorm":
+        prompts, new = [], []
+        for _ in range(args.prompts):
+            p = prompt(64, 256)
+            prompts += [p] * args.group
+            new += [max(8, min(args.cap, round(rng.lognormvariate(math.log(args.median), args.sigma))))
+                    for _ in range(args.group)]
+        return Workload(prompts, new, args.group)
+    if name == "large":
+        return Workload([prompt(32, 64) for _ in range(args.large_rows)], [args.large_tokens] * args.large_rows)
+    raise SystemExit(f"unknown workload {name!r}")
+
+
+def load() -> str:
+    return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="100m")
+    ap.add_argument("--model", default="5m")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--tail-rows", type=int, default=4)
     ap.add_argument("--tail-tokens", type=int, default=400)
-    ap.add_argument("--prompts", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--median", type=float, default=120)
+    ap.add_argument("--sigma", type=float, default=0.8)
+    ap.add_argument("--cap", type=int, default=800)
     ap.add_argument("--large-rows", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=1)
-    ap.add_argument("--workloads", default="tail,rl,large")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--large-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--workloads", default="tail,lognorm,large")
+    ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled rows, seeded")
     ap.add_argument("--init", type=float, default=0.3,
                     help="initializer_range of the random model: 0.3 (the benchmarks' peaked logits) never repeats "
-                         "itself; 0.02 (transformers' default, what from_config gives a new user) falls into loops")
+                         "itself; 0.02 (transformers' default) repeats in part at 5M and loops at 100M")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = make_model(args.model, initializer_range=args.init)
     print(machine_info())
-    print(f"model {args.model} (initializer_range {args.init}), {args.threads} threads, k={args.k}")
-    wls = workloads(args, model.config.vocab_size)
+    print(f"model {args.model} (initializer_range {args.init}), {args.threads} threads, k={args.k}, "
+          f"temperature {args.temperature}, seeds {args.seed}..{args.seed + args.repeats - 1}", flush=True)
+    cores = {0: engine(model, 0, args.temperature), args.k: engine(model, args.k, args.temperature)}
     for name in args.workloads.split(","):
+        wall_x, cpu_x = [], []
         for rep in range(args.repeats):
-            order = (0, args.k) if rep % 2 == 0 else (args.k, 0)
+            wl = workload(name, args, model.config.vocab_size, args.seed + rep)
             results = {}
-            for k in order:
-                core = engine(model, k)
-                epochs = [run(core, wl, f"{name}{e}") for e, wl in enumerate(wls[name])]
-                results[k] = epochs
-                del core
-            for e, wl in enumerate(wls[name]):
-                (w0, c0, out0, st0), (w1, c1, out1, st) = results[0][e], results[args.k][e]
-                same = out0 == out1
-                rate = st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])
-                print(f"{name}{'' if len(wls[name]) == 1 else f' epoch {e + 1}'} [{wl.describe()}]: "
-                      f"plain {w0:.2f} s ({c0:.2f} cpu s, {wl.useful_tokens / w0:.1f} tok/s), "
-                      f"speculative {w1:.2f} s ({c1:.2f} cpu s, {wl.useful_tokens / w1:.1f} tok/s): "
-                      f"{w0 / w1:.2f}x wall, {c0 / c1:.2f}x cpu; steps {st0['steps']} -> {st['steps']}; drafted {st['spec_draft_tokens']}, accepted "
-                      f"{st['spec_accepted_tokens']} ({rate:.0%}); greedy identical: {same}", flush=True)
-                if not same:
-                    raise SystemExit(f"{name}: speculative greedy tokens differ from plain decoding")
+            for k in ((0, args.k) if rep % 2 == 0 else (args.k, 0)):
+                results[k] = run(cores[k], wl, f"{name}{rep}", seeded=bool(args.temperature))
+            (w0, c0, out0, st0), (w1, c1, out1, st) = results[0], results[args.k]
+            same = out0 == out1
+            rate = st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])
+            wall_x.append(w0 / w1)
+            cpu_x.append(c0 / c1)
+            print(f"{name} seed {args.seed + rep} [{wl.describe()}]: plain {w0:.2f} s ({c0:.2f} cpu s, "
+                  f"{wl.useful_tokens / w0:.1f} tok/s), speculative {w1:.2f} s ({c1:.2f} cpu s, "
+                  f"{wl.useful_tokens / w1:.1f} tok/s): {w0 / w1:.2f}x wall, {c0 / c1:.2f}x cpu; steps "
+                  f"{st0['steps']} -> {st['steps']}; drafted {st['spec_draft_tokens']}, accepted "
+                  f"{st['spec_accepted_tokens']} ({rate:.0%}); tokens identical: {same}; {load()}", flush=True)
+            if not same:
+                raise SystemExit(f"{name}: speculative tokens differ from plain decoding")
+        print(f"{name}: median of {args.repeats}: {statistics.median(wall_x):.2f}x wall "
+              f"(min {min(wall_x):.2f}), {statistics.median(cpu_x):.2f}x cpu (min {min(cpu_x):.2f})", flush=True)
 
 
 if __name__ == "__main__":

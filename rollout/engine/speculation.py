@@ -1,25 +1,37 @@
-"""Lossless n-gram speculative decoding over the core's decode steps.
+"""Lossless speculative decoding over the core's decode steps, where a cost model says it pays.
 
-When every scheduled row is decoding and the batch is small (`MAX_ROWS`: where a step is memory-bound and
-verifying k more positions per row costs little more than one), each row's drafter (`rollout.sampling.drafts`)
-proposes up to k tokens; one forward runs each row's last token and its draft (`ModelRunner.execute(out,
-drafts)`, the chunked-prefill path: k + 1 query positions per row) and keeps every position's logits. Positions
-are then sampled in order with the engine's own sampler and logits processors, each row's history grown by the
-tokens it kept (`rollout.sampling.speculative`: greedy rows keep exactly the argmax tokens, sampled rows the
-target's distribution); a row stops at its first rejected draft, whose sampled token replaces it. KV counts for
-the kept tokens only: `num_computed_tokens` goes back to them (the rejected slots are written again later) and
-the pages past them are freed (`PageTables.truncate`). Logprobs, top-k and versions are the sampler's, as in a
-plain step. Rows that asked for routed experts, tensor parallelism and batch-invariant mode never speculate.
+Each decoding row's drafter (`rollout.sampling.drafts`: suffix drafts from its own text, its live group siblings
+and its prompt's finished rollouts) proposes up to k tokens, each with a probability estimate, scaled per row by
+how its recent drafts fared (`Calibration`: a row whose drafts keep failing drafts shorter, or not at all). The
+cost model (`StepCost`) then picks the drafts worth verifying: a step that runs T tokens for B rows costs
+t(B) (c0 + c1 x), x the extra tokens' share of the step by a prior from the model's size (weight bytes streamed
+once a step against the FLOPs of a token, `prior`), c0 and c1 fitted online to the steps' measured times; the
+drafted tokens (highest estimate first) kept are those maximising the expected tokens emitted per unit of time,
+and the step speculates only when that beats the plain step's B tokens. So a step speculates where it is bound
+by weight reads (few rows, a large model, a GPU) and drafts are likely, and not in a wide batch of text that
+never repeats.
+
+One forward runs each row's last token and its draft (`ModelRunner.execute(out, drafts)`, the chunked-prefill
+path: 1 + len(draft) query positions per row) and keeps every position's logits. Positions are then sampled in
+order with the engine's own sampler and logits processors, each row's history grown by the tokens it kept
+(`rollout.sampling.speculative`: greedy rows keep exactly the argmax tokens, sampled rows the target's
+distribution); a row stops at its first rejected draft, whose sampled token replaces it. KV counts for the kept
+tokens only: `num_computed_tokens` goes back to them (the rejected slots are written again later) and the pages
+past them are freed (`PageTables.truncate`). Logprobs, top-k and versions are the sampler's, as in a plain step.
+Rows that asked for routed experts, tensor parallelism and batch-invariant mode never speculate.
 
 A request's own `prompt_lookup_num_tokens` / `max_matching_ngram_size` (transformers' prompt lookup) set its k
-and n-gram size; otherwise the engine's `num_speculative_tokens`.
+and longest suffix; otherwise the engine's `num_speculative_tokens`.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Callable
+
+import torch
 
 from rollout.requests import Request, RequestStatus
 from rollout.sampling.drafts import DEFAULT_NGRAM, Drafter
@@ -28,9 +40,115 @@ from rollout.scheduling.stages import ScheduledRequest, SchedulerOutput
 
 logger = logging.getLogger("rollout")
 
-MAX_ROWS = 8  # NOTE: the cost model: more decode rows than this and a step is no longer bound by weight reads
 MAX_DRAFT = 32
-MAX_MISSES = 3  # NOTE: a row whose drafts keep failing still drafts k >> 3 (at least 1) tokens
+MARGIN = 0.03  # NOTE: a speculative step must promise this much more than the plain one (the drafting's cost)
+DECAY = 0.9  # NOTE: weight of the older measurements at each new one (the cost fit, the plain step's time)
+CALIBRATION_DECAY = 0.7  # NOTE: a row's acceptance record fades by this much at each of its drafted steps
+# NOTE: the prior's machine: a CPU streams ~20 GB/s of weights and runs ~100 GFLOP/s a thread in fp32; a CUDA
+# device ~2 TB/s and ~300 TFLOP/s; the host spends ~1.5 ms / ~4 ms a step and ~30 us a row around the forward
+MACHINES = {"cpu": (20e9, 1e11, 1.5e-3, 3e-5), "cuda": (2e12, 3e14, 4e-3, 3e-5)}
+
+
+def prior(params: int, bytes_per_param: int, device: str, threads: int = 1) -> tuple[float, float]:
+    """(seconds a decode step spends whatever its width, seconds per token it runs) for a model of `params`
+    parameters: the weights streamed once, a token's 2 FLOPs per parameter, the host's glue."""
+    bandwidth, flops, host, host_row = MACHINES.get(device, MACHINES["cpu"])
+    if device == "cpu":
+        flops *= max(1, threads)
+    return params * bytes_per_param / bandwidth + host, 2 * params / flops + host_row
+
+
+class StepCost:
+    """A decode step's time against the tokens it runs, relative to the plain step of the same rows.
+
+    A plain step of B rows takes t(B) (measured: `DECAY`-weighted per B; between measured widths the prior's
+    line a + b B scales the nearest one). A step that also runs e drafted tokens takes t(B) (c0 + c1 x) with
+    x = e b / (a + b B), the prior's share of the extra tokens; c0, c1 start at 1, 1 (the prior) and are fitted by
+    weighted least squares to the verifying steps' measured times (the prior stays in the fit as two points).
+
+    Args:
+        a, b: the prior (`prior`): seconds a step, seconds a token.
+    """
+
+    def __init__(self, a: float, b: float) -> None:
+        self.a, self.b = a, b
+        self.plain: dict[int, float] = {}  # rows -> measured seconds of a plain step
+        # NOTE: decayed sums of the fit (weight, x, y, xx, xy), the prior as points (0, 1) and (1, 2)
+        self.sums = [2.0, 1.0, 3.0, 1.0, 2.0]
+        self.c0, self.c1 = 1.0, 1.0
+
+    def share(self, rows: int) -> float:
+        """The prior's time of one more token, relative to a plain step of `rows` rows."""
+        return self.b / (self.a + self.b * rows)
+
+    def plain_time(self, rows: int) -> float | None:
+        """Seconds of a plain step of `rows` rows (measured, or scaled from the nearest measured width)."""
+        if rows in self.plain:
+            return self.plain[rows]
+        if not self.plain:
+            return None
+        near = min(self.plain, key=lambda r: abs(r - rows))
+        return self.plain[near] * (self.a + self.b * rows) / (self.a + self.b * near)
+
+    def observe_plain(self, rows: int, seconds: float) -> None:
+        old = self.plain.get(rows)
+        self.plain[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+
+    def observe_spec(self, rows: int, extra: int, seconds: float) -> None:
+        base = self.plain_time(rows)
+        if base is None:
+            return
+        x, y = extra * self.share(rows), seconds / base
+        s = self.sums
+        for i, v in enumerate((1.0, x, y, x * x, x * y)):
+            s[i] = DECAY * s[i] + v
+        w, sx, sy, sxx, sxy = s
+        det = w * sxx - sx * sx
+        if det > 1e-12:
+            c1 = (w * sxy - sx * sy) / det
+            self.c1 = min(20.0, max(0.2, c1))
+            self.c0 = min(3.0, max(0.5, (sy - self.c1 * sx) / w))
+
+    def min_prob(self, rows: int) -> float:
+        """No drafted token with a lower estimate can pay: the gain a token must bring (lower bound)."""
+        return self.c1 * self.share(rows) * rows
+
+    def plan(self, probs: list[list[float]]) -> list[int] | None:
+        """How many of each row's drafted tokens to verify (estimates `probs`, falling along each draft), or None
+        when no choice beats the plain step."""
+        rows = len(probs)
+        dx = self.c1 * self.share(rows)
+        inc = sorted(((p, i) for i, ps in enumerate(probs) for p in ps), reverse=True)
+        gain, cost = float(rows), self.c0
+        best, keep = rows * (1 + MARGIN), 0
+        for n, (p, _) in enumerate(inc, 1):
+            gain += p
+            cost += dx
+            if gain / cost > best:
+                best, keep = gain / cost, n
+        if not keep:
+            return None
+        lens = [0] * rows
+        for _, i in inc[:keep]:
+            lens[i] += 1  # NOTE: a row's estimates fall along its draft, so its kept ones are a prefix
+        return lens
+
+
+class Calibration:
+    """Per row, how its drafts fared: the estimates of the tokens it verified against the tokens kept (decayed
+    by `CALIBRATION_DECAY` at each drafted step); its next estimates are scaled by (kept + 1) / (estimated + 1)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[str, list[float]] = {}
+
+    def scale(self, rid: str) -> float:
+        est, kept = self.rows.get(rid, (0.0, 0.0))
+        return min(2.0, (kept + 1) / (est + 1))
+
+    def record(self, rid: str, estimated: float, kept: int) -> None:
+        r = self.rows.setdefault(rid, [0.0, 0.0])
+        r[0] = CALIBRATION_DECAY * r[0] + estimated
+        r[1] = CALIBRATION_DECAY * r[1] + kept
 
 
 class Speculator:
@@ -40,46 +158,90 @@ class Speculator:
         core: the engine core (its config, scheduler, runner, sampler, stats and policy version).
         finish: finalises a request (`EngineCore._finalize`'s signature: request, status, reason).
         rule: the acceptance rule (`rollout.sampling.speculative.ACCEPTANCE`; "exact" but in its tests).
-        max_rows: the most decode rows a step may have and speculate.
+        max_rows: None (the cost model decides), or the old fixed gate (tests): every drafted row of a step of
+            at most `max_rows` rows is verified.
     """
 
     def __init__(self, core, finish: Callable[[Request, RequestStatus, str], None], rule: str = "exact",
-                 max_rows: int = MAX_ROWS) -> None:
+                 max_rows: int | None = None) -> None:
         self.core = core
         self.finish = finish
         self.k = core.config.num_speculative_tokens
         self.rule: Rule = ACCEPTANCE[rule]
         self.max_rows = max_rows
         self.drafter = Drafter()
-        # NOTE: per request, its steps in a row whose draft was rejected at once: its next draft is k >> misses long
-        self.misses: dict[str, int] = {}
+        model = core.model
+        params = sum(p.numel() for p in model.parameters())
+        dtype = next(model.parameters()).dtype
+        self.cost = StepCost(*prior(params, dtype.itemsize, core.device.type, torch.get_num_threads()))
+        self.calibration = Calibration()
+        self.estimates: list[list[float]] = []  # NOTE: per row of the step planned, its drafted tokens' estimates
+        # NOTE: the step in flight: (perf_counter at its start, rows, drafted tokens run, generated_tokens
+        # expected at its end, prompt tokens computed at its start) -- timed at the next call
+        self.last: tuple[float, int, int, int, int] | None = None
 
     def finished(self, request: Request) -> None:
         """`request` is final (its tokens join its prompt's history when it finished normally)."""
         self.drafter.finish(request, keep=request.status is RequestStatus.FINISHED)
-        self.misses.pop(request.request_id, None)
+        self.calibration.rows.pop(request.request_id, None)
 
-    def _draft(self, req: Request) -> list[int]:
+    def _draft(self, req: Request, min_prob: float) -> tuple[list[int], list[float]]:
         p = req.sampling
         k = min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
-        k = max(1, k >> self.misses.get(req.request_id, 0)) if k > 0 else k
         if k <= 0 or req.routes is not None:
-            return []
-        return self.drafter.draft(req, k, p.max_matching_ngram_size or DEFAULT_NGRAM)
+            return [], []
+        scale = self.calibration.scale(req.request_id)
+        toks, probs = self.drafter.draft(req, k, p.max_matching_ngram_size or DEFAULT_NGRAM, min_prob / scale)
+        return toks, [min(1.0, q * scale) for q in probs]
+
+    def _time(self, now: float) -> None:
+        """Record the step started at the previous call if nothing else ran since (no prefill, no other step)."""
+        last, self.last = self.last, None
+        if last is None:
+            return
+        start, rows, extra, generated, prompt = last
+        stats = self.core.stats
+        if stats["generated_tokens"] != generated or stats["computed_prompt_tokens"] != prompt or now - start > 5:
+            return
+        if extra:
+            self.cost.observe_spec(rows, extra, now - start)
+        else:
+            self.cost.observe_plain(rows, now - start)
+
+    def _plan(self, rows: list[Request]) -> list[list[int]] | None:
+        """Each row's draft, cut to what the cost model keeps (or every draft under `max_rows`); None: plain."""
+        if self.max_rows is not None:
+            if len(rows) > self.max_rows:
+                return None
+            proposed = [self._draft(r, 0.0) for r in rows]
+            self.estimates = [p for _, p in proposed]
+            return [t for t, _ in proposed]
+        floor = self.cost.min_prob(len(rows))
+        if floor >= 1.0:
+            return None
+        proposed = [self._draft(r, floor) for r in rows]
+        lens = self.cost.plan([p for _, p in proposed]) if any(t for t, _ in proposed) else None
+        if lens is None:
+            return None
+        self.estimates = [p for _, p in proposed]
+        return [t[:n] for (t, _), n in zip(proposed, lens, strict=True)]
 
     def step(self, out: SchedulerOutput) -> list[Request] | None:
         """Run a decode-only step speculatively; None (nothing done) when it would not pay or nothing drafts."""
         core = self.core
+        now = time.perf_counter()
+        self._time(now)
         rows = [s.request for s in out.scheduled]
-        if len(rows) > self.max_rows or core.runner.routes is not None:
+        plain = (now, len(rows), 0, core.stats["generated_tokens"] + len(rows), core.stats["computed_prompt_tokens"])
+        if core.runner.routes is not None:
             return None
         for req in core.scheduler.running:  # NOTE: siblings' drafts come from their live indexes
             self.drafter.track(req)
-        drafts = [self._draft(r) for r in rows]
-        if not any(drafts):
-            return None
-        drafts = self._fit(rows, drafts)
-        if not any(drafts):
+        drafts = self._plan(rows)
+        if drafts is not None:
+            drafts = self._fit(rows, drafts)
+        if drafts is None or not any(drafts):
+            self.last = plain
             return None
         tables = core.scheduler.tables
         multi = tables.num_groups > 1
@@ -107,6 +269,8 @@ class Speculator:
                 if req.streaming:
                     news.append(req)
         core.stats["generated_tokens"] += sum(emitted)
+        self.last = (now, len(rows), sum(map(len, drafts)), core.stats["generated_tokens"],
+                     core.stats["computed_prompt_tokens"])
         return news
 
     def _fit(self, rows: list[Request], drafts: list[list[int]]) -> list[list[int]]:
@@ -135,38 +299,58 @@ class Speculator:
         reasons: list[str | None] = [None] * len(rows)
         active = list(range(len(rows)))
         accepted = 0
+        taken = [0] * len(rows)
+        whole = None
+        if all(r.sampling.greedy and not r.sampling.uses_processors for r in rows):
+            # NOTE: greedy rows without logits processors: a position's token, logprob, top-k and mask depend on its
+            # own logits only, so one sampler call over every position gives what a call per position would
+            per = [r for r, d in zip(rows, drafts, strict=True) for _ in range(1 + len(d))]
+            whole = core.sampler(logits, [r.sampling for r in per], [r.request_id for r in per], mode, requests=per,
+                                 top_mode=cfg.logprobs_mode)
         j = 0
         while active:
             reqs = [rows[i] for i in active]
-            at = logits[[first[i] + j for i in active]]  # [A, V]
             proposed = [drafts[i][j] if j < len(drafts[i]) else None for i in active]
+            if whole is not None:
+                at_rows = [first[i] + j for i in active]
+                tokens = [whole.tokens[p] for p in at_rows]
+                logprobs = [None] * len(reqs) if whole.logprobs is None else [whole.logprobs[p] for p in at_rows]
+                tops = [None] * len(reqs) if whole.top is None else [whole.top[p] for p in at_rows]
+                masks = [None] * len(reqs) if whole.masks is None else [whole.masks[p] for p in at_rows]
+                kept = [d is not None and t == d for t, d in zip(tokens, proposed, strict=True)]
+            else:
+                at = logits[[first[i] + j for i in active]]  # [A, V]
 
-            def sample(sub: list[int], reqs=reqs, at=at):
-                rs = [reqs[s] for s in sub]
-                return core.sampler(at[sub], [r.sampling for r in rs], [r.request_id for r in rs], mode,
-                                    requests=rs, top_mode=cfg.logprobs_mode)
+                def sample(sub: list[int], reqs=reqs, at=at):
+                    rs = [reqs[s] for s in sub]
+                    return core.sampler(at[sub], [r.sampling for r in rs], [r.request_id for r in rs], mode,
+                                        requests=rs, top_mode=cfg.logprobs_mode)
 
-            result, kept = self.rule(sample, proposed, [r.sampling.greedy for r in reqs])
-            logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
-            tops = [None] * len(reqs) if result.top is None else result.top
+                result, kept = self.rule(sample, proposed, [r.sampling.greedy for r in reqs])
+                tokens = result.tokens
+                logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
+                tops = [None] * len(reqs) if result.top is None else result.top
+                masks = [None] * len(reqs) if result.masks is None else result.masks
             still = []
             for a, i in enumerate(active):
                 req = rows[i]
                 if tops[a] is not None:
                     req.top.append(tops[a])
-                if result.masks is not None and result.masks[a] is not None:
-                    req.masks.append(result.masks[a])
-                reason = req.append_token(result.tokens[a], logprobs[a], core.policy_version)
+                if masks[a] is not None:
+                    req.masks.append(masks[a])
+                reason = req.append_token(tokens[a], logprobs[a], core.policy_version)
                 emitted[i] += 1
                 accepted += kept[a]
-                if j == 0 and proposed[a] is not None:
-                    self.misses[req.request_id] = 0 if kept[a] else min(MAX_MISSES, self.misses.get(req.request_id, 0) + 1)
+                taken[i] += kept[a]
                 if reason is not None:
                     reasons[i] = reason
                 elif kept[a]:
                     still.append(i)
             active = still
             j += 1
+        for req, d, est, n in zip(rows, drafts, self.estimates, taken, strict=True):
+            if d:
+                self.calibration.record(req.request_id, sum(est[: len(d)]), n)
         core.stats["spec_draft_tokens"] += sum(len(d) for d in drafts)
         core.stats["spec_accepted_tokens"] += accepted
         return emitted, reasons

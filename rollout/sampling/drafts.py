@@ -1,10 +1,22 @@
-"""N-gram drafts for speculative decoding: where a row's context last continued its current suffix.
+"""Suffix drafts for speculative decoding: the continuation that most often followed a row's current suffix.
 
-Three sources, tried per n-gram size from the longest down (a long match anywhere beats a short one nearby):
-the row's own tokens (prompt + generated: transformers' prompt lookup), then its live group siblings' (the
-requests sampling the same prompt now), then a bounded history of the same prompt's earlier rollouts, kept
-across calls (RL samples a prompt again every epoch). Drafts only choose which tokens the verifying forward
-tries; they never change what is sampled (`rollout.sampling.speculative`). Pure Python: no torch.
+Three sources: the row's own tokens (prompt + generated: transformers' prompt lookup), its live group siblings'
+(the requests sampling the same prompt now), and a bounded history of the same prompt's finished rollouts, kept
+across calls (RL samples a prompt again every epoch). Each source's `SuffixIndex` holds, for every n-gram of its
+tokens (n = 1 .. its depth), the positions that followed it: a suffix trie of bounded depth over the source, whose
+nodes are the n-grams and whose subtrees are read off the tokens after those positions.
+
+A draft (`Drafter.draft`) finds the longest suffix of the row's context (at most `max_n` tokens, at least
+`MIN_NGRAM`) that occurs in any source, then walks the continuations of all its occurrences together, as
+SuffixDecoding walks a suffix tree's subtree: at each depth the token that followed most often, counted over
+every source (frequency, not the first or latest match), and its share of the occurrences still on the path.
+Each drafted token carries a probability estimate, the share of the suffix's occurrences whose continuation
+follows the draft that far, smoothed (`SMOOTHING`: one occurrence says 1/2, four that agree 4/5); the walk stops at `k` tokens or where the estimate falls below the
+caller's `min_prob` (the speculator's cost model: a token worth verifying). The row's own match running into its
+end continues with the draft itself (a loop repeats).
+
+Drafts only choose which tokens the verifying forward tries; they never change what is sampled
+(`rollout.sampling.speculative`). Pure Python: no torch.
 """
 
 from __future__ import annotations
@@ -12,18 +24,20 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 
-DEFAULT_NGRAM = 3  # NOTE: transformers' prompt lookup matches up to 2 tokens; 3 picks better drafts in loops
+DEFAULT_NGRAM = 4  # NOTE: the longest suffix matched unless a request asks (`max_matching_ngram_size`)
 # NOTE: a single repeated token predicts the next one ~1-3% of the time on the benchmarks' random models (a
 # loop, a sibling's or an earlier rollout's text matches 2+ tokens): drafts start at 2 unless a request asks for 1
 MIN_NGRAM = 2
-MAX_NGRAM = 8  # the longest n-gram indexed (`max_matching_ngram_size` is capped at it)
+MAX_NGRAM = 8  # the deepest index (`max_matching_ngram_size` is capped at it)
 MAX_SIBLINGS = 16  # NOTE: live requests of the same prompt looked in per draft (a GRPO group's size)
 HISTORY_PER_PROMPT = 16  # finished rollouts kept per prompt
-HISTORY_TOKENS = 1 << 17  # NOTE: tokens of finished rollouts kept across calls (their indexes: ~3 entries a token)
+HISTORY_TOKENS = 1 << 17  # NOTE: tokens of finished rollouts kept across calls (their indexes: ~4 entries a token)
+POSITIONS = 32  # NOTE: the most recent occurrences an n-gram keeps (older ones are counted no more)
+SMOOTHING = 1.0  # NOTE: a path that c of the suffix's m occurrences continue has probability c / (m + SMOOTHING)
 
 
-class NgramIndex:
-    """The latest position following every n-gram (n = 1 .. `max_n`) of a growing token list.
+class SuffixIndex:
+    """The positions following every n-gram (n = 1 .. `max_n`) of a growing token list (the latest `POSITIONS`).
 
     Args:
         tokens: the list indexed (read, never copied: it may grow between calls to `update`).
@@ -33,7 +47,8 @@ class NgramIndex:
     def __init__(self, tokens: list[int], max_n: int) -> None:
         self.tokens = tokens
         self.max_n = max_n
-        self.maps: list[dict[tuple[int, ...], int]] = [{} for _ in range(max_n)]  # n-1 -> n-gram -> next position
+        # NOTE: n-1 -> n-gram -> positions p (ascending) with tokens[p - n : p] == n-gram
+        self.maps: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n)]
         self.upto = 1  # NOTE: next position p whose preceding n-grams are not indexed yet
 
     def update(self) -> None:
@@ -41,73 +56,103 @@ class NgramIndex:
         toks, maps = self.tokens, self.maps
         for p in range(self.upto, len(toks)):
             for n in range(1, min(self.max_n, p) + 1):
-                maps[n - 1][tuple(toks[p - n : p])] = p
+                at = maps[n - 1].get(gram := tuple(toks[p - n : p]))
+                if at is None:
+                    maps[n - 1][gram] = [p]
+                else:
+                    at.append(p)
+                    if len(at) > 2 * POSITIONS:
+                        del at[:-POSITIONS]
         self.upto = max(self.upto, len(toks))
 
-    def follow(self, gram: tuple[int, ...], k: int, periodic: bool = False) -> list[int]:
-        """Up to `k` tokens that followed `gram` the last time; `periodic`: `gram` ends this index's own list,
-        so a match running into the end continues with the draft itself (a loop repeats)."""
-        pos = self.maps[len(gram) - 1].get(gram)
-        if pos is None:
-            return []
-        toks = self.tokens
-        if not periodic:
-            return toks[pos : pos + k]
-        out: list[int] = []
-        period = len(toks) - pos
-        for i in range(k):
-            out.append(toks[pos + i] if pos + i < len(toks) else out[i - period])
-        return out
+    def positions(self, gram: tuple[int, ...]) -> list[int]:
+        """Where `gram` was followed by a token (ascending; the latest `POSITIONS` or a few more)."""
+        return self.maps[len(gram) - 1].get(gram, ())
+
+
+def walk(sources: list[tuple[list[int], list[int]]], periodic: list[int] | None, k: int,
+         min_prob: float) -> tuple[list[int], list[float]]:
+    """The most frequent continuation of the occurrences `sources` ((tokens, positions following the suffix) per
+    source) and each token's probability estimate; `periodic` (positions in the row's own tokens, the first
+    source) continue past its end with the draft itself. Stops at `k` tokens or below `min_prob`."""
+    # NOTE: one entry per occurrence: (tokens, position, own) -- filtered to the path as it is chosen
+    occ = [(toks, p, periodic is not None and i == 0) for i, (toks, ps) in enumerate(sources) for p in reversed(ps)]
+    draft: list[int] = []
+    probs: list[float] = []
+    root = len(occ) + SMOOTHING
+    for d in range(k):
+        counts: dict[int, int] = {}
+        step = []  # NOTE: (occurrence, the token after it at depth d) where there is one
+        for o in occ:
+            toks, q = o[0], o[1] + d
+            if q < len(toks):
+                t = toks[q]
+            elif o[2]:
+                t = draft[q - len(toks)]
+            else:
+                continue
+            counts[t] = counts.get(t, 0) + 1
+            step.append((o, t))
+        if not counts:
+            break
+        best = max(counts, key=counts.__getitem__)  # NOTE: ties: the token seen first (the row's own latest)
+        prob = counts[best] / root  # NOTE: the share of the suffix's occurrences that continue this path
+        if prob < min_prob:
+            break
+        draft.append(best)
+        probs.append(prob)
+        occ = [o for o, t in step if t == best]
+    return draft, probs
 
 
 class Drafter:
-    """Per-request n-gram indexes, the live requests grouped by prompt, and the prompts' finished rollouts.
+    """Per-request suffix indexes, the live requests grouped by prompt, and the prompts' finished rollouts.
 
     Indexes are built lazily (a request's own at its first draft, a sibling's or a finished rollout's at the first
     lookup in it), so requests that never speculate cost a list copy at most.
 
     Args:
         history_tokens: most tokens of finished rollouts kept (least recently sampled prompts dropped first).
-        max_n: the longest n-gram any index holds.
+        max_n: the deepest index of siblings tracked before drafting and of finished rollouts.
     """
 
     def __init__(self, history_tokens: int = HISTORY_TOKENS, max_n: int = DEFAULT_NGRAM) -> None:
-        self.max_n = max_n  # NOTE: of the indexes of siblings tracked before drafting and of finished rollouts
-        self.own: dict[str, NgramIndex] = {}  # request id -> index of its tokens
-        self.groups: dict[tuple[int, ...], dict[str, NgramIndex]] = {}  # prompt -> live requests' indexes
-        self.history: OrderedDict[tuple[int, ...], list[NgramIndex]] = OrderedDict()  # prompt -> finished ones
+        self.max_n = max_n
+        self.own: dict[str, SuffixIndex] = {}  # request id -> index of its tokens
+        self.groups: dict[tuple[int, ...], dict[str, SuffixIndex]] = {}  # prompt -> live requests' indexes
+        self.history: OrderedDict[tuple[int, ...], list[SuffixIndex]] = OrderedDict()  # prompt -> finished ones
         self.history_tokens, self.kept_tokens = history_tokens, 0
 
-    def track(self, request, max_n: int | None = None) -> NgramIndex:
+    def track(self, request, max_n: int | None = None) -> SuffixIndex:
         """The live index of `request` (created, unfilled, on first sight; n-grams up to `max_n`)."""
         index = self.own.get(request.request_id)
         if index is None:
-            index = self.own[request.request_id] = NgramIndex(request.token_ids, min(max_n or self.max_n, MAX_NGRAM))
+            depth = min(max(max_n or self.max_n, self.max_n), MAX_NGRAM)
+            index = self.own[request.request_id] = SuffixIndex(request.token_ids, depth)
             self.groups.setdefault(tuple(request.prompt_ids), {})[request.request_id] = index
         return index
 
-    def draft(self, request, k: int, max_n: int) -> list[int]:
-        """Up to `k` tokens likely to follow `request.token_ids` (empty when no n-gram matches)."""
+    def draft(self, request, k: int, max_n: int, min_prob: float = 0.0) -> tuple[list[int], list[float]]:
+        """Up to `k` tokens likely to follow `request.token_ids` and each one's probability estimate (empty when
+        no suffix of 2+ tokens -- `max_n` 1: 1 -- occurs in a source, or the first token's estimate is below
+        `min_prob`)."""
         index = self.track(request, max_n)
         index.update()
         toks = request.token_ids
         prompt = tuple(request.prompt_ids)
-        siblings = list(itertools.islice((i for rid, i in self.groups.get(prompt, {}).items()
-                                          if rid != request.request_id), MAX_SIBLINGS))
+        others = list(itertools.islice((i for rid, i in self.groups.get(prompt, {}).items()
+                                        if rid != request.request_id), MAX_SIBLINGS))
+        others += self.history.get(prompt, ())
+        for other in others:
+            other.update()
         for n in range(min(max_n, index.max_n, len(toks)), min(MIN_NGRAM, max_n) - 1, -1):
             gram = tuple(toks[-n:])
-            best = index.follow(gram, k, periodic=True)
-            for other in (*siblings, *self.history.get(prompt, ())):
-                if len(best) >= k:
-                    break
-                if n > other.max_n:
-                    continue
-                other.update()
-                found = other.follow(gram, k)
-                best = found if len(found) > len(best) else best
-            if best:
-                return best
-        return []
+            own = index.positions(gram)
+            sources = [(toks, own)]
+            sources += [(o.tokens, ps) for o in others if n <= o.max_n and (ps := o.positions(gram))]
+            if own or len(sources) > 1:
+                return walk(sources, own, k, min_prob)
+        return [], []
 
     def finish(self, request, keep: bool) -> None:
         """`request` is final: forget its live index; `keep` (it finished normally) files its tokens under its prompt."""
@@ -121,7 +166,7 @@ class Drafter:
         if not keep or self.history_tokens <= 0 or not request.generated:
             return
         done = self.history.setdefault(prompt, [])
-        done.append(NgramIndex(list(request.token_ids), self.max_n))  # NOTE: indexed at its first lookup
+        done.append(SuffixIndex(list(request.token_ids), self.max_n))  # NOTE: indexed at its first lookup
         self.kept_tokens += len(request.token_ids)
         if len(done) > HISTORY_PER_PROMPT:
             self.kept_tokens -= len(done.pop(0).tokens)

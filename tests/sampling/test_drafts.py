@@ -1,0 +1,108 @@
+"""Suffix drafts (`rollout.sampling.drafts`) and the speculator's cost model and calibration
+(`rollout.engine.speculation`), without a model: the most frequent continuation wins over the latest one,
+counts span the row, its live siblings and the prompt's finished rollouts, a loop continues past the row's end,
+estimates fall along a draft and `min_prob` cuts it; the cost model speculates where a step is bound by weight
+reads (few rows, a big model or a GPU, likely drafts) and not in a wide batch of unlikely drafts."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from rollout.engine.speculation import Calibration, StepCost, prior
+from rollout.requests import RequestStatus
+from rollout.sampling.drafts import Drafter
+
+
+def req(rid: str, prompt: list[int], generated: list[int] = ()):
+    return SimpleNamespace(request_id=rid, prompt_ids=list(prompt), token_ids=list(prompt) + list(generated),
+                           generated=list(generated), status=RequestStatus.FINISHED)
+
+
+def test_most_frequent_continuation_not_the_latest():
+    # NOTE: (1, 2) was followed by 3 three times, by 4 once -- the latest
+    r = req("a", [9], [1, 2, 3, 7, 1, 2, 3, 8, 1, 2, 3, 6, 1, 2, 4, 5, 1, 2])
+    toks, probs = Drafter().draft(r, 3, max_n=2)
+    assert toks[0] == 3 and probs[0] == pytest.approx(3 / 5)
+    assert probs == sorted(probs, reverse=True)  # NOTE: a path's share only falls along the draft
+    assert toks[1] in (7, 8, 6) and probs[1] == pytest.approx(1 / 5)  # NOTE: each continuation seen once
+
+
+def test_the_longest_suffix_decides():
+    # NOTE: (5, 1, 2) occurs once, followed by 4; (1, 2) alone mostly by 3
+    r = req("a", [9], [1, 2, 3, 1, 2, 3, 5, 1, 2, 4, 0, 5, 1, 2])
+    assert Drafter().draft(r, 1, max_n=3)[0] == [4]
+    assert Drafter().draft(r, 1, max_n=2)[0] == [3]
+
+
+def test_a_loop_continues_past_the_rows_end():
+    r = req("a", [9], [5, 6, 7, 5, 6, 7, 5, 6])
+    toks, probs = Drafter().draft(r, 7, max_n=4)
+    assert toks == [7, 5, 6, 7, 5, 6, 7]
+    assert all(p == pytest.approx(probs[0]) for p in probs)  # NOTE: no occurrence leaves a loop's path
+
+
+def test_siblings_and_finished_rollouts_are_counted():
+    d = Drafter()
+    prompt = [9, 9]
+    for i in range(3):  # NOTE: three finished rollouts of the prompt continued (1, 2) with 8
+        done = req(f"old{i}", prompt, [1, 2, 8, 0])
+        d.track(done)
+        d.finish(done, keep=True)
+    live = req("live", prompt, [1, 2, 3, 1, 2])  # NOTE: its own text says 3 once
+    toks, probs = d.draft(live, 2, max_n=2)
+    assert toks == [8, 0] and probs[0] == pytest.approx(3 / 5)
+    sibling = req("sib", prompt, [1, 2, 8, 1, 2, 8, 1, 2])
+    d.track(sibling)
+    toks, probs = d.draft(live, 1, max_n=2)
+    assert toks == [8] and probs[0] == pytest.approx(5 / 7)  # NOTE: 3 history + 2 sibling of 6 occurrences
+    other = req("x", [7], [1, 2, 5, 1, 2])  # NOTE: another prompt sees neither
+    assert d.draft(other, 1, max_n=2)[0] == [5]
+
+
+def test_min_prob_and_no_match():
+    r = req("a", [9], [1, 2, 3, 7, 1, 2, 4, 7, 1, 2])
+    d = Drafter()
+    assert d.draft(r, 3, max_n=2, min_prob=0.5) == ([], [])  # NOTE: 3 and 4 each 1/3
+    # NOTE: a tie goes to the latest occurrence; its one path keeps its share (1/3) as it goes on
+    assert d.draft(r, 3, max_n=2, min_prob=0.3) == ([4, 7, 1], [1 / 3] * 3)
+    assert Drafter().draft(req("b", [9], [1, 2, 3, 4]), 3, max_n=4) == ([], [])
+
+
+def test_calibration_shortens_a_failing_rows_drafts():
+    c = Calibration()
+    assert c.scale("r") == 1.0
+    for _ in range(5):
+        c.record("r", 2.0, 0)  # NOTE: two tokens' worth expected, none kept
+    assert c.scale("r") < 0.3
+    for _ in range(10):
+        c.record("r", 1.0, 2)
+    assert c.scale("r") > 1.5
+
+
+def test_cost_model_weight_bound_vs_compute_bound():
+    cpu_100m = StepCost(*prior(100_000_000, 4, "cpu", 2))
+    likely = [0.45, 0.4, 0.35, 0.3]
+    # NOTE: the tail: 4 rows, drafts kept less than half the time -- verify them
+    assert cpu_100m.plan([likely] * 4) == [4, 4, 4, 4]
+    # NOTE: 32 rows of text that never repeats: a few unlikely drafts do not pay
+    assert cpu_100m.plan([[0.3]] * 16 + [[]] * 16) is None
+    # NOTE: 32 rows that loop: they do
+    assert cpu_100m.plan([[0.9] * 4] * 32) == [4] * 32
+    # NOTE: a GPU step is weight-bound at 32 rows: the unlikely drafts pay there
+    gpu = StepCost(*prior(100_000_000, 2, "cuda"))
+    assert gpu.plan([[0.3]] * 16 + [[]] * 16) == [1] * 16 + [0] * 16
+    # NOTE: per row, the likelier tokens are kept first; the cut falls inside the drafts
+    lens = cpu_100m.plan([[0.9, 0.2, 0.05, 0.01]] * 8)
+    assert lens is not None and all(0 < n < 4 for n in lens)
+
+
+def test_cost_fit_follows_measured_steps():
+    cost = StepCost(0.02, 0.001)
+    cost.observe_plain(4, 0.024)
+    assert cost.plain_time(4) == pytest.approx(0.024) and cost.plain_time(5) > 0.024
+    for extra in (4, 8, 12, 16) * 10:  # NOTE: verifying steps costing 1.5 + 2 x the prior's share
+        cost.observe_spec(4, extra, 0.024 * (1.5 + 2 * extra * cost.share(4)))
+    assert cost.c0 == pytest.approx(1.5, abs=0.05) and cost.c1 == pytest.approx(2.0, abs=0.2)
+    assert cost.min_prob(4) == pytest.approx(cost.c1 * cost.share(4) * 4)
