@@ -5,6 +5,7 @@ Two workloads on the 5M (or --model 100m) Qwen3-arch model, default `ContinuousB
   decode  64 concurrent requests, prompt 256, 128 new tokens; only the steps after every request has
           finished its prompt are measured (pure decode).
   long    16 concurrent requests, prompt 900, 128 new tokens, pure decode as above (long contexts, #26).
+  tail    4 concurrent requests, prompt 200, 128 new tokens, pure decode: an RL step's few-row tail (#60).
 
 Passes (each on a fresh engine, after a warm-up run):
   phases  perf_counter around scheduler.schedule / runner.prepare / model forward (attention function
@@ -273,6 +274,8 @@ def workloads(model, num_prompts: int = 8):
         "decode": ("decode", decode_workload(64, vocab, prompt_len=256, new_tokens=128, seed=0)),
         # the long-context decode of issue #26 at G=1: 16 distinct 900-token prompts, 128 new tokens each
         "long": ("decode", decode_workload(16, vocab, prompt_len=900, new_tokens=128, seed=0)),
+        # the few-row tail of issue #60: 4 rows, where a step's fixed cost weighs most
+        "tail": ("decode", decode_workload(4, vocab, prompt_len=200, new_tokens=128, seed=0)),
     }
 
 

@@ -43,6 +43,8 @@ logger = logging.getLogger("rollout")
 MAX_DRAFT = 32
 MARGIN = 0.03  # NOTE: a speculative step must promise this much more than the plain one (the drafting's cost)
 DECAY = 0.9  # NOTE: weight of the older measurements at each new one (the cost fit, the plain step's time)
+RELAX = 0.02  # NOTE: the share of the prior mixed back into the fit at each plain step
+PRIOR_SUMS = (2.0, 1.0, 3.0, 1.0, 2.0)  # NOTE: the fit's (weight, x, y, xx, xy) of the prior's points (0, 1), (1, 2)
 CALIBRATION_DECAY = 0.7  # NOTE: a row's acceptance record fades by this much at each of its drafted steps
 # NOTE: the prior's machine: a CPU streams ~20 GB/s of weights and runs ~100 GFLOP/s a thread in fp32; a CUDA
 # device ~2 TB/s and ~300 TFLOP/s; the host spends ~1.5 ms / ~4 ms a step and ~30 us a row around the forward
@@ -74,7 +76,7 @@ class StepCost:
         self.a, self.b = a, b
         self.plain: dict[int, float] = {}  # rows -> measured seconds of a plain step
         # NOTE: decayed sums of the fit (weight, x, y, xx, xy), the prior as points (0, 1) and (1, 2)
-        self.sums = [2.0, 1.0, 3.0, 1.0, 2.0]
+        self.sums = list(PRIOR_SUMS)
         self.c0, self.c1 = 1.0, 1.0
 
     def share(self, rows: int) -> float:
@@ -91,22 +93,28 @@ class StepCost:
         return self.plain[near] * (self.a + self.b * rows) / (self.a + self.b * near)
 
     def observe_plain(self, rows: int, seconds: float) -> None:
+        """A plain step's time; the fit also relaxes toward the prior (`RELAX`), so that a fit spoilt by a few
+        slow steps (a loaded box) lets the speculative steps be tried and measured again."""
         old = self.plain.get(rows)
         self.plain[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        self.sums = [(1 - RELAX) * v + RELAX * p for v, p in zip(self.sums, PRIOR_SUMS, strict=True)]
+        self._fit()
 
     def observe_spec(self, rows: int, extra: int, seconds: float) -> None:
         base = self.plain_time(rows)
         if base is None:
             return
-        x, y = extra * self.share(rows), seconds / base
+        x, y = extra * self.share(rows), min(5.0, max(0.3, seconds / base))  # NOTE: one descheduled step
         s = self.sums
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = DECAY * s[i] + v
-        w, sx, sy, sxx, sxy = s
+        self._fit()
+
+    def _fit(self) -> None:
+        w, sx, sy, sxx, sxy = self.sums
         det = w * sxx - sx * sx
         if det > 1e-12:
-            c1 = (w * sxy - sx * sy) / det
-            self.c1 = min(20.0, max(0.2, c1))
+            self.c1 = min(5.0, max(0.2, (w * sxy - sx * sy) / det))
             self.c0 = min(3.0, max(0.5, (sy - self.c1 * sx) / w))
 
     def min_prob(self, rows: int) -> float:

@@ -106,3 +106,16 @@ def test_cost_fit_follows_measured_steps():
         cost.observe_spec(4, extra, 0.024 * (1.5 + 2 * extra * cost.share(4)))
     assert cost.c0 == pytest.approx(1.5, abs=0.05) and cost.c1 == pytest.approx(2.0, abs=0.2)
     assert cost.min_prob(4) == pytest.approx(cost.c1 * cost.share(4) * 4)
+
+
+def test_a_spoilt_fit_relaxes_toward_the_prior():
+    """Slow verifying steps (a loaded box) stop speculation; plain steps bring the fit back to where it is tried."""
+    cost = StepCost(*prior(100_000_000, 4, "cpu", 2))
+    cost.observe_plain(4, 0.02)
+    likely = [[0.45, 0.4, 0.35, 0.3]] * 4
+    for extra in (8, 16) * 10:
+        cost.observe_spec(4, extra, 0.1)  # NOTE: 5x a plain step
+    assert cost.plan(likely) is None
+    for _ in range(200):
+        cost.observe_plain(4, 0.02)
+    assert cost.plan(likely) == [4, 4, 4, 4]
