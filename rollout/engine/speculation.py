@@ -45,6 +45,7 @@ MARGIN = 0.03  # NOTE: a speculative step must promise this much more than the p
 DECAY = 0.9  # NOTE: weight of the older measurements at each new one (the cost fit, the plain step's time)
 RELAX = 0.02  # NOTE: the share of the prior mixed back into the fit at each plain step
 PRIOR_SUMS = (2.0, 1.0, 3.0, 1.0, 2.0)  # NOTE: the fit's (weight, x, y, xx, xy) of the prior's points (0, 1), (1, 2)
+IDLE_MAX = 8  # NOTE: a row whose suffix matched nowhere skips drafting for 1, 2, 4 .. this many steps
 CALIBRATION_DECAY = 0.7  # NOTE: a row's acceptance record fades by this much at each of its drafted steps
 # NOTE: the prior's machine: a CPU streams ~20 GB/s of weights and runs ~100 GFLOP/s a thread in fp32; a CUDA
 # device ~2 TB/s and ~300 TFLOP/s; the host spends ~1.5 ms / ~4 ms a step and ~30 us a row around the forward
@@ -183,6 +184,8 @@ class Speculator:
         dtype = next(model.parameters()).dtype
         self.cost = StepCost(*prior(params, dtype.itemsize, core.device.type, torch.get_num_threads()))
         self.calibration = Calibration()
+        self.steps = 0  # NOTE: steps seen (the clock of the rows' idle spells)
+        self.idle: dict[str, tuple[int, int]] = {}  # NOTE: request id -> (step it drafts again, its spell's length)
         self.estimates: list[list[float]] = []  # NOTE: per row of the step planned, its drafted tokens' estimates
         # NOTE: the step in flight: (perf_counter at its start, rows, drafted tokens run, generated_tokens
         # expected at its end, prompt tokens computed at its start) -- timed at the next call
@@ -192,14 +195,22 @@ class Speculator:
         """`request` is final (its tokens join its prompt's history when it finished normally)."""
         self.drafter.finish(request, keep=request.status is RequestStatus.FINISHED)
         self.calibration.rows.pop(request.request_id, None)
+        self.idle.pop(request.request_id, None)
 
     def _draft(self, req: Request, min_prob: float) -> tuple[list[int], list[float]]:
         p = req.sampling
         k = min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
-        if k <= 0 or req.routes is not None:
+        rid = req.request_id
+        idle = self.idle.get(rid)
+        if k <= 0 or req.routes is not None or (idle is not None and idle[0] > self.steps):
             return [], []
-        scale = self.calibration.scale(req.request_id)
+        scale = self.calibration.scale(rid)
         toks, probs = self.drafter.draft(req, k, p.max_matching_ngram_size or DEFAULT_NGRAM, min_prob / scale)
+        if toks:
+            self.idle.pop(rid, None)
+        else:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up when it drafts)
+            spell = 1 if idle is None else min(IDLE_MAX, 2 * idle[1])
+            self.idle[rid] = (self.steps + spell, spell)
         return toks, [min(1.0, q * scale) for q in probs]
 
     def _time(self, now: float) -> None:
@@ -239,6 +250,7 @@ class Speculator:
         core = self.core
         now = time.perf_counter()
         self._time(now)
+        self.steps += 1
         rows = [s.request for s in out.scheduled]
         plain = (now, len(rows), 0, core.stats["generated_tokens"] + len(rows), core.stats["computed_prompt_tokens"])
         if core.runner.routes is not None:
