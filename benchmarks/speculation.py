@@ -9,7 +9,9 @@
            where speculation must not cost
 
 Each repeat draws new prompts (seed `--seed` + repeat) and runs both engines on them, built and warmed up once
-outside the timing, in alternating order (A B, then B A); a run's CPU seconds are this process's. Rows are greedy,
+outside the timing, in lockstep: one step of each in turn (which first alternates per repeat), every step timed, a
+system's seconds the sum of its steps' (wall, and CPU of this process), so a shared box's drifting load weighs on
+both alike. Rows are greedy,
 or with `--temperature T` sampled with a seed each (tokens must then be identical too: one draw per emitted token).
 Reported per run: wall and CPU seconds, the speedup, engine steps, drafted / accepted tokens, tokens identical,
 the load average; then the medians of the speedups.
@@ -49,23 +51,34 @@ def engine(model, spec_k: int, temperature: float) -> EngineCore:
     return core
 
 
-def run(core: EngineCore, wl: Workload, tag: str, seeded: bool) -> tuple[float, float, list, dict]:
-    """(wall s, CPU s of this process, tokens, counters: drafted / accepted / generated tokens, engine steps)."""
-    before = dict(core.cache_stats())
-    reqs = [core.make_request(p, request_id=f"{tag}_{i}", max_new_tokens=n, **({"seed": 1000 + i} if seeded else {}))
-            for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-    c0, w0 = time.process_time(), time.perf_counter()
-    for r in reqs:
-        core.add(r)
-    steps = 0
-    while core.has_work():
-        core.step()
-        steps += 1
-    wall, cpu = time.perf_counter() - w0, time.process_time() - c0
-    st = core.cache_stats()
-    delta = {k: st[k] - before[k] for k in ("spec_draft_tokens", "spec_accepted_tokens", "generated_tokens")}
-    delta["steps"] = steps
-    return wall, cpu, [r.generated for r in reqs], delta
+def run_pair(cores: dict[int, EngineCore], wl: Workload, tag: str, seeded: bool, first: int) -> dict:
+    """Both engines over `wl` in lockstep, one step of each in turn (`first` steps first), each step timed: a
+    system's time is the sum of its own steps', so a load that drifts on a shared box weighs on both alike.
+    Returns per system (wall s, CPU s of this process, tokens, counters: drafted / accepted / generated tokens,
+    engine steps)."""
+    before = {k: dict(c.cache_stats()) for k, c in cores.items()}
+    reqs = {k: [c.make_request(p, request_id=f"{tag}_{i}", max_new_tokens=n, **({"seed": 1000 + i} if seeded else {}))
+                for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))] for k, c in cores.items()}
+    for k, c in cores.items():
+        for r in reqs[k]:
+            c.add(r)
+    wall, cpu, steps = dict.fromkeys(cores, 0.0), dict.fromkeys(cores, 0.0), dict.fromkeys(cores, 0)
+    order = sorted(cores, key=lambda k: k != first)
+    while any(c.has_work() for c in cores.values()):
+        for k in order:
+            if cores[k].has_work():
+                c0, w0 = time.process_time(), time.perf_counter()
+                cores[k].step()
+                wall[k] += time.perf_counter() - w0
+                cpu[k] += time.process_time() - c0
+                steps[k] += 1
+    out = {}
+    for k, c in cores.items():
+        st = c.cache_stats()
+        delta = {n: st[n] - before[k][n] for n in ("spec_draft_tokens", "spec_accepted_tokens", "generated_tokens")}
+        delta["steps"] = steps[k]
+        out[k] = (wall[k], cpu[k], [r.generated for r in reqs[k]], delta)
+    return out
 
 
 def workload(name: str, args, vocab: int, seed: int) -> Workload:
@@ -127,9 +140,7 @@ def main() -> None:
         wall_x, cpu_x = [], []
         for rep in range(args.repeats):
             wl = workload(name, args, model.config.vocab_size, args.seed + rep)
-            results = {}
-            for k in ((0, args.k) if rep % 2 == 0 else (args.k, 0)):
-                results[k] = run(cores[k], wl, f"{name}{rep}", seeded=bool(args.temperature))
+            results = run_pair(cores, wl, f"{name}{rep}", bool(args.temperature), 0 if rep % 2 == 0 else args.k)
             (w0, c0, out0, st0), (w1, c1, out1, st) = results[0], results[args.k]
             same = out0 == out1
             rate = st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])
