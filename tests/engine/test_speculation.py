@@ -127,8 +127,8 @@ def test_rejected_drafts_give_their_pages_back_at_once():
     prompts = [repeating_prompt(model, seed=s) for s in range(2)] + random_prompts(2, 5, 40, seed=3)
     core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=4, num_blocks=256, **SPEC))
     core.speculator.max_rows = 64
-    for p in prompts:
-        core.add(core.make_request(p))
+    for p in prompts:  # NOTE: 1-token suffixes: a draft at most steps, most of them rejected
+        core.add(core.make_request(p, max_matching_ngram_size=1))
     while core.has_work():
         core.step()
         held = sum(len(r.page_ids) for r in core.scheduler.running)
