@@ -26,7 +26,7 @@ from typing import Any
 FIELDS: dict[str, tuple[Any, str]] = {
     "temperature": (1.0, "softmax temperature; 0 = greedy"),
     "top_p": (1.0, "nucleus sampling: smallest set of tokens with probability >= top_p (1 = off)"),
-    "top_k": (0, "sample among the k most likely tokens (0 or -1 = off)"),
+    "top_k": (0, "sample among the k most likely tokens (0 = off)"),
     "min_p": (0.0, "drop tokens below min_p x the top token's probability (0 = off)"),
     "seed": (None, "the call's seed: group i, sample j draws from stream sample_seed(group_seed(seed, i), j)"),
     "max_tokens": (None, "most tokens to generate (None: the generation config's max_new_tokens)"),
@@ -207,17 +207,17 @@ class SamplingParams:
 
 
 def _check(name: str, value: Any) -> Any:
-    """One field's value, checked (ValueError naming it) and normalised (lists to tuples, -1 top_k to 0)."""
+    """One field's value, checked (ValueError naming it) and normalised (lists to tuples)."""
     if name == "temperature":
         return check_temperature(value)
     if name == "top_p":
         if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value) or not 0 < value <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {value!r}")
         return float(value)
-    if name == "top_k":
-        if isinstance(value, bool) or not isinstance(value, int) or value < -1:
-            raise ValueError(f"top_k must be an int >= 0 (0 or -1 = off), got {value!r}")
-        return max(value, 0)
+    if name == "top_k":  # NOTE: the wires map vLLM's / SGLang's -1 ("off") to 0 before they build one
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 = off), got {value!r}")
+        return value
     if name == "min_p":
         return _number("min_p", value, 0.0, 1.0)
     if name == "seed":

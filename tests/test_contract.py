@@ -102,7 +102,7 @@ def test_a_field_set_twice_or_invalid_is_refused_by_name(engine):
         engine.generate([[5, 6]], max_new_tokens=3, sampling=SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="sampling has 1 SamplingParams for 2 prompts"):
         engine.generate([[5, 6], [7, 8]], sampling=[SamplingParams()])
-    for bad, field in (({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": 1.5}, "top_k"),
+    for bad, field in (({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": 1.5}, "top_k"), ({"top_k": -1}, "top_k"),
                        ({"logprobs": 21}, "logprobs"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
                        ({"repetition_penalty": 0}, "repetition_penalty")):
         with pytest.raises(ValueError, match=field):
@@ -114,7 +114,7 @@ def test_a_field_set_twice_or_invalid_is_refused_by_name(engine):
 
 
 def test_sampling_params_records_what_was_set_and_keeps_vllm_spellings():
-    sp = SamplingParams(temperature=0.5, top_k=-1, logit_bias={"3": 1.0}, stop_token_ids=[2])
+    sp = SamplingParams(temperature=0.5, top_k=0, logit_bias={"3": 1.0}, stop_token_ids=[2])
     assert sp.given == {"temperature", "top_k", "logit_bias", "stop_token_ids"}
     assert sp.top_k == 0 and sp.logit_bias == ((3, 1.0),) and sp.stop_token_ids == (2,) and sp.top_p == 1.0
     assert SamplingParams.from_fields({"min_new_tokens": 2, "max_new_tokens": 5}) == SamplingParams(min_tokens=2,
