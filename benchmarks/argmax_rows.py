@@ -43,8 +43,8 @@ def main() -> None:
         x = torch.randn(rows, vocab)
         assert torch.equal(kernel(x), x.argmax(dim=-1))
         ours, theirs = best_us(lambda x=x: kernel(x)), best_us(lambda x=x: x.argmax(dim=-1))
-        print(f"  {rows:3d} x {vocab:6d}: torch {theirs:7.0f} us, ours {ours:6.0f} us ({x.numel() * 4 / ours / 1e3:4.1f} GB/s), "
-              f"{theirs / ours:4.1f}x")
+        print(f"  {rows:3d} x {vocab:6d}: torch {theirs:7.0f} us, ours {ours:6.0f} us "
+              f"({x.numel() * 4 / ours / 1e3:4.1f} GB/s), {theirs / ours:4.1f}x")
 
 
 if __name__ == "__main__":

@@ -70,9 +70,9 @@ def main() -> None:
     print(f"{'run':>10} {'first5':>7} {'last5':>7} {'rise':>7} {'last50':>7} {'exact before->after':>20} "
           f"{'staleness':>9} {'approx_kl':>9} {'wall s':>7}")
     for (mode, seed), r in results.items():
-        print(f"{mode + ' s' + str(seed):>10} {r['first5']:7.3f} {r['last5']:7.3f} {r['rise']:+7.3f} {r['last50']:7.3f} "
-              f"{r['exact_before']:9.3f} -> {r['exact_after']:.3f} {r['staleness']:9.2f} {r['approx_kl']:9.3f} "
-              f"{r['wall']:7.0f}")
+        print(f"{mode + ' s' + str(seed):>10} {r['first5']:7.3f} {r['last5']:7.3f} {r['rise']:+7.3f} "
+              f"{r['last50']:7.3f} {r['exact_before']:9.3f} -> {r['exact_after']:.3f} {r['staleness']:9.2f} "
+              f"{r['approx_kl']:9.3f} {r['wall']:7.0f}")
     stats = {}
     for key in ("rise", "last50", "exact_after"):
         sync = [results["sync", s][key] for s in seeds]
@@ -99,7 +99,7 @@ def main() -> None:
         x = [WINDOW * (k + 0.5) for k in range(len(curves[0]))]
         for c in curves:
             ax.plot(x, c, color=f"C{i}", lw=0.7, alpha=0.5)
-        mean = [statistics.mean(v) for v in zip(*curves)]
+        mean = [statistics.mean(v) for v in zip(*curves, strict=False)]
         label = "synchronous" if mode == "sync" else "async, max_staleness 1"
         ax.plot(x, mean, color=f"C{i}", lw=2.5, marker="o", label=f"{label} (mean of {len(seeds)} seeds)")
     ax.set(xlabel="step", ylabel=f"reward ({WINDOW}-step mean)",

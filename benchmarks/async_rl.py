@@ -182,8 +182,14 @@ def run_fleet(args, out_dir: Path) -> None:
         async_rollout=True, max_staleness=args.max_staleness, learner_threads=1,
     )
     start = time.perf_counter()
-    fleet = RolloutFleet(str(model_dir), num_engines=1, engine_config=ContinuousBatchingConfig(page_size=32, num_blocks=512),
-                         resources_per_engine={"CPU": 1}, tokenizer=tokenizer, num_cpus=2)
+    fleet = RolloutFleet(
+        str(model_dir),
+        num_engines=1,
+        engine_config=ContinuousBatchingConfig(page_size=32, num_blocks=512),
+        resources_per_engine={"CPU": 1},
+        tokenizer=tokenizer,
+        num_cpus=2,
+    )
     spawn_s = time.perf_counter() - start
     with GRPOTrainer(model, tokenizer, copy_reward, dataset, config, rollout=fleet) as trainer:
         train_start = time.perf_counter()

@@ -4,7 +4,8 @@ Shapes of the 5M Qwen3-arch model (4 query heads, 2 KV heads, head_dim 64), one 
 Times are CPU time of this thread (robust on a busy box), best of several repeats, per call.
 
 Decode attention variants (same K/V contents, results checked equal):
-  current      (rollout at 39e389a, as profiled) cache [slots, Hkv, D]; index_select of every row's slots padded to Lmax, transpose to
+  current      (rollout at 39e389a, as profiled) cache [slots, Hkv, D]; index_select of every row's slots padded to
+  Lmax, transpose to
                [B, Hkv, Lmax, D] (a view whose (Lmax, D) planes are strided), SDPA (bool mask, enable_gqa)
   head-major   cache [Hkv, slots, D]; index_select on dim 1 gives [B, Hkv, Lmax, D] with contiguous planes
   bucketed     current, but the rows split in two by KV length (less padding)
@@ -122,7 +123,9 @@ def main() -> None:
         sl = table_t[part][:, jj // ps] * ps + jj % ps
         ln = lens_t[part]
         sl = torch.where(jj[None, :] < ln[:, None], sl, sl[:, :1])
-        buckets.append((torch.tensor(part), sl.reshape(-1), len(part), lm, (jj[None, :] < ln[:, None])[:, None, None, :]))
+        buckets.append(
+            (torch.tensor(part), sl.reshape(-1), len(part), lm, (jj[None, :] < ln[:, None])[:, None, None, :])
+        )
 
     def bucketed():
         out = torch.empty_like(q)
@@ -173,9 +176,9 @@ def main() -> None:
             ("attn: head-major gather, fp32 explicit GQA bmm + softmax", best_cpu(upcast_bmm)),
         ]
     kv_bytes = 2 * sum(lens) * Hkv * D * k_cache.element_size()
-    print(f"{B} decode rows, KV lengths {min(lens)}-{max(lens)} (Lmax {lmax}, padding {1 - sum(lens) / (B * lmax):.0%}), "
-          f"page_size {ps}, H={H} Hkv={Hkv} D={D} {a.dtype}, {torch.get_num_threads()} thread(s); "
-          f"useful K+V bytes per layer {kv_bytes / 2**20:.1f} MiB")
+    print(f"{B} decode rows, KV lengths {min(lens)}-{max(lens)} (Lmax {lmax}, padding "
+          f"{1 - sum(lens) / (B * lmax):.0%}), page_size {ps}, H={H} Hkv={Hkv} D={D} {a.dtype}, "
+          f"{torch.get_num_threads()} thread(s); useful K+V bytes per layer {kv_bytes / 2**20:.1f} MiB")
     for name, t in rows:
         print(f"  {1e3 * t:8.3f} ms  {name}")
 

@@ -277,8 +277,9 @@ def generate_one(model, prompt: list[int], n: int) -> list[int]:
 
 def _run_engine(model, wl: Workload, drive: bool) -> RunResult:
     """rollout's `RolloutEngine` (what a trainer holds, built before the clock starts): requests through its
-    manager, each with its own max_new_tokens, greedy, logprobs returned. `drive=True` collects them as `RolloutEngine.generate` does (the caller's thread
-    steps the engine); `drive=False` waits while the manager's background thread steps (the engine loop of
+    manager, each with its own max_new_tokens, greedy, logprobs returned. `drive=True` collects them as
+    `RolloutEngine.generate` does (the caller's thread steps the engine); `drive=False` waits while the manager's
+    background thread steps (the engine loop of
     a server, and what `generate` did before)."""
     from rollout import ContinuousBatchingConfig, RolloutEngine
     from rollout.engine.collect import collect

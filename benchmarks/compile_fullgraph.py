@@ -77,8 +77,8 @@ def main() -> None:
             cpu, wall, out = run_core(cores[mode], wl)
             outs.setdefault(mode, out)
             graphs = counters["stats"].get("unique_graphs", 0)
-            print(f"{mode:8s} first run at {t} thread(s) {wall:6.1f} s wall ({cpu:6.1f} s CPU); graphs compiled {graphs}, "
-                  f"graph breaks {sum(counters['graph_break'].values())}", flush=True)
+            print(f"{mode:8s} first run at {t} thread(s) {wall:6.1f} s wall ({cpu:6.1f} s CPU); graphs compiled "
+                  f"{graphs}, graph breaks {sum(counters['graph_break'].values())}", flush=True)
     same = sum(x == y for x, y in zip(outs["eager"], outs["compiled"], strict=True))
     print(f"greedy compiled == eager: {same}/{len(outs['eager'])}", flush=True)
     counters.clear()
@@ -96,8 +96,8 @@ def main() -> None:
                 r = run_vllm(model, wl)
                 times.setdefault(("vllm", t), []).append(r.seconds)
                 same = sum(x == y for x, y in zip(r.outputs, outs["eager"], strict=True))
-                print(f"  rep {rep} vllm     {t} thr wall {r.seconds:6.2f} s ({wl.useful_tokens / r.seconds:6.0f} tok/s) "
-                      f"greedy == ours {same}/{len(r.outputs)} load {os.getloadavg()[0]:.2f}", flush=True)
+                print(f"  rep {rep} vllm     {t} thr wall {r.seconds:6.2f} s ({wl.useful_tokens / r.seconds:6.0f} "
+                      f"tok/s) greedy == ours {same}/{len(r.outputs)} load {os.getloadavg()[0]:.2f}", flush=True)
     late = counters["stats"].get("unique_graphs", 0)
     print(f"graphs compiled during the timed runs (recompilations): {late}")
     print("\nmode     | threads | tok/s (median) | vs eager same threads | vs eager 1 thread")

@@ -6,8 +6,8 @@ level 1 = mode "default", dynamic=True; level 2 = "max-autotune-no-cudagraphs", 
 level 3 = "max-autotune-no-cudagraphs", dynamic=False; fullgraph=False, with the paged attention
 excluded from the graph (`torch.compiler.disable`). This script applies exactly that to our engine
 view's forward (our paged attention excluded the same way), runs the RL workload of
-`throughput.py` on one engine per level (kept alive across runs, as in RL training), checks the greedy outputs against level 0, and prints
-the first run (compilation included) and the best of the timed runs, in CPU time, 1 thread.
+`throughput.py` on one engine per level (kept alive across runs, as in RL training), checks the greedy outputs against
+level 0, and prints the first run (compilation included) and the best of the timed runs, in CPU time, 1 thread.
 
 rollout does not apply these settings (`ContinuousBatchingConfig` accepts them and logs that they
 have no effect) because this measurement found no level that wins on CPU; see RESULTS.md.

@@ -1,4 +1,5 @@
-"""Decode attention over the paged cache: rollout's C++ kernel vs gather + SDPA (the no-compiler path), per thread count.
+"""Decode attention over the paged cache: rollout's C++ kernel vs gather + SDPA (the no-compiler path), per thread
+count.
 
 Shapes of one layer of the 5M Qwen3-arch model by default (4 query heads, 2 KV heads, head size 64):
 `--rows` decode rows, each reading `--kv` keys (drawn in a range) through a block table of scattered
@@ -84,8 +85,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 fn()
                 times.setdefault((name, t), []).append(time.perf_counter() - t0)
-    print(f"rows {n}, KV {a.kv[0]}-{a.kv[1]} ({a.dtype}), H {H}, Hkv {Hkv}, D {D}; {nbytes / 1e6:.1f} MB of K/V per call; "
-          f"load average {os.getloadavg()[0]:.2f}")
+    print(f"rows {n}, KV {a.kv[0]}-{a.kv[1]} ({a.dtype}), H {H}, Hkv {Hkv}, D {D}; {nbytes / 1e6:.1f} MB of K/V per "
+          f"call; load average {os.getloadavg()[0]:.2f}")
     print("| variant | threads | ms per call | GB/s | vs 1 thread |")
     print("|---|---|---|---|---|")
     for name in ("kernel", "gather"):

@@ -6,7 +6,8 @@ gate, up, down, plus the 768 x 32768 head) one after the other, as the engine's 
 for M = 1 / 4 / 16 / 32 / 64 rows, at 1 and 2 threads, each way:
 
   onednn  `torch.ops.mkldnn._linear_pointwise` on oneDNN's packed weights (the engine above `SMALL_ROWS` rows)
-  ours    `rollout.kernels.cpu_kernels.small_linear` on its panels (`rollout/kernels/csrc/small_gemm.cpp`; the engine up to
+  ours    `rollout.kernels.cpu_kernels.small_linear` on its panels (`rollout/kernels/csrc/small_gemm.cpp`; the engine up
+  to
           `SMALL_ROWS` rows)
 
 The weights total 403 MB, far more than any cache, so each call reads its weight from memory as in a real step.
@@ -61,7 +62,9 @@ def main() -> None:
             want = F.linear(x, raw[i])
             torch.testing.assert_close(onednn(x, ways["onednn"][1][i]), want, rtol=1e-4, atol=1e-4)
             if "ours" in ways:
-                torch.testing.assert_close(small(x, ways["ours"][1][i], None, raw[i].shape[0]), want, rtol=1e-4, atol=1e-4)
+                torch.testing.assert_close(
+                    small(x, ways["ours"][1][i], None, raw[i].shape[0]), want, rtol=1e-4, atol=1e-4
+                )
         for threads in (int(t) for t in a.threads.split(",")):
             torch.set_num_threads(threads)
             big.sum()

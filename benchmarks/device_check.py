@@ -285,10 +285,11 @@ def step_profile(dry_run: bool, device: str, steps: int = 20, cbc: ContinuousBat
 PLAN = [
     "gpu tests: pytest -m 'gpu or triton' (issue 61 first: the counter-based generator's words on CUDA equal the "
     "CPU's, seeded fp32 tokens on CUDA equal the CPU's, use_async_batching equal to the synchronous engine on "
-    "triton+graphs and flex, a steady overlapped step under set_sync_debug_mode('error'); then flex kernel vs fp64; flex/sdpa/triton on CUDA exact vs generate and "
-    "teacher forcing; the Triton decode kernel compiled, vs the C++ kernel and fp64; no host sync in a flex step; "
-    "pinned CPU offload under pressure; flash refuses without flash-attn; the RL loop update/sleep/wake/close, "
-    "also with triton and use_cuda_graph=True; seeded sampling; the GRPO trainer colocated on the GPU)",
+    "triton+graphs and flex, a steady overlapped step under set_sync_debug_mode('error'); then flex kernel vs fp64; "
+    "flex/sdpa/triton on CUDA exact vs generate and teacher forcing; the Triton decode kernel compiled, vs the C++ "
+    "kernel and fp64; no host sync in a flex step; pinned CPU offload under pressure; flash refuses without "
+    "flash-attn; the RL loop update/sleep/wake/close, also with triton and use_cuda_graph=True; seeded sampling; the "
+    "GRPO trainer colocated on the GPU)",
     "exactness, ~0.6B Qwen3-arch random weights, fp32: ours (default backend) on the whole workload below, "
     "greedy tokens of 4 requests (2 groups) against unbatched generate",
     "throughput, same model in bf16, 32 prompts x G=8 (prompts 64-1024, completions 32-512): ours async (triton, "

@@ -119,8 +119,11 @@ def rank_main(rank: int, world: int, port: int, size: str, runs: int, case: str,
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     train_step(wrapped, optimizer, vocab)
     engine = RolloutEngine(full, config=engine_config)
-    row = {**training_bytes(model, optimizer), "engine_copy_mb": 0.0 if full is model else nbytes(full.parameters()) / MB,
-           "fraction": param_fraction(model)}
+    row = {
+        **training_bytes(model, optimizer),
+        "engine_copy_mb": 0.0 if full is model else nbytes(full.parameters()) / MB,
+        "fraction": param_fraction(model),
+    }
     stats = SyncStats()
 
     def ddp_sync() -> int:

@@ -43,7 +43,9 @@ def main() -> None:
 
     def engine():
         core = EngineCore(model, greedy_config(), ContinuousBatchingConfig())
-        reqs = [core.make_request(ids, request_id=f"r{i}", max_new_tokens=a.steps + 20) for i, ids in enumerate(wl.prompts)]
+        reqs = [
+            core.make_request(ids, request_id=f"r{i}", max_new_tokens=a.steps + 20) for i, ids in enumerate(wl.prompts)
+        ]
         for r in reqs:
             core.add(r)
         return core, reqs

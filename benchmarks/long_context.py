@@ -12,16 +12,17 @@ drawn at random, greedy, no EOS. Systems (`--systems`, interleaved per G so rati
   vllm          vLLM's CPU build in its own process (`benchmarks/vllm_cpu.py`; its prefix cache on)
   generate      one padded `model.generate` over all requests
 
-Systems run in an order rotated per G. Greedy tokens are compared first (all systems against `ours`). The bandwidth bound: the bytes an engine must
-read per step (every live row's K/V once, `kv_rowwise`; each group's shared full prompt pages once,
-`kv_shared`; plus the weights once per step, the steps being the longest completion when every request fits
+Systems run in an order rotated per G. Greedy tokens are compared first (all systems against `ours`). The bandwidth
+bound: the bytes an engine must read per step (every live row's K/V once, `kv_rowwise`; each group's shared full prompt
+pages once, `kv_shared`; plus the weights once per step, the steps being the longest completion when every request fits
 in one batch) over the machine's read bandwidth (a `torch.sum` over 256 MB at the same thread count, measured
 here); a bound is useful tokens / that time, and a share = measured tok/s / a bound (both bounds printed for
 every system: row-wise is what a per-row reader can reach, shared-once what a cascade reader can).
 
     python benchmarks/long_context.py --model 5m --groups 1,8,16 --requests 32 --threads 2
     python benchmarks/long_context.py --model 100m --groups 1,8,16 --requests 16 --systems ours,vllm
-    python benchmarks/long_context.py --model 100m --requests 16 --systems ours,vllm --trainer-step  # in a trainer's process
+    # in a trainer's process
+    python benchmarks/long_context.py --model 100m --requests 16 --systems ours,vllm --trainer-step
 """
 
 from __future__ import annotations
@@ -124,13 +125,17 @@ def main() -> None:
         systems.remove("vllm")
     cbc = ContinuousBatchingConfig() if a.page_size is None else ContinuousBatchingConfig(page_size=a.page_size)
     page_size = cbc.page_size
-    runners = {"ours": lambda m, w: run_ours(m, w, cbc, warm=True), "ours_rowwise": lambda m, w: run_ours_rowwise(m, w, cbc),
-               "vllm": SYSTEMS["vllm"], "generate": SYSTEMS["generate"]}
+    runners = {
+        "ours": lambda m, w: run_ours(m, w, cbc, warm=True),
+        "ours_rowwise": lambda m, w: run_ours_rowwise(m, w, cbc),
+        "vllm": SYSTEMS["vllm"],
+        "generate": SYSTEMS["generate"],
+    }
     print(f"rollout: {rollout_version()}\nmachine: {machine_info()}\nmodel {a.model} {a.dtype}, page size {page_size}, "
           f"threads {a.threads}, load {os.getloadavg()[0]:.2f}", flush=True)
     if a.trainer_step:
-        print(f"trainer step on the main thread ({torch.get_num_threads()} threads): deep copy + forward/backward/AdamW "
-              f"{training_step(model):.1f} s", flush=True)
+        print(f"trainer step on the main thread ({torch.get_num_threads()} threads): deep copy + "
+              f"forward/backward/AdamW {training_step(model):.1f} s", flush=True)
     bw = read_bandwidth()
     weights = sum(t.numel() * t.element_size() for t in model.parameters())
     print(f"read bandwidth (torch.sum, 256 MB): {bw / 1e9:.1f} GB/s; weights {weights / 1e6:.0f} MB", flush=True)

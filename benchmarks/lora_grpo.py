@@ -4,8 +4,10 @@ Reads each run directory's `metrics.jsonl` (and `summary.json` when there) writt
 `reward_mean` per RL step (EMA 0.2, the recipes' smoothing; raw values faint) for every run in one figure:
 
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --output_dir runs/grpo
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 1 --output_dir runs/grpo_r1
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 8 --output_dir runs/grpo_r8
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 1 \\
+        --output_dir runs/grpo_r1
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 8 \\
+        --output_dir runs/grpo_r8
     python benchmarks/lora_grpo.py full=runs/grpo "LoRA r=1=runs/grpo_r1" "LoRA r=8=runs/grpo_r8" \\
         --out benchmarks/logs/lora/grpo_demo.png
 

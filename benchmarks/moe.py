@@ -134,7 +134,9 @@ def main(argv=None) -> None:
     n = min(args.oracle, wl.num_requests)
     oracle = [generate_one(model, wl.prompts[i], wl.max_new[i]) for i in range(n)]
     exact, prefix = compare(ours[:n], oracle)
-    print(f"  ours vs unbatched model.generate ({n} requests): identical {exact:.0%}, mean agreeing prefix {prefix:.0%}")
+    print(
+        f"  ours vs unbatched model.generate ({n} requests): identical {exact:.0%}, mean agreeing prefix {prefix:.0%}"
+    )
     for name, r in results.items():
         if name != "ours":
             exact, prefix = compare(r.outputs, ours)
@@ -143,7 +145,8 @@ def main(argv=None) -> None:
     print(f"\nthroughput (useful tokens {wl.useful_tokens}, wall clock, {args.threads} threads, one run each):")
     rate = {name: wl.useful_tokens / r.seconds for name, r in results.items()}
     for name, r in results.items():
-        print(f"  {name:12s} {r.seconds:7.2f} s  {rate[name]:8.0f} tok/s  ours / {name} = {rate['ours'] / rate[name]:.2f}x")
+        print(f"  {name:12s} {r.seconds:7.2f} s  {rate[name]:8.0f} tok/s  ours / {name} = "
+              f"{rate['ours'] / rate[name]:.2f}x")
     print(f"load after: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
 
 

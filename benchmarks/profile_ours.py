@@ -176,8 +176,8 @@ def phases_pass(model, wl, kind: str) -> str:
     known = sum(t for _, t in rows)
     rows.append(("rest of EngineCore.step (append_token, finalize, execute glue)", total - known))
     out = io.StringIO()
-    print(f"{steps} steps, {toks} tokens; CPU {total:.2f} s = {toks / total:,.0f} tok/s, {1e3 * total / steps:.2f} ms/step "
-          f"(wall {dt:.2f} s, {toks / dt:,.0f} tok/s); percentages of the step's CPU time:", file=out)
+    print(f"{steps} steps, {toks} tokens; CPU {total:.2f} s = {toks / total:,.0f} tok/s, {1e3 * total / steps:.2f} "
+          f"ms/step (wall {dt:.2f} s, {toks / dt:,.0f} tok/s); percentages of the step's CPU time:", file=out)
     for name, t in rows:
         print(f"  {100 * t / total:5.1f}%  {1e3 * t / steps:7.3f} ms/step  {name}", file=out)
     print(f"  attention calls per step: {timers.count['paged_attention_forward'] / max(steps, 1):.0f} "

@@ -128,7 +128,8 @@ def main() -> None:
     report = {"machine": machine_info(), "rollout": rollout_version(), "args": vars(args),
               "rows": len(prompts), "completion_tokens": useful,
               "prompt_tokens_distinct": sum(len(p) for p in prompts[:: args.group]), "runs": {}}
-    print(report["machine"], "\n", report["rollout"], f"\n{len(prompts)} rows ({args.prompts} prompts x G={args.group}), "
+    print(report["machine"], "\n", report["rollout"], f"\n{len(prompts)} rows ({args.prompts} prompts x "
+                                                      f"G={args.group}), "
           f"{report['prompt_tokens_distinct']} distinct prompt tokens, {useful} completion tokens")
     reference = None
     for name in args.systems.split(","):

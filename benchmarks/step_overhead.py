@@ -56,11 +56,20 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=64)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--attn-backend", default="auto", help="ContinuousBatchingConfig.attn_backend (auto, cpu, sdpa, flex)")
+    p.add_argument("--attn-backend", default="auto", help="ContinuousBatchingConfig.attn_backend (auto, cpu, sdpa, "
+                                                          "flex)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    cfg = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=1, head_dim=32, vocab_size=a.vocab, max_position_embeddings=2 * a.context + 64)
+    cfg = Qwen3Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=a.vocab,
+        max_position_embeddings=2 * a.context + 64,
+    )
     model = Qwen3ForCausalLM(cfg).eval()
     new = 3 * a.steps + 16 + 2 * -(-a.requests * a.context // 8192)  # NOTE: the first prefilled still decode at the end
     pages = 2 * a.requests * (-(-(a.context + new) // a.page_size))  # NOTE: room beyond the safety margin
@@ -108,7 +117,8 @@ def main() -> None:
     ms = {k: statistics.median(v) * 1e3 for k, v in parts.items()}
     print(f"rollout: {os.path.dirname(rollout.__file__)}")
     print(f"{a.requests} requests ({running} running) x {a.context}-token context, page size {a.page_size}, "
-          f"vocab {a.vocab}, attn_backend {core.backend.name}, forward stubbed; prefill {prefill:.1f} s; load average {os.getloadavg()[0]:.2f}")
+          f"vocab {a.vocab}, attn_backend {core.backend.name}, forward stubbed; prefill {prefill:.1f} s; load average "
+          f"{os.getloadavg()[0]:.2f}")
     print(f"median per decode step over {a.steps}, CPU time of the stepping thread: step {ms['step_cpu']:.2f} ms "
           f"(schedule {ms['schedule']:.2f}, prepare {ms['prepare']:.2f}, the rest: stub forward, sampler, bookkeeping "
           f"{ms['step_cpu'] - ms['schedule'] - ms['prepare']:.2f}); wall clock {ms['step']:.2f} ms")

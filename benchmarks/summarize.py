@@ -1,7 +1,8 @@
 """Markdown tables for RESULTS.md from the JSON files `throughput.py --json` wrote.
 
-    python benchmarks/summarize.py benchmarks/logs/throughput/5m_fp32_g4.json ... [--scaling benchmarks/logs/concurrency/5m_fp32.json ...]
-        [--live COMMIT]    # name the live tree's commit in the labels
+python benchmarks/summarize.py benchmarks/logs/throughput/5m_fp32_g4.json ... \\
+    [--scaling benchmarks/logs/concurrency/5m_fp32.json ...]
+    [--live COMMIT]    # name the live tree's commit in the labels
 """
 
 from __future__ import annotations
@@ -16,11 +17,13 @@ def fmt(x: float) -> str:
 
 def throughput_tables(paths: list[str]) -> str:
     lines = [
-        "| model, dtype, workload | system | tok/s (CPU time) | tok/s (wall) | ours is x faster (CPU) | useful GFLOP/s | % of matmul peak | executed GFLOP/s |",
+        "| model, dtype, workload | system | tok/s (CPU time) | tok/s (wall) | ours is x faster (CPU) | useful GFLOP/s "
+        "| % of matmul peak | executed GFLOP/s |",
         "|---|---|---|---|---|---|---|---|",
     ]
     checks = [
-        "| model, dtype, G | pair | exact match | mean matched prefix | requests | first divergences re-scored in fp32 |",
+        "| model, dtype, G | pair | exact match | mean matched prefix | requests | first divergences re-scored in fp32 "
+        "|",
         "|---|---|---|---|---|---|",
     ]
     for path in paths:
@@ -41,8 +44,8 @@ def throughput_tables(paths: list[str]) -> str:
         for k, v in d["checks"].items():
             if k.endswith("fp32 greedy agreement"):
                 checks.append(f"| {tag} | {label(k.split(':')[0])}: tokens that are the fp32 argmax given their own "
-                              f"prefix | {v['agree']:.1%} | - | {v['tokens']} tokens | off by median {v['gap_median']:.2f}"
-                              f" / max {v['gap_max']:.2f} logits |")
+                              f"prefix | {v['agree']:.1%} | - | {v['tokens']} tokens | off by median "
+                              f"{v['gap_median']:.2f} / max {v['gap_max']:.2f} logits |")
                 tag = ""
                 continue
             if k.endswith("first divergences") or v is None:
@@ -79,7 +82,8 @@ def scaling_table(path: str) -> str:
     lines = [head, "|" + "---|" * (len(systems) + 2)]
     for row in d["scaling"]:
         cells = " | ".join(f"{fmt(row[s])} ({fmt(row[s + '_wall'])})" for s in systems)
-        lines.append(f"| {row['concurrency']} | {cells} | {row['ours_flops'] / 1e9:.1f} ({row['ours_flops'] / peak:.0%}) |")
+        lines.append(f"| {row['concurrency']} | {cells} | {row['ours_flops'] / 1e9:.1f} "
+                     f"({row['ours_flops'] / peak:.0%}) |")
     return "\n".join(lines) + "\n"
 
 

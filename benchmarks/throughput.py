@@ -195,8 +195,8 @@ def main_throughput(args, model) -> dict:
     if args.trainer_step:
         if max(counts):
             torch.set_num_threads(max(counts))
-        print(f"trainer step on the main thread ({torch.get_num_threads()} threads): deep copy + forward/backward/AdamW "
-              f"{training_step(model):.1f} s", flush=True)
+        print(f"trainer step on the main thread ({torch.get_num_threads()} threads): deep copy + "
+              f"forward/backward/AdamW {training_step(model):.1f} s", flush=True)
     for t in counts:
         if t:
             torch.set_num_threads(t)
@@ -212,9 +212,9 @@ def main_throughput(args, model) -> dict:
                 r = timed(run_hf_cb, model, wl, **hf_kwargs) if name == "hf_cb" else timed(SYSTEMS[name], model, wl)
                 k = key(name, t, counts)
                 runs[k].append(r)
-                print(f"  rep {rep} {k:16s} wall {r.seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.seconds)} useful tok/s)"
-                      f"  cpu {r.cpu_seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.cpu_seconds)} useful tok/s)  "
-                      f"load {os.getloadavg()[0]:.2f}", flush=True)
+                print(f"  rep {rep} {k:16s} wall {r.seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.seconds)} useful "
+                      f"tok/s)  cpu {r.cpu_seconds:7.2f} s ({fmt_rate(wl.useful_tokens / r.cpu_seconds)} useful tok/s) "
+                      f" load {os.getloadavg()[0]:.2f}", flush=True)
 
     last = {name: rs[-1] for name, rs in runs.items()}
     checks = check_outputs(model, wl, last, args.oracle)
@@ -224,14 +224,19 @@ def main_throughput(args, model) -> dict:
 def print_throughput(res: dict, args, model, peaks: dict) -> list[dict]:
     wl, runs, checks = res["workload"], res["runs"], res["checks"]
     body, head = matmul_params(model)
-    useful_flop = 2 * (body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True)) + head * wl.useful_tokens)
+    useful_flop = 2 * (
+        body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True)) + head * wl.useful_tokens
+    )
     peak_wall, peak_cpu = peaks[args.dtype]
 
-    print("\ngreedy output check (exact = whole completion identical; prefix = mean share before the first difference):")
+    print(
+        "\ngreedy output check (exact = whole completion identical; prefix = mean share before the first difference):"
+    )
     for k, v in checks.items():
         if k.endswith("fp32 greedy agreement"):
             print(f"  {k}: {v['agree']:.2%} of {v['tokens']} tokens are the fp32 argmax given their own prefix; "
-                  f"where not ({v['n_off']}), the fp32 logit gap is median {v['gap_median']:.3f}, max {v['gap_max']:.3f}")
+                  f"where not ({v['n_off']}), the fp32 logit gap is median {v['gap_median']:.3f}, max "
+                  f"{v['gap_max']:.3f}")
             continue
         if k.endswith("first divergences"):
             print(f"    {k}: {v['n']} re-scored in fp32: |logit gap between the two tokens| median "
@@ -250,10 +255,20 @@ def print_throughput(res: dict, args, model, peaks: dict) -> list[dict]:
         executed = None
         if r.executed_body_tokens is not None:
             executed = 2 * (body * r.executed_body_tokens + head * r.executed_head_rows) / cpu
-        rows.append(dict(system=name, wall_s=wall, cpu_s=cpu, tok_s_wall=wl.useful_tokens / wall,
-                         tok_s_cpu=wl.useful_tokens / cpu, best_tok_s_wall=wl.useful_tokens / min(r.seconds for r in rs),
-                         useful_flops_cpu=useful_flop / cpu, useful_flops_wall=useful_flop / wall,
-                         executed_flops_cpu=executed, extra=r.extra))
+        rows.append(
+            dict(
+                system=name,
+                wall_s=wall,
+                cpu_s=cpu,
+                tok_s_wall=wl.useful_tokens / wall,
+                tok_s_cpu=wl.useful_tokens / cpu,
+                best_tok_s_wall=wl.useful_tokens / min(r.seconds for r in rs),
+                useful_flops_cpu=useful_flop / cpu,
+                useful_flops_wall=useful_flop / wall,
+                executed_flops_cpu=executed,
+                extra=r.extra,
+            )
+        )
     ref_name = res["systems"][0]  # NOTE: the first system is "ours" for the ratios
     counts = res["counts"]
     print(f"\n{args.model} {args.dtype}, G={args.group}: {wl.describe()}")
@@ -310,8 +325,12 @@ def main_scaling(args, model, peaks) -> list[dict]:
     print("-" * len(hdr))
     out = []
     for c in levels:
-        wl = decode_workload(c, model.config.vocab_size, args.scaling_prompt_len, args.scaling_new_tokens, seed=args.seed)
-        flop = 2 * (body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True)) + head * wl.useful_tokens)
+        wl = decode_workload(
+            c, model.config.vocab_size, args.scaling_prompt_len, args.scaling_new_tokens, seed=args.seed
+        )
+        flop = 2 * (
+            body * sum(len(p) + n - 1 for p, n in zip(wl.prompts, wl.max_new, strict=True)) + head * wl.useful_tokens
+        )
         row = dict(concurrency=c)
         for name in systems:
             r = (timed(run_hf_cb, model, wl, page_size=args.hf_page_size, max_batch_tokens=args.hf_max_batch_tokens)
@@ -322,8 +341,12 @@ def main_scaling(args, model, peaks) -> list[dict]:
                 row["ours_flops"] = flop / r.cpu_seconds
         out.append(row)
         f = row.get("ours_flops")
-        print(f"{c:10d} " + " ".join(f"{fmt_rate(row[s]) + ' (' + fmt_rate(row[s + '_wall']) + ')':>22s}" for s in systems)
-              + (f" {f / 1e9:13.2f} {f / peaks[args.dtype][1]:7.2%}" if f else ""), flush=True)
+        print(
+            f"{c:10d} "
+            + " ".join(f"{fmt_rate(row[s]) + ' (' + fmt_rate(row[s + '_wall']) + ')':>22s}" for s in systems)
+            + (f" {f / 1e9:13.2f} {f / peaks[args.dtype][1]:7.2%}" if f else ""),
+            flush=True,
+        )
     return out
 
 
@@ -339,7 +362,8 @@ def main(argv=None) -> None:
     print(f"ours: {rollout_version()}")
     peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
     print(f"torch.matmul 2048^3 peak (per CPU-second / by wall clock): fp32 {peaks['fp32'][1] / 1e9:.1f} / "
-          f"{peaks['fp32'][0] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'][1] / 1e9:.1f} / {peaks['bf16'][0] / 1e9:.1f} GFLOP/s",
+          f"{peaks['fp32'][0] / 1e9:.1f} GFLOP/s, bf16 {peaks['bf16'][1] / 1e9:.1f} / {peaks['bf16'][0] / 1e9:.1f} "
+          "GFLOP/s",
           flush=True)
     model = make_model(args.model, args.dtype, seed=args.seed, initializer_range=args.init_range)
     print(f"model: Qwen3-arch {args.model} {args.dtype}, {num_params(model):,} params", flush=True)

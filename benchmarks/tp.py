@@ -85,15 +85,35 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = os.path.join(tmp, "model")
         make_model("100m").save_pretrained(model_dir)
-        common = [__file__, "--worker", "--model-dir", model_dir, "--out", tmp, "--prompts", str(args.prompts),
-                  "--group", str(args.group), "--prompt-len", str(args.prompt_len), "--new", str(args.new), "--num-blocks", str(args.num_blocks)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        common = [
+            __file__,
+            "--worker",
+            "--model-dir",
+            model_dir,
+            "--out",
+            tmp,
+            "--prompts",
+            str(args.prompts),
+            "--group",
+            str(args.group),
+            "--prompt-len",
+            str(args.prompt_len),
+            "--new",
+            str(args.new),
+            "--num-blocks",
+            str(args.num_blocks),
+        ]
+        env = dict(
+            os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        )
         load = os.getloadavg()
         subprocess.run([sys.executable, *common, "--tp", "1", "--threads", "2"], env={**env, "OMP_NUM_THREADS": "2"},
                        check=True)
         subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", *common, "--tp", "2",
                         "--threads", "1"], env=env, check=True)
-        rows = [json.load(open(os.path.join(tmp, name))) for name in ("tp1_rank0.json", "tp2_rank0.json", "tp2_rank1.json")]
+        rows = [
+            json.load(open(os.path.join(tmp, name))) for name in ("tp1_rank0.json", "tp2_rank0.json", "tp2_rank1.json")
+        ]
     same = rows[0]["completion_ids"] == rows[1]["completion_ids"] == rows[2]["completion_ids"]
     print(f"load average before: {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; after: {os.getloadavg()[0]:.2f}")
     print(f"workload: {args.prompts} prompts x G={args.group}, prompt {args.prompt_len}, {args.new} new tokens, greedy")

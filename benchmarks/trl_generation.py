@@ -176,8 +176,9 @@ def main(argv=None) -> None:
             raise SystemExit(f"{' '.join(run)} failed (exit {out.returncode})")
         records.append(json.loads(lines[-1][len("RESULT "):]))
         r = records[-1]
-        print(f"{' '.join(run):28s} generate {r['generate_s_per_step']:.2f} s/step (first {r['first_step_generate_s']:.2f}), "
-              f"{r['tokens_per_step']:.0f} tok/step, gap {r['logprob_gap_mean']} / {r['logprob_gap_max']}", flush=True)
+        print(f"{' '.join(run):28s} generate {r['generate_s_per_step']:.2f} s/step (first "
+              f"{r['first_step_generate_s']:.2f}), {r['tokens_per_step']:.0f} tok/step, gap {r['logprob_gap_mean']} / "
+              f"{r['logprob_gap_max']}", flush=True)
     base = {r["backend"]: r for r in records[: len(BACKENDS)]}
     print(f"\n{args.prompts} prompts x G={args.group}, max_completion_length {args.new_tokens}, {args.steps} steps "
           f"(step 1 apart), 5M fp32, OMP_WAIT_POLICY={os.environ['OMP_WAIT_POLICY']}\n")
@@ -186,11 +187,12 @@ def main(argv=None) -> None:
     for name in BACKENDS:
         r = base[name]
         ratio = r["generate_s_per_step"] / base["rollout"]["generate_s_per_step"]
-        print(f"| {name} | {r['generate_s_per_step']:.2f} | {r['first_step_generate_s']:.2f} | {r['tokens_per_step']:.0f} "
-              f"| {r['tokens_per_step'] / r['generate_s_per_step']:.0f} | {ratio:.2f}x |")
+        print(f"| {name} | {r['generate_s_per_step']:.2f} | {r['first_step_generate_s']:.2f} | "
+              f"{r['tokens_per_step']:.0f} | {r['tokens_per_step'] / r['generate_s_per_step']:.0f} | {ratio:.2f}x |")
     print("\n| TRL loss pass | logprob gap mean | max |\n|---|---|---|")
     for r in records[len(BACKENDS):]:
-        print(f"| {'bf16 autocast' if r['bf16'] else 'fp32'} | {r['logprob_gap_mean']:.2e} | {r['logprob_gap_max']:.2e} |")
+        print(f"| {'bf16 autocast' if r['bf16'] else 'fp32'} | {r['logprob_gap_mean']:.2e} | "
+              f"{r['logprob_gap_max']:.2e} |")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ A ~100M-parameter Qwen3-architecture model (hidden 768, 12 layers, vocab 32000) 
 For each case the engine holds its own copy of the model (fp32, or bf16 for the cast case) and is
 updated from the trainer's state dict; the baseline copies the same tensors with
 `for p, q in zip(engine_params, trainer_params): p.copy_(q)` (cast included). Each figure is the
-median of `--runs` runs, the two taken in turns; the ratio is update_weights / plain copy (1.0 = no overhead). A last line
-times `update_weights(model)` on an engine built on the trainer's own model (zero-copy: version bump
+median of `--runs` runs, the two taken in turns; the ratio is update_weights / plain copy (1.0 = no overhead). A last
+line times `update_weights(model)` on an engine built on the trainer's own model (zero-copy: version bump
 and prefix-cache flush only).
 
     python benchmarks/update_weights.py [--runs 5] [--untied] [--threads N]

@@ -415,7 +415,8 @@ def output_dir_owner_problem(output_dir: str, record: dict, resuming: bool = Fal
         return f"it holds the results of {theirs.get('recipe')}"
     if resuming or theirs.get("flags") == record["flags"]:
         return None
-    return f"it holds the results of {theirs['recipe']} run with other flags ({_flag_diff(theirs['flags'], record['flags'])})"
+    return (f"it holds the results of {theirs['recipe']} run with other flags "
+            f"({_flag_diff(theirs['flags'], record['flags'])})")
 
 
 def claim_output_dir(accelerator: Accelerator, output_dir: str, record: dict, overwrite: bool = False,

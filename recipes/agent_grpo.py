@@ -20,7 +20,8 @@ With no arguments this is the embedded CPU demo, end to end and offline:
 Launch (the default took 106 s on 2 CPU cores shared with other jobs, load ~9: warm start 64 s, 50 RL steps ~40 s;
 the warm start is reused by later runs in the same OUTPUT_DIR):
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/agent_grpo.py
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/agent_grpo.py --algorithm dapo --output_dir runs/agent_dapo
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/agent_grpo.py --algorithm dapo \\
+        --output_dir runs/agent_dapo
     accelerate launch --config_file recipes/accelerate/2cpu.yaml recipes/agent_grpo.py --prompts_per_step 8
 """
 

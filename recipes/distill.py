@@ -22,7 +22,8 @@ With no arguments this is the embedded CPU demo, offline:
 
 Launch:
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/distill.py
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/distill.py --teacher runs/grpo/final --student runs/grpo/init --steps 40
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/distill.py --teacher runs/grpo/final \\
+        --student runs/grpo/init --steps 40
 """
 
 # ruff: noqa: E402
@@ -203,7 +204,9 @@ def main(argv=None) -> dict:
     task = AdditionTask(num_digits=3)
     dataset = task.to_dataset(8192, seed=1000 + args.seed)
     teacher_exact = greedy_accuracy(teacher, tokenizer, task, n=HELDOUT)["exact"]
-    student_exact = greedy_accuracy(AutoModelForCausalLM.from_pretrained(student_path), tokenizer, task, n=HELDOUT)["exact"]
+    student_exact = greedy_accuracy(AutoModelForCausalLM.from_pretrained(student_path), tokenizer, task, n=HELDOUT)[
+        "exact"
+    ]
     print(f"teacher {teacher_path}: held-out exact {teacher_exact:.3f}; student {student_path}: {student_exact:.3f}")
     curves, walls = {}, {}
     curves["distill"], walls["distill"] = run(DistillTrainer, accelerator, args, student_path, tokenizer, dataset,

@@ -21,8 +21,8 @@ back with `datasets.load_dataset("json", ...)`.
 
 Launch:
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/eval_sweep.py
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/eval_sweep.py --checkpoints runs/grpo/init runs/grpo/final \\
-        --temperatures 0.5 1.0 --samples 4 16 --ks 1 4 16
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/eval_sweep.py \\
+        --checkpoints runs/grpo/init runs/grpo/final --temperatures 0.5 1.0 --samples 4 16 --ks 1 4 16
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/eval_sweep.py \\
         --checkpoints Qwen/Qwen2.5-0.5B-Instruct --dataset test.jsonl --reward exact_match --max_new_tokens 256
 """
@@ -65,7 +65,8 @@ from trainers.rollouts import encode_prompt
 from trainers.tasks import AdditionTask
 
 # ----------------------------------------------------------------------------------- config
-CHECKPOINTS = ("runs/grpo/init", "runs/grpo/final")  # what `accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py` saves
+# what `accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py` saves
+CHECKPOINTS = ("runs/grpo/init", "runs/grpo/final")
 TEMPERATURES = (0.25, 0.5, 0.75, 1.0, 1.25)
 SAMPLES = (4, 16)  # samples per prompt (n)
 KS = (1, 2, 4, 8, 16)
@@ -236,8 +237,8 @@ def find_checkpoints(args, main_process: bool) -> list[str]:
     fallback = os.path.join(args.output_dir, "warm_start")
     print(
         f"NOTE: no GRPO demo checkpoint found at {' or '.join(CHECKPOINTS)} "
-        f"(run `accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py` first); evaluating the embedded "
-        f"warm-started model instead, built into {fallback}"
+        "(run `accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py` first); evaluating the "
+        f"embedded warm-started model instead, built into {fallback}"
     )
     if main_process and not os.path.exists(os.path.join(fallback, "config.json")):
         build_warm_start(fallback, seed=args.seed)

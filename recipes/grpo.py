@@ -26,7 +26,8 @@ refuses one another run wrote (`rollout_run.json` names the recipe and flags the
     torchrun --nproc-per-node 2 recipes/grpo.py --tp_size 2 --output_dir runs/grpo_tp2   # one policy over 2 ranks
     accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --rollout_engines 1 --async_rollout \
         --output_dir runs/grpo_fleet   # rollouts from a Ray fleet (the [ray] extra): engine actors (docs/fleets.md)
-    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 8 --output_dir runs/grpo_r8
+    accelerate launch --config_file recipes/accelerate/local.yaml recipes/grpo.py --lora_rank 8 \\
+        --output_dir runs/grpo_r8
         # a LoRA adapter (lr 1e-3 unless --lr: docs/lora.md); `rollout serve runs/grpo_r8/final` serves it on its base
     accelerate launch --config_file recipes/accelerate/1gpu.yaml recipes/grpo.py \\
         --model Qwen/Qwen2.5-0.5B-Instruct --dataset data.jsonl --reward exact_match \\

@@ -79,7 +79,9 @@ def cpu_split(args) -> tuple[list[int] | None, list[int] | None]:
     """(server CPUs, learner CPUs): the flags, else core 0 for the servers and the rest for the learner."""
     ids = lambda s: [int(x) for x in s.split(",") if x.strip()]  # noqa: E731
     if args.server_cpus or args.learner_cpus:
-        return (ids(args.server_cpus) if args.server_cpus else None), (ids(args.learner_cpus) if args.learner_cpus else None)
+        return (ids(args.server_cpus) if args.server_cpus else None), (
+            ids(args.learner_cpus) if args.learner_cpus else None
+        )
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None, None

@@ -133,7 +133,8 @@ def trl_config(args) -> tuple[trl.GRPOConfig, int]:
     """TRL's config for the run, and the optimizer steps per rollout batch."""
     rows = args.prompts_per_step * args.group_size  # per process and rollout batch
     if rows % args.steps_per_generation:
-        raise ValueError(f"prompts_per_step x group_size ({rows}) must divide into {args.steps_per_generation} minibatches")
+        raise ValueError(f"prompts_per_step x group_size ({rows}) must divide into {args.steps_per_generation} "
+                         "minibatches")
     every = args.steps_per_generation * args.iterations  # optimizer steps per rollout batch
     config = trl.GRPOConfig(
         output_dir=args.output_dir,
@@ -178,7 +179,9 @@ def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: 
         f"outputs in {args.output_dir}"
     )
     for i, r in enumerate(summary["ranks"]):
-        print(f"rank {i}: its engine at policy version {r['engine_policy_version']}, parameter sum {r['param_sum']:.6f}")
+        print(
+            f"rank {i}: its engine at policy version {r['engine_policy_version']}, parameter sum {r['param_sum']:.6f}"
+        )
     if heldout:
         before, after = heldout["greedy_before"], heldout["greedy_after"]
         print(f"held-out greedy exact match {before['exact']:.3f} -> {after['exact']:.3f} ({HELDOUT} problems)")
@@ -218,7 +221,9 @@ def main(argv: list[str] | None = None) -> dict:
     wall = time.perf_counter() - start
     # each rank's own engine (its policy version = optimizer steps seen) and its weights: DDP keeps them equal
     policy = trainer.accelerator.unwrap_model(trainer.model)
-    mine = torch.tensor([[float(rollout_func.engine.policy_version), sum(p.double().sum() for p in policy.parameters())]])
+    mine = torch.tensor(
+        [[float(rollout_func.engine.policy_version), sum(p.double().sum() for p in policy.parameters())]]
+    )
     ranks = trainer.accelerator.gather(mine.to(trainer.accelerator.device)).cpu().tolist()  # [W, 2]
     rollout_func.close()
 

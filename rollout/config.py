@@ -155,8 +155,8 @@ class _ConfigFields:
                              f"default_compile_level=0, got attn_backend={self.attn_backend!r}, "
                              f"default_compile_level={self.default_compile_level}")
         if (self.speculative_method is None) != (self.num_speculative_tokens == 0):
-            raise ValueError("speculative_method='ngram' needs num_speculative_tokens >= 1 and the other way round, got "
-                             f"{self.speculative_method!r} and {self.num_speculative_tokens}")
+            raise ValueError("speculative_method='ngram' needs num_speculative_tokens >= 1 and the other way round, "
+                             f"got {self.speculative_method!r} and {self.num_speculative_tokens}")
         if self.use_async_batching and not self.use_cuda_graph:
             raise ValueError("use_async_batching requires use_cuda_graph=True (as in transformers)")
 

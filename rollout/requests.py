@@ -99,7 +99,8 @@ class Request:
     # NOTE: set by a fork whose partial prompt page copied the first `slots` slots of its leader's page:
     # (logical page, the page copied from in each layer group, slots). The fork holds a reference to those
     # pages (nothing writes those slots again) until its pages are released; the decode kernel reads the
-    # slots there once for all the forks of one group (`rollout.model.runner`, `rollout/kernels/csrc/decode_attention.cpp`).
+    # slots there once for all the forks of one group (`rollout.model.runner`,
+    # `rollout/kernels/csrc/decode_attention.cpp`).
     fork_alias: tuple[int, list[int], int] | None = None
     # Scoring: `forced_ids` follow the prompt as given tokens (teacher-forced, never sampled); with
     # `score_from` set, the logprob of every given token from that index on is recorded (by position, so
@@ -155,7 +156,8 @@ class Request:
         return self.num_tokens - self.num_computed_tokens
 
     def append_token(self, token: int, logprob: float | None, version: int = 0) -> str | None:
-        """Add a token sampled under policy `version`; returns why it stops the request, "stop" (an EOS or stop token) or "length" (the budget used), or None."""
+        """Add a token sampled under policy `version`; returns why it stops the request, "stop" (an EOS or stop token)
+        or "length" (the budget used), or None."""
         self.token_ids.append(token)
         self.generated.append(token)
         self.versions.append(version)

@@ -52,8 +52,12 @@ FIELDS: dict[str, tuple[Any, str]] = {
     "max_matching_ngram_size": (0, "the longest n-gram those drafts match (0: the default)"),
 }
 # NOTE: other spellings accepted by `from_fields` (the wires, transformers' GenerationConfig)
-ALIASES = {"min_new_tokens": "min_tokens", "max_new_tokens": "max_tokens", "forced_eos_token_id": "forced_eos_token_ids",
-           "top_logprobs": "logprobs"}
+ALIASES = {
+    "min_new_tokens": "min_tokens",
+    "max_new_tokens": "max_tokens",
+    "forced_eos_token_id": "forced_eos_token_ids",
+    "top_logprobs": "logprobs",
+}
 # NOTE: fields that change what the sampler draws (the rest say how long, when to stop, what to return)
 PROCESSOR_FIELDS = ("temperature", "top_p", "top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty",
                     "frequency_penalty", "logit_bias", "bad_words_ids", "no_repeat_ngram_size", "min_length",

@@ -112,13 +112,21 @@ def private_uses(files: list[Path]) -> list[str]:
                 found.append(f"{where}:{line}: {name}")
 
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            if isinstance(node, ast.Attribute) and not (
+                isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            ):
                 hit(node.attr, node.lineno)
             elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("rollout"):
                 for alias in node.names:
                     hit(alias.name, node.lineno)
-            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in ("setattr", "delattr") \
-                    and len(node.args) > 1 and isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str):
+            elif (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr in ("setattr", "delattr")
+                and len(node.args) > 1
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+            ):
                 hit(node.args[1].value, node.lineno)
     return found
 

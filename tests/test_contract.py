@@ -102,9 +102,15 @@ def test_a_field_set_twice_or_invalid_is_refused_by_name(engine):
         engine.generate([[5, 6]], max_new_tokens=3, sampling=SamplingParams(max_tokens=4))
     with pytest.raises(ValueError, match="sampling has 1 SamplingParams for 2 prompts"):
         engine.generate([[5, 6], [7, 8]], sampling=[SamplingParams()])
-    for bad, field in (({"top_p": 0.0}, "top_p"), ({"temperature": -1}, "temperature"), ({"top_k": 1.5}, "top_k"), ({"top_k": -1}, "top_k"),
-                       ({"logprobs": 21}, "logprobs"), ({"stop_token_ids": ["a"]}, "stop_token_ids"),
-                       ({"repetition_penalty": 0}, "repetition_penalty")):
+    for bad, field in (
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"top_k": -1}, "top_k"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop_token_ids": ["a"]}, "stop_token_ids"),
+        ({"repetition_penalty": 0}, "repetition_penalty"),
+    ):
         with pytest.raises(ValueError, match=field):
             SamplingParams(**bad)
     with pytest.raises(ValueError, match="logit_bias must hold token ids in"):
@@ -143,7 +149,9 @@ def test_one_weight_door_takes_a_directory_and_a_version(engine, tmp_path):
 
 
 def _outside_engine() -> list[pathlib.Path]:
-    return [p for p in sorted((ROOT / "rollout").rglob("*.py")) if "engine" not in p.relative_to(ROOT / "rollout").parts[:1]]
+    return [
+        p for p in sorted((ROOT / "rollout").rglob("*.py")) if "engine" not in p.relative_to(ROOT / "rollout").parts[:1]
+    ]
 
 
 def core_reaches(source: str) -> list[int]:

@@ -23,7 +23,9 @@ def test_the_vocabulary_and_its_defaults():
     assert (PAUSE_DEFAULT, UPDATE_DEFAULT) == ("abort", "wait")
     for mode in IN_FLIGHT_MODES:
         assert check_mode(mode, "mode") == mode
-    with pytest.raises(ValueError, match=r"in_flight must be one of 'abort', 'wait', 'keep' \('finish' is now 'wait'\)"):
+    with pytest.raises(
+        ValueError, match=r"in_flight must be one of 'abort', 'wait', 'keep' \('finish' is now 'wait'\)"
+    ):
         check_mode("finish", "in_flight")
     for bad in ("later", None, "", "KEEP", ["keep"]):
         with pytest.raises(ValueError, match=r"mode must be one of 'abort', 'wait', 'keep', got"):

@@ -198,8 +198,11 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         metrics["policy_version"] = float(batch.policy_version + self._version_base)  # NOTE: in RL steps, resumes too
         return batch, metrics
 
-    def sample_rollouts(self, rows: list[dict], step: int, sleep: bool = False) -> tuple[RolloutBatch, dict[str, float]]:
-        """`rows`' rollouts seeded for RL step `step`, timed; `sleep`: then free the KV cache for the trainer's passes."""
+    def sample_rollouts(
+        self, rows: list[dict], step: int, sleep: bool = False
+    ) -> tuple[RolloutBatch, dict[str, float]]:
+        """`rows`' rollouts seeded for RL step `step`, timed; `sleep`: then free the KV cache for the trainer's
+        passes."""
         cfg, acc, start, spec = self.config, self.accelerator, time.perf_counter(), speculation_counts(self.engine)
         batch = self.engine.generate(
             [encode_prompt(self.tokenizer, row["prompt"], cfg.chat_template) for row in rows],
@@ -209,7 +212,8 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
             top_k=cfg.top_k,
             top_p=cfg.top_p,
             seed=rollout_seed(cfg.seed, step, self.data_rank),  # NOTE: a TP group's ranks share one
-            **({"return_routed_experts": True} if cfg.routing_replay else {}),  # NOTE: engines, pools (a Ray fleet refuses it)
+            # NOTE: engines, pools (a Ray fleet refuses it)
+            **({"return_routed_experts": True} if cfg.routing_replay else {}),
             **({"sampling": SamplingParams(return_sampling_mask=True)} if cfg.score_on_sampling_mask else {}),
         ).to(acc.device)
         if sleep:  # NOTE: woken before the sync; counted in time_generate as before

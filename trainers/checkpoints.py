@@ -30,7 +30,9 @@ def checkpoints(output_dir: str) -> list[str]:
     return [path for _, path in sorted(found)]
 
 
-def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, folder: str = SHARDED_DIR) -> None:
+def save_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, folder: str = SHARDED_DIR
+) -> None:
     """Every rank writes its shards of `model` and `optimizer` to `path/fsdp` (collective; `folder`: another name,
     "tp" for a tensor-parallel policy)."""
     import torch.distributed.checkpoint as dcp
@@ -40,7 +42,9 @@ def save_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path:
     dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=os.path.join(path, folder))
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, folder: str = SHARDED_DIR) -> None:
+def load_sharded(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str, folder: str = SHARDED_DIR
+) -> None:
     """Load `save_sharded`'s `path/fsdp` into `model` and `optimizer` in place (collective)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

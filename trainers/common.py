@@ -406,7 +406,9 @@ def reduce_metrics(accelerator, metrics: dict[str, float]) -> dict[str, float]:
     from accelerate.utils import gather_object
 
     keys = sorted(set().union(*gather_object([sorted(metrics)])))  # NOTE: every rank's keys
-    local = torch.tensor([[float(metrics.get(k, math.nan)) for k in keys]], dtype=torch.float64, device=accelerator.device)
+    local = torch.tensor(
+        [[float(metrics.get(k, math.nan)) for k in keys]], dtype=torch.float64, device=accelerator.device
+    )
     gathered = accelerator.gather(local).cpu()  # [W, K]
     ops = {"max": lambda c: c.max(), "sum": lambda c: c.sum(), "mean": lambda c: c.mean()}
     out = {}

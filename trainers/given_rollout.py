@@ -4,10 +4,10 @@
     trainer = GRPOTrainer(model, tokenizer, reward, dataset, config, rollout=fleet)
 
 Any `rollout.Rollout` works (`generate`, `score`, `update_weights`, `close`, `policy_version`; the trainer hands
-it token ids, so one built without a tokenizer works too). It must start on the same weights as `model` (built from the checkpoint the model
-was loaded from, or on the model itself); each step's sync sends it the new weights. With `async_rollout=True`
-the trainer's producer thread asks it for step k+1 while the learner trains on step k (a fleet or a pool then
-generates in its own processes). The trainer closes it with itself, as it would its own engine.
+it token ids, so one built without a tokenizer works too). It must start on the same weights as `model` (built from the
+checkpoint the model was loaded from, or on the model itself); each step's sync sends it the new weights. With
+`async_rollout=True` the trainer's producer thread asks it for step k+1 while the learner trains on step k (a fleet or a
+pool then generates in its own processes). The trainer closes it with itself, as it would its own engine.
 """
 
 from __future__ import annotations

@@ -81,7 +81,8 @@ class GRPOConfig(RLConfig):
         if self.max_resample_rounds < 0:
             raise ValueError(f"max_resample_rounds must be >= 0, got {self.max_resample_rounds}")
         if self.max_staleness < 0 or (self.stale_tis_cap is not None and self.stale_tis_cap <= 0):
-            raise ValueError(f"max_staleness must be >= 0 and stale_tis_cap > 0, got {self.max_staleness}, {self.stale_tis_cap}")
+            raise ValueError(f"max_staleness must be >= 0 and stale_tis_cap > 0, got {self.max_staleness}, "
+                             f"{self.stale_tis_cap}")
         if self.async_rollout and self.max_resample_rounds:
             raise ValueError("async_rollout does not support max_resample_rounds (DAPO refills) yet")
         if not 0 <= self.overlong_buffer < self.max_new_tokens:
@@ -146,7 +147,9 @@ class GRPOTrainer(EngineReferenceMixin, GivenRolloutMixin, AsyncRolloutMixin, RL
         batch, metrics = self.generate(rows)
         rewards, reward_metrics = self.score(rows, batch)  # [N]
         if cfg.overlong_buffer:
-            penalty = overlong_penalty(batch.completion_lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty)
+            penalty = overlong_penalty(
+                batch.completion_lengths, cfg.max_new_tokens, cfg.overlong_buffer, cfg.overlong_penalty
+            )
             rewards = rewards + penalty.to(rewards.device)
             reward_metrics["overlong_penalty"] = penalty.mean().item()
         return batch, rewards, {**metrics, **reward_metrics}

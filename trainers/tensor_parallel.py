@@ -143,7 +143,9 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
                  for n, p in model.named_parameters()}
         full = type(model)(config).to(dtype=next(iter(state.values())).dtype)
         missing, unexpected = full.load_state_dict(state, strict=False)
-    tied = {k for k in missing if k.endswith("lm_head.weight")} if getattr(config, "tie_word_embeddings", False) else set()
+    tied = (
+        {k for k in missing if k.endswith("lm_head.weight")} if getattr(config, "tie_word_embeddings", False) else set()
+    )
     if unexpected or set(missing) - tied:
         raise RuntimeError(f"unsharded copy: missing {sorted(set(missing) - tied)}, unexpected {sorted(unexpected)}")
     return full.eval()

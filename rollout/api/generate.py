@@ -24,9 +24,9 @@ def generate_batch(
     """Generate for every prompt in `inputs`; returns `{request_id: GenerationOutput}` in submission order.
 
     `request_kwargs` (max_new_tokens, temperature, top_k, top_p, seed, and the sampling fields of
-    `rollout.SamplingParams` by name, or `sampling=SamplingParams(...)`: min_p, repetition_penalty, logit_bias, ...) apply to every request, over the
-    `generation_config`'s; a field of `generation_config` the engine does not implement (num_beams > 1, ...)
-    is a ValueError naming it.
+    `rollout.SamplingParams` by name, or `sampling=SamplingParams(...)`: min_p, repetition_penalty, logit_bias, ...)
+    apply to every request, over the `generation_config`'s; a field of `generation_config` the engine does not implement
+    (num_beams > 1, ...) is a ValueError naming it.
     Bad input raises ValueError before anything runs. With `progress_bar=True` a tqdm bar shows
     finished requests and generated tokens/s. A manager of its own runs the requests (the same rounds
     as `RolloutEngine.generate`: `rollout.engine.collect`) and is destroyed at the end.

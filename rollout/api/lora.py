@@ -35,8 +35,15 @@ def policy_config(model, config):
     adapter cannot run unmerged here (DoRA, modules_to_save, TP, ...: PEFT's own layers then run it, as before)."""
     try:
         rank = read_adapter(model).rank
-        for refused, why in ((config.batch_invariant, "batch_invariant=True"), (tp_size_of(model) > 1, "tensor parallelism"),
-                             (compiles(config), "a compiled forward (default_compile_level >= 1, varlen_compile_config, decode_compile_config, use_cuda_graph)")):
+        for refused, why in (
+            (config.batch_invariant, "batch_invariant=True"),
+            (tp_size_of(model) > 1, "tensor parallelism"),
+            (
+                compiles(config),
+                "a compiled forward (default_compile_level >= 1, "
+                "varlen_compile_config, decode_compile_config, use_cuda_graph)",
+            ),
+        ):
             if refused:
                 raise ValueError(f"unmerged adapters do not run with {why} yet")
     except ValueError as e:

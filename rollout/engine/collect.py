@@ -30,7 +30,8 @@ def collect(manager: ContinuousBatchingManager, request_ids: Sequence[str], prog
             if out is None:
                 if not manager.is_running():
                     tp = manager.core.tp  # NOTE: a broken tensor-parallel group ended the thread (rollout.engine.tp)
-                    raise RuntimeError(tp.broken if tp is not None and tp.broken else "the manager stopped with requests pending")
+                    raise RuntimeError(tp.broken if tp is not None and tp.broken else "the manager stopped with "
+                                                                                      "requests pending")
                 if not manager.run_once():  # NOTE: nothing to step: another thread holds our results
                     out = manager.get_result(timeout=0.05)
                 if out is None:

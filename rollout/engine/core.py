@@ -52,7 +52,13 @@ from rollout.weights.lora_adapters import active_adapter, read_adapter
 
 logger = logging.getLogger("rollout")
 
-STAT_COUNTERS = ("computed_prompt_tokens", "generated_tokens", "recomputed_tokens", "spec_draft_tokens", "spec_accepted_tokens")
+STAT_COUNTERS = (
+    "computed_prompt_tokens",
+    "generated_tokens",
+    "recomputed_tokens",
+    "spec_draft_tokens",
+    "spec_accepted_tokens",
+)
 
 
 class EngineCore:
@@ -130,8 +136,14 @@ class EngineCore:
         self._weights_seen = weights_version(self._weights)
         # NOTE: n-gram speculation (rollout.engine.speculation); not across tensor-parallel ranks nor batch-invariant
         self.speculator = None if self.tp is not None or config.batch_invariant else Speculator(self, self._finalize)
-        self.pipeline = None  # NOTE: use_async_batching on CUDA (rollout.engine.async_steps); not under TP, nor speculating
-        if config.use_async_batching and self.device.type == "cuda" and self.tp is None and not config.speculative_method:
+        # NOTE: use_async_batching on CUDA (rollout.engine.async_steps); not under TP, nor speculating
+        self.pipeline = None
+        if (
+            config.use_async_batching
+            and self.device.type == "cuda"
+            and self.tp is None
+            and not config.speculative_method
+        ):
             self.enable_async()
         logger.info(
             "rollout engine: %d pages of %d tokens (%.1f MiB KV), max_batch_tokens=%d, prefix caching %s, "
@@ -228,7 +240,11 @@ class EngineCore:
             if self.default_max_length is not None:
                 max_new_tokens = self.default_max_length - len(ids)
         forced = check_scoring(forced_ids, score_from, top_logprobs, len(ids), self.vocab_size, max_new_tokens)
-        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < (score_from is None):
+        if (
+            isinstance(max_new_tokens, bool)
+            or not isinstance(max_new_tokens, int)
+            or max_new_tokens < (score_from is None)
+        ):
             raise ValueError(f"max_new_tokens must be a positive int, got {max_new_tokens!r}")
         total = len(ids) + len(forced) + max_new_tokens
         if self.max_context is not None and total > self.max_context:
@@ -444,8 +460,11 @@ class EngineCore:
                              "max_lora_rank=R) (max_loras is 0)")
         compiled = ("a compiled forward (default_compile_level >= 1, varlen_compile_config, decode_compile_config, "
                     "use_cuda_graph)")
-        for refused, why in ((self.tp is not None, "tensor parallelism"), (config.batch_invariant, "batch_invariant=True"),
-                             (self.runner.forward is not self.runner.model, compiled)):
+        for refused, why in (
+            (self.tp is not None, "tensor parallelism"),
+            (config.batch_invariant, "batch_invariant=True"),
+            (self.runner.forward is not self.runner.model, compiled),
+        ):
             if refused:
                 raise ValueError(f"LoRA adapters are not supported with {why} yet")
         self.runner.lora = EngineLoras(self.view, config.max_loras, config.max_lora_rank, self.device)
@@ -461,7 +480,8 @@ class EngineCore:
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix page (and anything that would share KV computed so far), and the
-        weight copies of the view's routed linears (`drop_weight_copies`, rebuilt at the next step from the current weights)."""
+        weight copies of the view's routed linears (`drop_weight_copies`, rebuilt at the next step from the current
+        weights)."""
         self.scheduler.forget_prefixes()
         if self.tp is not None:
             self.tp.flushes += 1

@@ -373,7 +373,8 @@ class ContinuousBatchingManager:
     # ------------------------------------------------ stepping on the caller
     @contextlib.contextmanager
     def driving(self) -> Iterator[None]:
-        """While inside, the caller steps the engine (`run_once`, `rollout.engine.collect`) and the background thread parks
+        """While inside, the caller steps the engine (`run_once`, `rollout.engine.collect`) and the background thread
+        parks
         (unless the manager is stopping); on exit the thread takes over whatever work is left."""
         with self._cv:
             self._drivers += 1

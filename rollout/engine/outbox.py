@@ -34,7 +34,8 @@ class Outbox:
     # ------------------------------------------------------------ producers
     def expect(self, requests: Iterable[Request]) -> None:
         """Register submitted requests (call under `cv`, after checking their ids are free). An id live already
-        is left as it is: a tensor-parallel follower's submission of a request rank 0's round brought (rollout.engine.tp)."""
+        is left as it is: a tensor-parallel follower's submission of a request rank 0's round brought
+        (rollout.engine.tp)."""
         for req in requests:
             if req.request_id in self.live:
                 continue
@@ -91,7 +92,9 @@ class Outbox:
                             self.streams.pop(out.request_id, None)
                             self._delivered(out.request_id)
                             return out
-                    if (request_id is None and not self.live) or (request_id is not None and request_id not in self.live):
+                    if (request_id is None and not self.live) or (
+                        request_id is not None and request_id not in self.live
+                    ):
                         return None
                     if not producing():
                         return None

@@ -275,8 +275,8 @@ class TensorParallelGroup:
         different rows (their schedules diverged)."""
         gathered = self.gather((request_ids, result if self.leader else None), "sharing the sampled tokens")
         if any(ids != gathered[0][0] for ids, _ in gathered):
-            self.broken = (f"tensor parallelism: the ranks' schedules diverged (rank 0 sampled {gathered[0][0][:4]}..., "
-                           f"rank {self.rank} {request_ids[:4]}...)")
+            self.broken = ("tensor parallelism: the ranks' schedules diverged (rank 0 sampled "
+                           f"{gathered[0][0][:4]}..., rank {self.rank} {request_ids[:4]}...)")
             raise RuntimeError(self.broken)
         return gathered[0][1]
 

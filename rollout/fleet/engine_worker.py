@@ -191,7 +191,12 @@ class EngineWorker:
 
     def ready(self) -> dict:
         """This actor's process id and the weight version it holds (the fleet waits on it, with a deadline)."""
-        return {"pid": os.getpid(), "host": socket.gethostname(), "version": self.engine.policy_version, "restored": self.restored_version}
+        return {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "version": self.engine.policy_version,
+            "restored": self.restored_version,
+        }
 
     def generate(self, prompts: list[list[int]], sampling: list, group_size: int,
                  first_group: int) -> list[GenerationOutput]:
@@ -235,7 +240,9 @@ class EngineWorker:
 
         if self.engine.policy_version != version:
             raise RuntimeError(f"this engine holds v{self.engine.policy_version}, not v{version}")
-        state = {strip_prefixes(n): t.detach().to("cpu").contiguous() for n, t in self.engine.model.state_dict().items()}
+        state = {
+            strip_prefixes(n): t.detach().to("cpu").contiguous() for n, t in self.engine.model.state_dict().items()
+        }
         return [ray.put(to_payload(state))]  # NOTE: `WeightStore.adopt` makes it outlive this engine
 
     def sleep(self) -> int:

@@ -12,10 +12,11 @@ server holding the prompt's longest cached prefix (`routing="prefix"`, the defau
 revisited prompt then prefills only its new tokens), unless that server is busier than the least-loaded by more
 than a few groups, else to the least loaded. Group i of a call seeded `s` goes out seeded `group_seed(s, i)`
 (`rollout.sampling.seeding`), so its samples are the in-process engine's for the same call, whichever server
-runs it. Bad `temps` are refused (ValueError naming `temps`) before any request is sent. Liveness: every request has a deadline (`request_timeout_s`); a request that fails (refused
-connection, timeout, 5xx) makes the pool probe that server's `/health` (`health_timeout_s`); a server that
-does not answer is marked dead with a log line and its groups go to the others, each group at most
-`max_attempts` times; with no server left the call raises. Nothing waits without a deadline.
+runs it. Bad `temps` are refused (ValueError naming `temps`) before any request is sent. Liveness: every request has a
+deadline (`request_timeout_s`); a request that fails (refused connection, timeout, 5xx) makes the pool probe that
+server's `/health` (`health_timeout_s`); a server that does not answer is marked dead with a log line and its groups go
+to the others, each group at most `max_attempts` times; with no server left the call raises. Nothing waits without a
+deadline.
 
 Weights: `weight_transfer="broadcast"` (default) keeps one `WeightBroadcaster` group over the live servers,
 rebuilt without a server once it is dead; `"disk"` saves the model to `disk_dir` and has every server load it
@@ -87,7 +88,11 @@ class RolloutPool:
         self.tokenizer = tokenizer
         pad = getattr(tokenizer, "pad_token_id", None) if pad_token_id is None else pad_token_id
         self.pad_token_id = 0 if pad is None else int(pad)
-        self.request_timeout_s, self.health_timeout_s, self.max_attempts = request_timeout_s, health_timeout_s, max_attempts
+        self.request_timeout_s, self.health_timeout_s, self.max_attempts = (
+            request_timeout_s,
+            health_timeout_s,
+            max_attempts,
+        )
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=httpx.Timeout(request_timeout_s, connect=health_timeout_s),
                                  limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
@@ -249,8 +254,17 @@ class RolloutPool:
             outputs += self.outputs_from_answer(i, ids[i], group_size, answer, answer["weight_version"])
         if return_routed_experts and any(o.routed_experts is None for o in outputs):
             raise RuntimeError("return_routed_experts: a server answered without routed_experts (an old server?)")
-        return pack_batch(ids, outputs, [sp.temperature for sp in each], group_size, self.pad_token_id, self.policy_version, self.device,
-                          self.tokenizer, routed_experts=return_routed_experts)
+        return pack_batch(
+            ids,
+            outputs,
+            [sp.temperature for sp in each],
+            group_size,
+            self.pad_token_id,
+            self.policy_version,
+            self.device,
+            self.tokenizer,
+            routed_experts=return_routed_experts,
+        )
 
     def score(self, prompt_ids, completion_ids=None, top_logprobs: int = 0, prompt_logprobs: bool = False,
               temps: float | Sequence[float] | None = None, progress: bool = False, *,

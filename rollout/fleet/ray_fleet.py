@@ -22,8 +22,9 @@ sends that update through the object store (one warning line); the group is form
 
 Failures: an actor that dies mid-call (killed, out of memory, node lost) is restarted by Ray (`max_restarts`); at
 start it loads the fleet's current weights from the `WeightStore` (after a broadcast update: a copy from an engine
-holding them) before serving, and its shards go to the least loaded engine, with one warning line. A shard past `request_timeout_s` is a hung engine: the actor is
-killed (Ray restarts it) and the shard resubmitted. Each shard is tried at most `max_attempts` times.
+holding them) before serving, and its shards go to the least loaded engine, with one warning line. A shard past
+`request_timeout_s` is a hung engine: the actor is killed (Ray restarts it) and the shard resubmitted. Each shard is
+tried at most `max_attempts` times.
 """
 
 from __future__ import annotations
@@ -114,7 +115,11 @@ class RolloutFleet:
             else:
                 ray.init(address=address, logging_level=logging.WARNING)
             self.started_ray = True
-        self.request_timeout_s, self.start_timeout_s, self.max_attempts = request_timeout_s, start_timeout_s, max_attempts
+        self.request_timeout_s, self.start_timeout_s, self.max_attempts = (
+            request_timeout_s,
+            start_timeout_s,
+            max_attempts,
+        )
         self.max_restarts = max_restarts
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_in(model_or_dir)
         pad = getattr(self.tokenizer, "pad_token_id", None)
@@ -123,7 +128,9 @@ class RolloutFleet:
         self.closed = False
         self.policy_version = 0
         self.last_update_s, self.last_update_path = float("nan"), ""
-        self.weight_group = weight_group.LearnerGroup(backend or "gloo", bucket_bytes, weight_group_timeout_s, request_timeout_s)
+        self.weight_group = weight_group.LearnerGroup(
+            backend or "gloo", bucket_bytes, weight_group_timeout_s, request_timeout_s
+        )
         self.group_address = ray.util.get_node_ip_address()  # NOTE: 127.0.0.1 on the local cluster
         self.pg = placement_group([dict(bundle) for _ in range(num_engines)], strategy=placement_strategy)
         ready, _ = ray.wait([self.pg.ready()], timeout=start_timeout_s)
@@ -143,10 +150,14 @@ class RolloutFleet:
         threads = threads_per_engine or max(1, int(bundle.get("CPU", 1)))
         worker = ray.remote(EngineWorker)
         self.actors = [
-            worker.options(num_cpus=bundle.get("CPU", 0), num_gpus=bundle.get("GPU", 0), max_restarts=max_restarts,
-                           max_task_retries=0, max_concurrency=4,
-                           scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k))
-            .remote(*self.init_args, self.store_name, threads, dtype, k)
+            worker.options(
+                num_cpus=bundle.get("CPU", 0),
+                num_gpus=bundle.get("GPU", 0),
+                max_restarts=max_restarts,
+                max_task_retries=0,
+                max_concurrency=4,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=k),
+            ).remote(*self.init_args, self.store_name, threads, dtype, k)
             for k in range(num_engines)
         ]
         try:

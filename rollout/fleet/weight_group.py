@@ -234,8 +234,12 @@ def collective_update(fleet, source, version: int, in_flight: str) -> str:
         group.close()
         for i in getattr(err, "late", []):  # NOTE: hung engines: killed (Ray restarts them), as a late shard's
             health.failed(targets[i], f"not ready for weight update v{version}", 0, "group", kill=True)
-        logger.warning("weights v%d through the object store: the weight group failed (%s: %s); it is "
-                       "rebuilt at the next update", version, type(err).__name__, (str(err).splitlines() or [""])[0][:200])
+        logger.warning(
+            "weights v%d through the object store: the weight group failed (%s: %s); it is rebuilt at the next update",
+            version,
+            type(err).__name__,
+            (str(err).splitlines() or [""])[0][:200],
+        )
         return "object_store"
     if any(g != version for g in got):
         raise RuntimeError(f"engines report versions {got} after update {version}")

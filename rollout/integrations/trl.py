@@ -67,8 +67,9 @@ def make_rollout_func(
             and `.../max` (one extra forward pass per generation batch).
         **generate_defaults: `temperature`, `top_k`, `top_p`, `max_new_tokens` and the processors
             (`min_p`, `repetition_penalty`, `presence_penalty`, `frequency_penalty`, `min_tokens`,
-            `logit_bias`, `bad_words_ids`, `stop_token_ids`) override the trainer's settings; `seed` replaces `trainer.args.seed` as the base of the sampling seeds; `progress`
-            shows a bar. Anything else is a ValueError naming it.
+            `logit_bias`, `bad_words_ids`, `stop_token_ids`) override the trainer's settings; `seed` replaces
+            `trainer.args.seed` as the base of the sampling seeds; `progress` shows a bar. Anything else is a ValueError
+            naming it.
     Returns:
         a callable object; `close()` frees its engine (the garbage collector does too).
     """
@@ -226,8 +227,11 @@ def tokenize_prompts(trainer, prompts: list) -> list[list[int]]:
     if len(kinds) > 1:
         raise ValueError("prompts: a batch mixes conversational and plain-text prompts")
     if kinds == {True}:
-        kwargs = dict(tools=getattr(trainer, "tools", None) or None, chat_template=getattr(trainer, "chat_template", None),
-                      **(getattr(trainer, "chat_template_kwargs", None) or {}))
+        kwargs = dict(
+            tools=getattr(trainer, "tools", None) or None,
+            chat_template=getattr(trainer, "chat_template", None),
+            **(getattr(trainer, "chat_template_kwargs", None) or {}),
+        )
         return [chat_template_ids(processing, p, **kwargs) for p in prompts]
     if not all(isinstance(p, str) for p in prompts):
         raise ValueError("prompts: each prompt must be a string or a list of chat messages")

@@ -57,7 +57,8 @@ def check(device: torch.device, dtype: torch.dtype, has_sinks: bool, model: str 
 def install(view: torch.nn.Module) -> int:
     """Put the invariant ops on `view` (a module tree the caller owns: an engine view or a trainer's view):
     each plain `nn.Linear` (and transformers' `Conv1D`) gets the tiled forward, each rotary embedding its table,
-    and the engine view's one-call norms and MLPs their class forward (the trainer runs that). Returns how many modules."""
+    and the engine view's one-call norms and MLPs their class forward (the trainer runs that). Returns how many
+    modules."""
     n = drop_fused_layers(view)
     for module in view.modules():
         if isinstance(module, torch.nn.Linear):

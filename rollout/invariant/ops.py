@@ -10,8 +10,8 @@ and a trainer (padded `[N, L]` batches) get the same bits for the same token.
   multiple of `TILE` (every M from 16 to 2048, 1 and 2 threads, the tiny, 5M and 100M shapes) are taken
   where they exist: fp32 nn.Linear weights through oneDNN on its packed layout (the default engine's
   linears; only M = 1 differs there), bf16 through oneDNN's GEMM (10x faster than a bf16 `bmm` of tiles);
-  `tests/invariant/test_batch_invariant.py` rechecks both on the machine that runs it. Its backward is the ordinary one (correct, not invariant: nothing
-  compares gradients bitwise).
+  `tests/invariant/test_batch_invariant.py` rechecks both on the machine that runs it. Its backward is the ordinary one
+  (correct, not invariant: nothing compares gradients bitwise).
 - `RotaryTable`: the cos / sin of a rotary embedding for every position up to the model's context, computed
   once by the module's own forward and then gathered by position. An elementwise `cos` on a CPU runs a
   vector body and a scalar tail, so the bits of a position computed on the fly depend on how many other

@@ -82,7 +82,9 @@ def _cpu_tag() -> str:
                     break
     except OSError:
         pass
-    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS + LDFLAGS)}".encode() + b"".join(f.read_bytes() for f in SOURCES + HEADERS)
+    key = f"{flags}|{torch.__version__}|{' '.join(CFLAGS + LDFLAGS)}".encode() + b"".join(
+        f.read_bytes() for f in SOURCES + HEADERS
+    )
     return hashlib.sha1(key).hexdigest()[:12]
 
 
@@ -345,7 +347,8 @@ def pack_panels():
 
 
 def rms_norm():
-    """`rms_norm(x fp32, weight [H] fp32, eps)`: Llama's RMSNorm in one call (rollout/kernels/csrc/rms_norm.cpp), or None."""
+    """`rms_norm(x fp32, weight [H] fp32, eps)`: Llama's RMSNorm in one call (rollout/kernels/csrc/rms_norm.cpp), or
+    None."""
     module = load()
     return None if module is None else module.rms_norm
 
@@ -359,7 +362,8 @@ def qk_norm_rope():
 
 
 def silu_mul():
-    """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/kernels/csrc/silu_mul.cpp), or None."""
+    """`silu_mul(gate, up)` (fp32, same shapes): `F.silu(gate) * up` in one pass (rollout/kernels/csrc/silu_mul.cpp),
+    or None."""
     module = load()
     return None if module is None else module.silu_mul
 

@@ -154,8 +154,16 @@ def _fused_attention(self, x, position_embeddings, attention_mask, kwargs):
         kwargs["sliding_window"] = getattr(self.config, "sliding_window", None)
     interface = glb["ALL_ATTENTION_FUNCTIONS"].get_interface(self.config._attn_implementation,
                                                               glb["eager_attention_forward"])
-    out, weights = interface(self, q, k, v, attention_mask, dropout=0.0 if not self.training else self.attention_dropout,
-                             scaling=self.scaling, **kwargs)
+    out, weights = interface(
+        self,
+        q,
+        k,
+        v,
+        attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        **kwargs,
+    )
     return self.o_proj(out.reshape(*shape, -1).contiguous()), weights
 
 

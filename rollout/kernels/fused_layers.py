@@ -1,4 +1,5 @@
-"""Norms and gated MLPs of the engine view in fewer calls on a CPU (`rollout/kernels/csrc/rms_norm.cpp`, `silu_mul.cpp`).
+"""Norms and gated MLPs of the engine view in fewer calls on a CPU (`rollout/kernels/csrc/rms_norm.cpp`,
+`silu_mul.cpp`).
 
 transformers' Llama-family RMSNorm is six tensor ops, and a decode step runs one per norm (a 12-layer Qwen3:
 49 of them, q_norm and k_norm included) on a few rows, where dispatch is most of their cost; its gated MLP runs

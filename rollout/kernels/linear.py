@@ -196,7 +196,8 @@ def drop_packed(view: torch.nn.Module) -> int:
         if getattr(module, "_rollout_panels", None) is not None:
             module._rollout_panels = None
             n += 1
-        if getattr(module, "_rollout_w", None) is not None:  # NOTE: the compiled forward's copy (rollout.model.compiled)
+        # NOTE: the compiled forward's copy (rollout.model.compiled)
+        if getattr(module, "_rollout_w", None) is not None:
             module._rollout_w = None
     return n
 

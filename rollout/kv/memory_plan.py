@@ -35,7 +35,9 @@ class KVShape:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return (
+            2 * self.num_layers * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        )
 
 
 def kv_shape_from_config(config, dtype: torch.dtype, tp_size: int = 1) -> KVShape:

@@ -4,8 +4,8 @@ A page holds `page_size` consecutive tokens of one sequence. A *full* page is id
 hash of (hash of the previous page, its tokens), so two requests with the same prefix produce the
 same hashes and can share the pages. The hash is a 128-bit BLAKE2b of the token bytes (as vLLM
 keys its prefix cache with SHA-256): a hit is taken without comparing tokens, so a collision must
-be out of reach (Python's 64-bit `hash()` of a tuple is not). Freed pages keep their hash and stay reusable until the pool
-needs them again; they are then evicted in LRU order (least recently freed first).
+be out of reach (Python's 64-bit `hash()` of a tuple is not). Freed pages keep their hash and stay reusable until the
+pool needs them again; they are then evicted in LRU order (least recently freed first).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A shallow structural copy that shares every parameter and buffer (so optimizer steps and weight updates
 are seen at once) but has its own config set to our paged attention (`rollout.attention.interface`), its own eval
 mode, no autograd, packed oneDNN linears and one-call RMSNorms, gated MLPs and attention projections + RoPE on a CPU
-(`rollout.kernels.linear`, `rollout.kernels.fused_layers`, `rollout.kernels.fused_attention`), and the model class's own forward
-even where the user's instance had it replaced. The user's own module keeps its attention
+(`rollout.kernels.linear`, `rollout.kernels.fused_layers`, `rollout.kernels.fused_attention`), and the model class's own
+forward even where the user's instance had it replaced. The user's own module keeps its attention
 implementation, its train/eval mode and `requires_grad` untouched.
 """
 

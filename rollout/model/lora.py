@@ -52,10 +52,17 @@ class EngineLoras:
         same tensors). ValueError, before any copy, when its modules or shapes differ."""
         name, own = self.policy
         if set(source.modules) != set(own.modules):
-            extra, missing = sorted(set(source.modules) - set(own.modules)), sorted(set(own.modules) - set(source.modules))
+            extra, missing = (
+                sorted(set(source.modules) - set(own.modules)),
+                sorted(set(own.modules) - set(source.modules)),
+            )
             raise ValueError(f"update_weights: the adapter adapts other modules than the policy's (extra {extra[:3]}, "
                              f"missing {missing[:3]})")
-        pairs = [(t, s) for m, src in source.modules.items() for t, s in ((own.modules[m].a, src.a), (own.modules[m].b, src.b))]
+        pairs = [
+            (t, s)
+            for m, src in source.modules.items()
+            for t, s in ((own.modules[m].a, src.a), (own.modules[m].b, src.b))
+        ]
         for (t, s), m in zip(pairs, [m for m in source.modules for _ in (0, 1)], strict=True):
             if t.shape != s.shape:
                 raise ValueError(f"update_weights: {m} has a LoRA tensor of shape {tuple(s.shape)}, the policy's is "

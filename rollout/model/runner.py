@@ -3,7 +3,8 @@
 Owns `ModelRunner`: the step's `StepInputs`, each layer group's metadata from the backend's
 `build_group`, the forward, and the first-step check that our attention ran in every layer. Which
 attention backend runs is the backend's business (`rollout.attention.backends`): the runner never asks. It never
-mutates a request (the route recorder, `rollout.model.routes`, writes the routes of those that asked). The model it runs is the engine view of the user's model (`rollout.model.engine_view`).
+mutates a request (the route recorder, `rollout.model.routes`, writes the routes of those that asked). The model it runs
+is the engine view of the user's model (`rollout.model.engine_view`).
 """
 
 from __future__ import annotations
@@ -87,7 +88,9 @@ class ModelRunner:
         """`request` is final: its page-table row is free."""
         self.device_page_tables.release(request)
 
-    def prepare(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[dict, list[int], list[ScoredRows]]:
+    def prepare(
+        self, out: SchedulerOutput, drafts: list[list[int]] | None = None
+    ) -> tuple[dict, list[int], list[ScoredRows]]:
         """Forward kwargs for the step, the scheduled indices whose last logits are sampled, and the scored
         rows (those a scoring request keeps follow the sampled ones in `logits_to_keep`: `score_rows`).
 
@@ -170,7 +173,9 @@ class ModelRunner:
                 sampled.append(i)
         return ids, keep, sampled, starts, lens
 
-    def execute(self, out: SchedulerOutput, drafts: list[list[int]] | None = None) -> tuple[torch.Tensor, list[int], Scores | None]:
+    def execute(
+        self, out: SchedulerOutput, drafts: list[list[int]] | None = None
+    ) -> tuple[torch.Tensor, list[int], Scores | None]:
         """Returns (fp32 logits [R, V] of the sampled rows, their indices into `out.scheduled`, the scored
         rows' logits and where they belong, or None when no row is scored); with `drafts` (see `prepare`), the
         logits [sum(1 + len(draft)), V] of every position run."""

@@ -11,9 +11,9 @@ A draft (`Drafter.draft`) finds the longest suffix of the row's context (at most
 SuffixDecoding walks a suffix tree's subtree: at each depth the token that followed most often, counted over
 every source (frequency, not the first or latest match), and its share of the occurrences still on the path.
 Each drafted token carries a probability estimate, the share of the suffix's occurrences whose continuation
-follows the draft that far, smoothed (`SMOOTHING`: one occurrence says 1/2, four that agree 4/5); the walk stops at `k` tokens or where the estimate falls below the
-caller's `min_prob` (the speculator's cost model: a token worth verifying). The row's own match running into its
-end continues with the draft itself (a loop repeats).
+follows the draft that far, smoothed (`SMOOTHING`: one occurrence says 1/2, four that agree 4/5); the walk stops at `k`
+tokens or where the estimate falls below the caller's `min_prob` (the speculator's cost model: a token worth verifying).
+The row's own match running into its end continues with the draft itself (a loop repeats).
 
 Drafts only choose which tokens the verifying forward tries; they never change what is sampled
 (`rollout.sampling.speculative`). Pure Python: no torch.
@@ -155,7 +155,8 @@ class Drafter:
         return [], []
 
     def finish(self, request, keep: bool) -> None:
-        """`request` is final: forget its live index; `keep` (it finished normally) files its tokens under its prompt."""
+        """`request` is final: forget its live index; `keep` (it finished normally) files its tokens under its
+        prompt."""
         self.own.pop(request.request_id, None)
         prompt = tuple(request.prompt_ids)
         group = self.groups.get(prompt)

@@ -163,7 +163,9 @@ class Sampler:
         idx, rows = _take(raw, s_rows)
         sub = [params[i] for i in s_rows]
         warped = warped_logprobs(rows, sub)  # [S, V]
-        noise = self._noise(warped.shape, [request_ids[i] for i in s_rows], sub, positions=[positions[i] for i in s_rows])
+        noise = self._noise(
+            warped.shape, [request_ids[i] for i in s_rows], sub, positions=[positions[i] for i in s_rows]
+        )
         tokens[idx] = row_argmax(warped - noise.log())  # [S]
         if logprobs_mode is None:
             return tokens, None

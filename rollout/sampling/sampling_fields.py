@@ -60,7 +60,8 @@ GENERATION_FIELDS: dict[str, tuple[str, str]] = {
     "exponential_decay_length_penalty": (REFUSED, "EOS boost after a start index"),
     "stop_strings": (REFUSED, "stop strings need a tokenizer: pass stop token ids (the server takes `stop`)"),
     "max_time": (REFUSED, "a wall-clock budget makes outputs depend on load"),
-    "prompt_lookup_num_tokens": (APPLIED, "lossless n-gram speculation: draft tokens per step (rollout.engine.speculation)"),
+    "prompt_lookup_num_tokens": (APPLIED, "lossless n-gram speculation: draft tokens per step "
+                                          "(rollout.engine.speculation)"),
     "assistant_early_exit": (REFUSED, "assisted decoding (self-speculation)"),
     "speculation_type": (REFUSED, "assisted decoding"),
     "use_mtp": (REFUSED, "multi-token-prediction decoding"),

@@ -35,7 +35,9 @@ def resample_target(sample: Sample, drafts: Sequence[int | None],
     token included, so P(x) becomes p(x) (2 - p(x)). It also records the rejected draw in the processors' state."""
     out = sample(list(range(len(drafts))))
     accepted = [d is not None and t == d for t, d in zip(out.tokens, drafts, strict=True)]
-    again = [i for i, (a, d, g) in enumerate(zip(accepted, drafts, greedy, strict=True)) if d is not None and not a and not g]
+    again = [
+        i for i, (a, d, g) in enumerate(zip(accepted, drafts, greedy, strict=True)) if d is not None and not a and not g
+    ]
     if again:
         redo = sample(again)
         for j, i in enumerate(again):

@@ -2,9 +2,9 @@
 
 A request with `score_from` set (`rollout.requests.Request`) wants the logprob of each given token (prompt,
 then forced) from that index on: the logits at positions `score_from - 1 .. num_given_tokens - 2`. The runner
-keeps those rows beside the sampled ones (`rollout.model.runner.score_rows`), and `record_scores` turns them into logprobs, stored
-by position on the request (a recomputation after a preemption overwrites them), plus the top k of every
-scored position when the request asks (`top_logprobs`; a sampled position's top k comes from the sampler).
+keeps those rows beside the sampled ones (`rollout.model.runner.score_rows`), and `record_scores` turns them into
+logprobs, stored by position on the request (a recomputation after a preemption overwrites them), plus the top k of
+every scored position when the request asks (`top_logprobs`; a sampled position's top k comes from the sampler).
 Kept apart from `rollout.sampling.sampler`: the default path (no scoring) never comes here.
 
 Semantics follow `logprobs_mode`, through the sampler's own definition (`rollout.sampling.log_distribution`):

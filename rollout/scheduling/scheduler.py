@@ -117,7 +117,12 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, done: set[int], prefill: bool | None) -> int:
-        if self.decode_fast_path and not done and prefill is not True and (left := self._schedule_decodes(out, budget, done)) is not None:
+        if (
+            self.decode_fast_path
+            and not done
+            and prefill is not True
+            and (left := self._schedule_decodes(out, budget, done)) is not None
+        ):
             return left
         multi, ps = self.tables.num_groups > 1, self.page_size
         i = 0
@@ -129,7 +134,9 @@ class Scheduler:
             want = min(req.schedulable(req.num_computed_tokens), budget)
             n = 1 if want == 1 else self.tables.fit(req.num_computed_tokens, want)  # NOTE: a decode row always fits
             # NOTE: every group's table has the length of `page_ids`: no page needed when the last has room
-            if req.num_computed_tokens + n > len(req.page_ids) * ps and not self._grow(req, req.num_computed_tokens + n, out, done):
+            if req.num_computed_tokens + n > len(req.page_ids) * ps and not self._grow(
+                req, req.num_computed_tokens + n, out, done
+            ):
                 # `req` itself was preempted: the running list shrank at or before i
                 continue
             out.scheduled.append(ScheduledRequest(req, n, self._out_tables(req) if multi else None))

@@ -51,7 +51,8 @@ class EngineBridge:
         limits = [x for x in (self.manager.max_context, max_model_len) if x]
         self.max_model_len: int | None = min(limits) if limits else None
         if return_routed_experts:
-            self.manager.check_routes()  # NOTE: a dense model (or TP, or the compiled forward) refuses to start, by name
+            # NOTE: a dense model (or TP, or the compiled forward) refuses to start, by name
+            self.manager.check_routes()
         self.return_routed_experts = return_routed_experts  # every non-streamed choice carries its routes
         self._sinks: dict[str, Callable[[GenerationOutput], None]] = {}
         self._ids = itertools.count()
@@ -114,13 +115,23 @@ class EngineBridge:
             raise APIError(f"min_tokens ({req.min_tokens}) must be <= max_tokens ({max_new_tokens})", "min_tokens")
         try:
             sp = SamplingParams(
-                max_tokens=max_new_tokens, temperature=float(req.temperature), top_k=max(0, req.top_k),
-                top_p=float(req.top_p), seed=None if req.seed is None else sample_seed(group_seed(req.seed, prompt), sample),
-                stop_token_ids=stops, ignore_eos=bool(req.ignore_eos), logprobs=req.num_top_logprobs,
-                min_p=float(req.min_p), repetition_penalty=float(req.repetition_penalty),
-                presence_penalty=float(req.presence_penalty), frequency_penalty=float(req.frequency_penalty),
-                min_tokens=req.min_tokens, logit_bias=self._logit_bias(req.logit_bias),
-                bad_words_ids=self._bad_words(req.bad_words), return_sampling_mask=bool(req.return_sampling_mask))
+                max_tokens=max_new_tokens,
+                temperature=float(req.temperature),
+                top_k=max(0, req.top_k),
+                top_p=float(req.top_p),
+                seed=None if req.seed is None else sample_seed(group_seed(req.seed, prompt), sample),
+                stop_token_ids=stops,
+                ignore_eos=bool(req.ignore_eos),
+                logprobs=req.num_top_logprobs,
+                min_p=float(req.min_p),
+                repetition_penalty=float(req.repetition_penalty),
+                presence_penalty=float(req.presence_penalty),
+                frequency_penalty=float(req.frequency_penalty),
+                min_tokens=req.min_tokens,
+                logit_bias=self._logit_bias(req.logit_bias),
+                bad_words_ids=self._bad_words(req.bad_words),
+                return_sampling_mask=bool(req.return_sampling_mask),
+            )
         except ValueError as e:
             raise APIError(str(e), _param_of(str(e))) from None
         return Sample(sp, 1 if req.scores_prompt else None, self.wants_routes(req))
@@ -281,12 +292,27 @@ class EngineBridge:
 
 def _param_of(message: str) -> str | None:
     """The request field an engine ValueError is about."""
-    for key, param in (("return_routed_experts", "return_routed_experts"), ("min_p", "min_p"), ("repetition_penalty", "repetition_penalty"),
-                       ("presence_penalty", "presence_penalty"), ("frequency_penalty", "frequency_penalty"),
-                       ("min_tokens", "min_tokens"), ("logit_bias", "logit_bias"), ("bad_words", "bad_words"),
-                       ("generation_config", None), ("input_ids", "prompt"), ("max_new_tokens", "max_tokens"), ("KV pages", "max_tokens"),
-                       ("temperature", "temperature"), ("top_k", "top_k"), ("top_p", "top_p"), ("seed", "seed"),
-                       ("eos", "stop_token_ids"), ("top_logprobs", "logprobs"), ("score_from", "echo")):
+    for key, param in (
+        ("return_routed_experts", "return_routed_experts"),
+        ("min_p", "min_p"),
+        ("repetition_penalty", "repetition_penalty"),
+        ("presence_penalty", "presence_penalty"),
+        ("frequency_penalty", "frequency_penalty"),
+        ("min_tokens", "min_tokens"),
+        ("logit_bias", "logit_bias"),
+        ("bad_words", "bad_words"),
+        ("generation_config", None),
+        ("input_ids", "prompt"),
+        ("max_new_tokens", "max_tokens"),
+        ("KV pages", "max_tokens"),
+        ("temperature", "temperature"),
+        ("top_k", "top_k"),
+        ("top_p", "top_p"),
+        ("seed", "seed"),
+        ("eos", "stop_token_ids"),
+        ("top_logprobs", "logprobs"),
+        ("score_from", "echo"),
+    ):
         if key in message:
             return param
     return None

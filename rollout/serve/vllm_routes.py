@@ -15,8 +15,8 @@ policy tokenizes every request on each worker first):
 - `GET /version`: `{"version"}` (rollout's); `GET|POST /ping`: 200 while the engine runs, 503 otherwise (as
   `/health`).
 
-`/version` and `/ping` are open like `/health`; `/tokenize`, `/detokenize` and the render routes are behind the API key like the
-`/v1/` routes (`rollout.serve.app`). Bad input is a 400 naming the field.
+`/version` and `/ping` are open like `/health`; `/tokenize`, `/detokenize` and the render routes are behind the API key
+like the `/v1/` routes (`rollout.serve.app`). Bad input is a 400 naming the field.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class WeightReceiver:
             self.staged[name] = t
 
     def receive_packed(self, items: list) -> None:
-        """Receive one chunk sent as a single flat buffer (packed by `rollout.weights.broadcast.WeightBroadcaster`, one dtype)."""
+        """Receive one chunk sent as a single flat buffer (packed by `rollout.weights.broadcast.WeightBroadcaster`, one
+        dtype)."""
         if self.staged is None:
             raise RuntimeError("call /start_weight_update first")
         shapes = [shape for _, _, shape in items]

@@ -54,7 +54,9 @@ class WeightBroadcaster:
         self.backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if self.backend not in ("gloo", "nccl"):
             raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.backend == "nccl" and not (torch.cuda.is_available() and hasattr(torch.distributed, "ProcessGroupNCCL")):
+        if self.backend == "nccl" and not (
+            torch.cuda.is_available() and hasattr(torch.distributed, "ProcessGroupNCCL")
+        ):
             raise ValueError("backend 'nccl' needs CUDA and a torch built with NCCL; use 'gloo'")
         if bucket_bytes < 1:
             raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
@@ -62,7 +64,9 @@ class WeightBroadcaster:
         self.bucket_bytes, self.timeout_s, self.master_address = bucket_bytes, timeout_s, master_address
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.Client(headers=headers, timeout=timeout_s)
-        self.device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else torch.device("cpu")
+        )
         self.group = None
         self._store = None
         self.members: list[str] = []  # the servers in the current group, in rank order

@@ -84,7 +84,9 @@ def local_pair(target: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor,
         if value.placements != target.placements:
             value = value.redistribute(target.device_mesh, target.placements)
         return target.to_local(), value.to_local()
-    shard = distribute_tensor(value.detach().to(target.device), target.device_mesh, target.placements, src_data_rank=None)
+    shard = distribute_tensor(
+        value.detach().to(target.device), target.device_mesh, target.placements, src_data_rank=None
+    )
     return target.to_local(), shard.to_local()
 
 

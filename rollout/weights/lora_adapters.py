@@ -163,7 +163,9 @@ def from_state_dict(state: dict[str, torch.Tensor], config: dict, where: str = "
     for key, value in state.items():
         m = _KEY.match(key)
         if m is None:
-            raise ValueError(f"{where}: {key!r} is not a LoRA tensor (expected <module>.lora_A.weight / .lora_B.weight)")
+            raise ValueError(
+                f"{where}: {key!r} is not a LoRA tensor (expected <module>.lora_A.weight / .lora_B.weight)"
+            )
         part = m["part"]
         if part == "lora_magnitude_vector":
             raise ValueError(f"{where}: {key!r} is a DoRA magnitude; DoRA is not supported")

@@ -127,7 +127,10 @@ class LoraTable:
                 raise ValueError(f"{where} targets {module_name}, a {type(base).__name__}; rollout runs LoRA on "
                                  "torch.nn.Linear layers only")
             out_features, in_features = base.weight.shape
-            if tuple(module.a.shape) != (module.rank, in_features) or tuple(module.b.shape) != (out_features, module.rank):
+            if tuple(module.a.shape) != (module.rank, in_features) or tuple(module.b.shape) != (
+                out_features,
+                module.rank,
+            ):
                 raise ValueError(f"{where}: {module_name} has lora_A {tuple(module.a.shape)} and lora_B "
                                  f"{tuple(module.b.shape)}, but the base linear is [{out_features}, {in_features}]")
 

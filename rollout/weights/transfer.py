@@ -73,7 +73,8 @@ def check_names_shapes(targets: Mapping[str, torch.Tensor], names: Sequence[str]
 
 
 def unflatten(flat: torch.Tensor, shapes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-    """Views of `flat` with `shapes`, in order (the inverse of the sender packing them in order, `WeightBroadcaster`)."""
+    """Views of `flat` with `shapes`, in order (the inverse of the sender packing them in order,
+    `WeightBroadcaster`)."""
     sizes = [int(torch.Size(s).numel()) for s in shapes]
     if sum(sizes) != flat.numel():
         raise ValueError(f"the bucket holds {flat.numel()} elements, its shapes {sum(sizes)}")

@@ -377,7 +377,9 @@ def test_update_from_the_trainers_model_after_it_replaced_its_parameters(model, 
         assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=6)) == [hf_greedy(model, p, 6) for p in prompts]
         trainer.load_state_dict(copy.deepcopy(new_model.state_dict()), assign=True)
         assert engine.update_weights(trainer) == 1
-        assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=6)) == [hf_greedy(new_model, p, 6) for p in prompts]
+        assert rows(engine.generate(prompts, temps=0.0, max_new_tokens=6)) == [
+            hf_greedy(new_model, p, 6) for p in prompts
+        ]
 
 
 def test_trainers_model_in_train_mode_is_left_untouched(model):

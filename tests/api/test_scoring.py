@@ -175,7 +175,8 @@ def test_score_is_exact_under_preemption():
 
 @pytest.mark.parametrize("mode", ["raw", "processed"])
 def test_generate_top_logprobs(mode):
-    """`generate(..., sampling=SamplingParams(logprobs=k))`: the k best of each step's distribution (raw, or processed at the
+    """`generate(..., sampling=SamplingParams(logprobs=k))`: the k best of each step's distribution (raw, or processed
+    at the
     row's temperature); greedy rows' first choice is the token generated, and the default path adds none."""
     model = make_model("gpt2")
     prompts = [rand_ids(12, 1), rand_ids(25, 2)]

@@ -125,8 +125,12 @@ def test_plan_groups_rows_by_shared_block_ids(kernels):
     start = torch.tensor([4, 4, 4, 4, 0])
     assert [(f, p, sorted(r)) for f, p, r, *_ in plan(table, row, start, end, ps)] == [(1, 2, [0, 2])]
     # two rows sharing one page only, nothing else: still a group (one page read once)
-    assert [(f, p, sorted(r)) for f, p, r, *_ in plan(table[[3, 4]], torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long),
-                                                  torch.tensor([10, 4]), ps)] == [(0, 1, [0, 1])]
+    assert [
+        (f, p, sorted(r))
+        for f, p, r, *_ in plan(
+            table[[3, 4]], torch.tensor([0, 1]), torch.zeros(2, dtype=torch.long), torch.tensor([10, 4]), ps
+        )
+    ] == [(0, 1, [0, 1])]
 
 
 def test_plan_ignores_rows_that_share_no_full_page(kernels):
@@ -173,7 +177,8 @@ def test_engine_groups_read_their_prompt_once_and_match_generate(kernels, arch):
     assert max(grouped) == (2 if arch == "mistral" else 3), "each prompt's samples should form one cascade group"
     assert max(n for n, _ in extended) == max(grouped), "the groups should read their forks' copied slots once too"
     # NOTE: the leaders (`i-0`, 6 new tokens) finish first; their forks keep the copied-from blocks
-    assert max(n for n, gone in extended if gone) >= 1, "after the leaders finished, the copied slots should still be shared"
+    assert max(n for n, gone in extended if gone) >= 1, ("after the leaders finished, the copied slots should still be "
+                                                         "shared")
     bm = core.scheduler.pool
     bm.check_invariants()
     assert bm.num_free_pages == bm.num_pages, "a page outlived its requests"

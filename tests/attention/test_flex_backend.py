@@ -68,7 +68,9 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("dtype, atol", [(torch.float32, 2e-5), pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "dtype, atol", [(torch.float32, 2e-5), pytest.param(torch.bfloat16, 2e-2, marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("window, softcap", [(None, None), (24, None), (None, 20.0)])
 def test_flex_kernel_matches_dense_reference(window, softcap, dtype, atol):
     check_kernel(window, softcap, dtype, atol, "cpu")

@@ -1,10 +1,10 @@
 """The `triton` attention backend (`rollout.attention.backends.triton`) in the engine.
 
 On a CPU the kernels (decode rows, and prompt chunks through the varlen kernel) run under Triton's interpreter
-(`support.triton_interpreter`), on a CUDA machine compiled: greedy tokens equal `model.generate` and raw logprobs equal teacher forcing on the correctness
-workload (chunked prefill, prefix-cache hits, prompt chunks mixed with decode rows), on RoPE + GQA
-(Qwen3), a sliding window (Mistral), logit softcap (Gemma 2) and attention sinks (gpt-oss). It is chosen by
-name only; without triton, or on a CPU outside the interpreter, the name is a ValueError saying why.
+(`support.triton_interpreter`), on a CUDA machine compiled: greedy tokens equal `model.generate` and raw logprobs equal
+teacher forcing on the correctness workload (chunked prefill, prefix-cache hits, prompt chunks mixed with decode rows),
+on RoPE + GQA (Qwen3), a sliding window (Mistral), logit softcap (Gemma 2) and attention sinks (gpt-oss). It is chosen
+by name only; without triton, or on a CPU outside the interpreter, the name is a ValueError saying why.
 Skipped with the reason without triton.
 """
 

@@ -243,8 +243,13 @@ def joint_law(model) -> torch.Tensor:
 
 
 def sample_rows(model, spec: bool, rule: str = "exact", seed_stream: str = "auto"):
-    cfg = ContinuousBatchingConfig(page_size=16, num_blocks=ROWS + 64, max_batch_tokens=4 * ROWS, seed_stream=seed_stream,
-                                   **(dict(speculative_method="ngram", num_speculative_tokens=2) if spec else {}))
+    cfg = ContinuousBatchingConfig(
+        page_size=16,
+        num_blocks=ROWS + 64,
+        max_batch_tokens=4 * ROWS,
+        seed_stream=seed_stream,
+        **(dict(speculative_method="ngram", num_speculative_tokens=2) if spec else {}),
+    )
     core = EngineCore(model, GenerationConfig(do_sample=True, eos_token_id=None, max_new_tokens=NEW), cfg)
     if spec:
         core.speculator.max_rows = ROWS  # NOTE: past the cost model, so every row of this batch speculates

@@ -39,7 +39,9 @@ def test_generate_steps_on_the_calling_thread_and_the_loop_serves_the_rest():
         batch = engine.generate(prompts, temps=0.0, max_new_tokens=6)
         assert names and set(names) == {threading.current_thread().name}, set(names)
         want = [hf_greedy(model, p, 6) for p in prompts]
-        assert [row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask, strict=True)] == want
+        assert [
+            row[m.bool()].tolist() for row, m in zip(batch.completion_ids, batch.completion_mask, strict=True)
+        ] == want
         # NOTE: requests submitted straight to the manager (a server's path) are stepped by its loop thread
         names.clear()
         rid = engine.manager.add_request(prompts[0], max_new_tokens=4, temperature=0.0)

@@ -9,7 +9,8 @@ RolloutEngine API.
 - `close()` leaves no engine process, no Ray process of the cluster it started;
 - without Ray, building a fleet raises an ImportError naming the `[ray]` extra.
 Weights go through the object store here (`weight_transfer="object_store"`); the collective path, the default,
-is tested in test_ray_fleet_collective.py. The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture closes it and checks nothing is left.
+is tested in test_ray_fleet_collective.py. The fleet starts its own cluster (2 CPUs, 127.0.0.1); the module fixture
+closes it and checks nothing is left.
 """
 
 from __future__ import annotations

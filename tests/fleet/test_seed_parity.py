@@ -3,7 +3,8 @@
 child processes give the same token ids and the same logprobs, bit for bit, for several prompts with
 group_size > 1 (`rollout.sampling.seeding`). Both sides run batch-invariant, so what else shares a batch on
 either side changes no bit and only the seed rule is under test. The pool refuses bad temperatures and unknown
-in-flight modes by name before it sends anything. The servers bind 127.0.0.1 on free ports and are stopped by the fixture."""
+in-flight modes by name before it sends anything. The servers bind 127.0.0.1 on free ports and are stopped by the
+fixture."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""The C++ CPU decode-attention kernel (rollout/kernels/csrc/decode_attention.cpp, loaded by rollout.kernels.cpu_kernels):
-decode rows attended in place over the paged cache through block tables (fp32, bf16 and fp16 caches).
+"""The C++ CPU decode-attention kernel (rollout/kernels/csrc/decode_attention.cpp, loaded by
+rollout.kernels.cpu_kernels): decode rows attended in place over the paged cache through block tables (fp32, bf16 and
+fp16 caches).
 
 Checked against an fp64 softmax(q K^T * scale) V over each row's keys laid out contiguously, over
 the shapes the kernel special-cases (head size 64 and 128 with GQA groups 1-4, 6, 7, 8, head size 256
@@ -246,7 +247,10 @@ def test_mixed_workload_matches_generate_with_arrivals(monkeypatch, kernel):
     late = list(zip(*mixed_workload(seed=1, n=6), strict=True))
     core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, max_batch_tokens=64, num_blocks=512))
     assert (core.backend.name == "cpu") == (kernel == "1") or not HAVE_COMPILER
-    reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))]
+    reqs = [
+        core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
+        for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))
+    ]
     late_reqs = [core.make_request(p, request_id=f"late{i}", max_new_tokens=n) for i, (p, n) in enumerate(late)]
     for r in reqs:
         core.add(r)

@@ -1,5 +1,6 @@
-"""The engine view's fused Llama-family attention and rotary embedding (`rollout.kernels.fused_attention`), their kernels
-(`qk_norm_rope` in rollout/kernels/csrc/rms_norm.cpp, `small_linears` in small_gemm.cpp) and the gate / up projections in
+"""The engine view's fused Llama-family attention and rotary embedding (`rollout.kernels.fused_attention`), their
+kernels (`qk_norm_rope` in rollout/kernels/csrc/rms_norm.cpp, `small_linears` in small_gemm.cpp) and the gate / up
+projections in
 one call: each the class forward's bits, and only where the class forward is one the module was written against."""
 
 from __future__ import annotations

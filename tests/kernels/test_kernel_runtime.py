@@ -1,4 +1,5 @@
-"""How the C++ CPU kernels (rollout.kernels.cpu_kernels) run and load: torch's intra-op threads, the GIL, the build lock.
+"""How the C++ CPU kernels (rollout.kernels.cpu_kernels) run and load: torch's intra-op threads, the GIL, the build
+lock.
 
 - built with OpenMP, ATen's `parallel_for` inside the kernels runs on every thread torch may use;
 - a kernel call releases the GIL, so the caller's other Python threads keep running during it;
@@ -133,7 +134,8 @@ def test_a_cached_build_loads_without_the_lock(module, build_dir, monkeypatch):
 
 def test_a_held_lock_without_a_build_times_out_with_one_warning(build_dir, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernels, "BUILD_LOCK_TIMEOUT_S", 0.3)
-    monkeypatch.setattr(cpu_kernels, "compile_sources", lambda *a: pytest.fail("built while another process held the lock"))
+    monkeypatch.setattr(cpu_kernels, "compile_sources", lambda *a: pytest.fail("built while another process held the "
+                                                                               "lock"))
     fd = _hold_lock(build_dir)
     try:
         with caplog.at_level(logging.WARNING, logger="rollout"):

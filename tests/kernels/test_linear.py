@@ -95,7 +95,9 @@ def test_update_weights_drops_packed_copies_even_for_writes_through_data(monkeyp
     gc = GenerationConfig(do_sample=False, eos_token_id=None, max_new_tokens=6)
     prompts = random_prompts(3, 10, 30, seed=6)
     model, other = make_model("qwen3", seed=0), make_model("qwen3", seed=1)
-    with RolloutEngine(model, config=ContinuousBatchingConfig(page_size=16, num_blocks=64), generation_config=gc) as eng:
+    with RolloutEngine(
+        model, config=ContinuousBatchingConfig(page_size=16, num_blocks=64), generation_config=gc
+    ) as eng:
         assert eng.generate(prompts, temps=0.0).completion_ids.tolist() == [hf_greedy(model, p, 6) for p in prompts]
         for p, q in zip(model.parameters(), other.parameters(), strict=True):
             p.data.copy_(q.data)  # NOTE: no version bump: only update_weights tells the engine

@@ -1,5 +1,6 @@
-"""rollout's decode-step CPU kernels beside attention: the small-M linear (`rollout/kernels/csrc/small_gemm.cpp`, routed by
-`rollout.kernels.linear` up to `SMALL_ROWS` fp32 rows) and the one-call RMSNorm (`rollout/kernels/csrc/rms_norm.cpp`, put on the
+"""rollout's decode-step CPU kernels beside attention: the small-M linear (`rollout/kernels/csrc/small_gemm.cpp`, routed
+by `rollout.kernels.linear` up to `SMALL_ROWS` fp32 rows) and the one-call RMSNorm (`rollout/kernels/csrc/rms_norm.cpp`,
+put on the
 engine view by `rollout.fused_norm`)."""
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from rollout.model.engine_view import make_engine_view
 
 small = cpu_kernels.small_linear()
 rms = cpu_kernels.rms_norm()
-needs_small = pytest.mark.skipif(small is None, reason="rollout's CPU kernels unavailable here (no compiler or AVX-512)")
+needs_small = pytest.mark.skipif(
+    small is None, reason="rollout's CPU kernels unavailable here (no compiler or AVX-512)"
+)
 needs_rms = pytest.mark.skipif(rms is None, reason="rollout's CPU kernels unavailable here (no compiler)")
 
 
@@ -90,7 +93,11 @@ def test_the_view_runs_decode_rows_on_panels_and_prompt_chunks_on_onednn(monkeyp
     linear.use_onednn_linears(off, min_elements=0)
     with torch.inference_mode():
         off(torch.randn(2, 64))
-    assert linear.routed_copies(off).small is None and linear.routed_copies(off).panels is None and linear.routed_copies(off).packed is not None
+    assert (
+        linear.routed_copies(off).small is None
+        and linear.routed_copies(off).panels is None
+        and linear.routed_copies(off).packed is not None
+    )
 
 
 def test_llama_family_norms_are_recognised_by_their_forward_and_others_are_not():
@@ -135,7 +142,9 @@ def test_fused_norms_and_mlps_match_the_class_forward_and_leave_the_users_model_
     assert fused_layers.use_fused_layers(model) + use_fused_attention(model) == len(fused)
     with torch.inference_mode():
         torch.testing.assert_close(model(input_ids=ids).logits, plain(input_ids=ids).logits, rtol=1e-4, atol=1e-4)
-    assert fused_layers.drop_fused_layers(model) == len(fused) and not any("forward" in vars(m) for m in model.modules())
+    assert fused_layers.drop_fused_layers(model) == len(fused) and not any(
+        "forward" in vars(m) for m in model.modules()
+    )
 
 
 @needs_rms
@@ -158,7 +167,9 @@ def test_silu_mul_matches_torch_over_the_whole_float_range():
     got = cpu_kernels.silu_mul()(g, up)
     torch.testing.assert_close(got, F.silu(g) * up, rtol=2e-6, atol=1e-30)
     big = torch.randn(3, 70000)  # NOTE: above the one-thread size: split across the team
-    torch.testing.assert_close(cpu_kernels.silu_mul()(big, big.flip(0)), F.silu(big) * big.flip(0), rtol=2e-6, atol=1e-6)
+    torch.testing.assert_close(
+        cpu_kernels.silu_mul()(big, big.flip(0)), F.silu(big) * big.flip(0), rtol=2e-6, atol=1e-6
+    )
     with pytest.raises(RuntimeError, match="same shape"):
         cpu_kernels.silu_mul()(g, up[:-1])
 

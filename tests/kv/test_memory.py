@@ -41,7 +41,10 @@ def run(model, prompts: list[list[int]], max_new: list[int] | int, cfg: Continuo
     """Drive an `EngineCore` to completion; returns (generated tokens per prompt, cache_stats, core)."""
     core = EngineCore(model, GREEDY, cfg)
     news = [max_new] * len(prompts) if isinstance(max_new, int) else max_new
-    reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n) for i, (p, n) in enumerate(zip(prompts, news, strict=True))]
+    reqs = [
+        core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
+        for i, (p, n) in enumerate(zip(prompts, news, strict=True))
+    ]
     for r in reqs:
         core.add(r)
     while core.has_work():
@@ -129,7 +132,9 @@ def gemma_reference():
 
 def test_gemma2_hybrid_is_exact_and_its_sliding_group_recycles():
     model, prompts, ref = gemma_reference()
-    out, stats, core = run(model, prompts, 50, ContinuousBatchingConfig(page_size=PS, num_blocks=64, max_batch_tokens=48))
+    out, stats, core = run(
+        model, prompts, 50, ContinuousBatchingConfig(page_size=PS, num_blocks=64, max_batch_tokens=48)
+    )
     assert core.windows == [None, 16]
     assert out == ref
     assert stats["preemptions"] == 0

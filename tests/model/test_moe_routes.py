@@ -139,7 +139,9 @@ def test_offloaded_pages_park_their_routes_beside_their_kv():
         def discard(self, slots):
             self.free += slots
 
-    recorder = RouteRecorder(moe_routers(make_model("mixtral")), num_slots=4 * 16, page_size=16, device=torch.device("cpu"))
+    recorder = RouteRecorder(
+        moe_routers(make_model("mixtral")), num_slots=4 * 16, page_size=16, device=torch.device("cpu")
+    )
     try:
         recorder.pages.copy_(torch.arange(recorder.pages.numel()).view_as(recorder.pages) % 8)
         page1 = recorder.pages[16:32].clone()

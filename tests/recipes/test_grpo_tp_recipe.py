@@ -114,8 +114,8 @@ def test_grpo_recipe_tp2_checkpoint_resumes(tmp_path, keep_rng):
     grpo = load_recipe("grpo")
     grpo.main([*ARGS, "--output_dir", str(tmp_path / "tp1")])
     a, b = records(tmp_path / "tp1")[2], resumed[2]
-    print(f"step 3 after resume: reward tp1 {a['reward_mean']:.6f} tp2 {b['reward_mean']:.6f}; loss tp1 {a['loss']:.8f} "
-          f"tp2 {b['loss']:.8f}; grad_norm tp1 {a['grad_norm']:.6f} tp2 {b['grad_norm']:.6f}")
+    print(f"step 3 after resume: reward tp1 {a['reward_mean']:.6f} tp2 {b['reward_mean']:.6f}; loss tp1 "
+          f"{a['loss']:.8f} tp2 {b['loss']:.8f}; grad_norm tp1 {a['grad_norm']:.6f} tp2 {b['grad_norm']:.6f}")
     assert b["reward_mean"] == pytest.approx(a["reward_mean"], abs=1e-4)
     assert b["loss"] == pytest.approx(a["loss"], abs=1e-5)
     assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4)

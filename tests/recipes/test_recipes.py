@@ -223,7 +223,9 @@ def test_grpo_recipe_on_a_chat_model_and_a_gsm8k_file_resumes(tmp_path, keep_rng
     questions = {json.loads(line)["question"] for line in data.read_text().splitlines()}
     assert len(calls) == 2 and all(set(c["prompts"]) <= questions for c in calls)
     assert all(a.rstrip().split("####")[-1].strip().isdigit() for c in calls for a in c["answer"])
-    assert all(len(ids) <= 8 and r in ("stop", "length") for c in calls for ids, r in zip(c["ids"], c["reasons"], strict=True))
+    assert all(
+        len(ids) <= 8 and r in ("stop", "length") for c in calls for ids, r in zip(c["ids"], c["reasons"], strict=True)
+    )
     assert templated and templated[0] == [{"role": "user", "content": calls[0]["prompts"][0]}]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["reward_mean"] for r in records] == pytest.approx([sum(c["scores"]) / 4 for c in calls])
@@ -324,8 +326,19 @@ def test_distill_full_kl_loss_of_a_self_teacher_is_zero_and_of_another_positive(
     distill = load_recipe("distill")
     monkeypatch.setattr(distill, "EVAL_EVERY", 100)
     monkeypatch.setattr(distill, "HELDOUT", 4)
-    common = ["--student", tiny_checkpoint, "--steps", "1", "--prompts_per_step", "4", "--group_size", "2", "--lr", "1e-12",
-              "--no_grpo_baseline"]
+    common = [
+        "--student",
+        tiny_checkpoint,
+        "--steps",
+        "1",
+        "--prompts_per_step",
+        "4",
+        "--group_size",
+        "2",
+        "--lr",
+        "1e-12",
+        "--no_grpo_baseline",
+    ]
     distill.main(["--teacher", tiny_checkpoint, "--loss", "full_kl", "--output_dir", str(tmp_path / "self"), *common])
     record = json.loads((tmp_path / "self" / "distill" / "metrics.jsonl").read_text().splitlines()[0])
     assert abs(record["full_reverse_kl"]) < 1e-6

@@ -1,4 +1,5 @@
-"""The counter-based generator of seeded rows (`rollout.kernels.philox`, `rollout.sampling.seeding`, `seed_stream="counter"`).
+"""The counter-based generator of seeded rows (`rollout.kernels.philox`, `rollout.sampling.seeding`,
+`seed_stream="counter"`).
 
 Philox4x32-10 against Random123's published known-answer vectors; a row's noise a pure function of (seed, position,
 token), whatever the rows beside it; the sampler in counter mode still draws exactly from the distribution it
@@ -6,7 +7,8 @@ reports (chi-square, as `test_sampling_distribution`) and its seeded rows are ba
 seeded request's k-th token is the race over the model's own logits with the noise at position k (teacher forced,
 independently of the engine: a wrong counter offset fails it), the same alone, in a batch of 16, chunked, and
 preempted; the speculative joint law holds in counter mode too. The Triton kernel of the same words runs under
-`TRITON_INTERPRET=1` (`rollout.kernels.triton_sampling`): bit-exact words, noise within two fp32 ulps (the fp32 `log`s differ).
+`TRITON_INTERPRET=1` (`rollout.kernels.triton_sampling`): bit-exact words, noise within two fp32 ulps (the fp32 `log`s
+differ).
 """
 
 from __future__ import annotations

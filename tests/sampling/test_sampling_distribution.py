@@ -57,7 +57,9 @@ def test_sampler_draws_from_the_distribution_it_reports(sampling, mode):
     assert_follows(out.tokens, expected)
     reported = expected if mode == "processed" else torch.log_softmax(logits, -1)
     assert_reported(out.tokens, out.logprobs, reported)
-    assert (expected[torch.tensor(out.tokens)] - torch.log_softmax(logits, -1)[torch.tensor(out.tokens)]).abs().max() > 1e-2
+    assert (
+        expected[torch.tensor(out.tokens)] - torch.log_softmax(logits, -1)[torch.tensor(out.tokens)]
+    ).abs().max() > 1e-2
 
 
 def test_unseeded_rows_follow_the_distribution_too():

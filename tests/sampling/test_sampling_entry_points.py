@@ -17,10 +17,18 @@ from rollout.sampling.sampling_fields import GENERATION_FIELDS, NEUTRAL, REFUSED
 pytestmark = pytest.mark.timeout(600)
 CBC = ContinuousBatchingConfig(page_size=16, num_blocks=64)
 REFUSED_SETTINGS = [
-    dict(num_beams=2), dict(penalty_alpha=0.6, top_k=4), dict(num_return_sequences=2, do_sample=True), dict(force_words_ids=[[5]]),
-    dict(watermarking_config={"greenlist_ratio": 0.25}), dict(use_mtp=True), dict(typical_p=0.5),
-    dict(guidance_scale=2.0), dict(exponential_decay_length_penalty=(2, 1.5)), dict(dola_layers="low"),
-    dict(epsilon_cutoff=0.01), dict(diversity_penalty=0.5, num_beam_groups=2, num_beams=2),
+    dict(num_beams=2),
+    dict(penalty_alpha=0.6, top_k=4),
+    dict(num_return_sequences=2, do_sample=True),
+    dict(force_words_ids=[[5]]),
+    dict(watermarking_config={"greenlist_ratio": 0.25}),
+    dict(use_mtp=True),
+    dict(typical_p=0.5),
+    dict(guidance_scale=2.0),
+    dict(exponential_decay_length_penalty=(2, 1.5)),
+    dict(dola_layers="low"),
+    dict(epsilon_cutoff=0.01),
+    dict(diversity_penalty=0.5, num_beam_groups=2, num_beams=2),
 ]
 
 

@@ -114,6 +114,8 @@ def test_engine_generate_follows_the_seed_rule():
     config = ContinuousBatchingConfig(page_size=16, num_blocks=128)
     with RolloutEngine(model, config=config, generation_config=GC) as engine:
         call = engine.generate(prompts[:3], temps=1.5, group_size=3, seed=5)
-        split = [engine.generate([p], temps=1.5, group_size=3, seed=group_seed(5, i)) for i, p in enumerate(prompts[:3])]
+        split = [
+            engine.generate([p], temps=1.5, group_size=3, seed=group_seed(5, i)) for i, p in enumerate(prompts[:3])
+        ]
     assert call.completion_ids.tolist() == [row for b in split for row in b.completion_ids.tolist()]
     assert len({tuple(r) for r in call.completion_ids.tolist()}) == 9

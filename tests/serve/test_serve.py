@@ -124,7 +124,10 @@ def test_streaming_text_equals_non_streamed(server, client):
         full = client.completions.create(**kw)
         chunks = list(client.completions.create(stream=True, **kw))
         assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
-        assert sum((c.choices[0].model_dump()["token_ids"] for c in chunks), []) == full.choices[0].model_dump()["token_ids"]
+        assert (
+            sum((c.choices[0].model_dump()["token_ids"] for c in chunks), [])
+            == full.choices[0].model_dump()["token_ids"]
+        )
         assert chunks[-1].choices[0].finish_reason == full.choices[0].finish_reason
     base = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=40, **GREEDY).choices[0].text
     stop = base[len(base) // 2]

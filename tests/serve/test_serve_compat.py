@@ -1,7 +1,7 @@
 """What clients of `vllm serve` rely on, against `rollout serve` on 127.0.0.1: chat content as a list of parts
 (joined for a string template, passed as parts to a template that iterates them, a non-text part refused),
-`/tokenize` and `/detokenize`, vLLM's render routes, `/version`, `/ping`, `/v1/models` fields, `usage` on every streamed chunk with
-`continuous_usage_stats`, and `/metrics` open while `/v1/*` stays behind the key (guarded with the flag).
+`/tokenize` and `/detokenize`, vLLM's render routes, `/version`, `/ping`, `/v1/models` fields, `usage` on every streamed
+chunk with `continuous_usage_stats`, and `/metrics` open while `/v1/*` stays behind the key (guarded with the flag).
 
 Two servers for the module: `plain` (the string template of `support.serving`) and `parts` (`PARTS_TEMPLATE`,
 a tokenizer that adds <s>, and `metrics_require_api_key=True`)."""
@@ -146,7 +146,9 @@ def test_render_routes_give_the_generating_routes_prompt_ids_and_generate_nothin
         assert chat["token_ids"] == post(server, "/v1/chat/completions", {"messages": messages, **GREEDY}).json()[
             "prompt_token_ids"]
         assert server.engine.cache_stats()["generated_tokens"] == before + 2 * GREEDY["max_tokens"]
-        assert post(server, "/v1/completions/render", {"prompt": "a", "model": "nope"}).json()["error"]["param"] == "model"
+        assert (
+            post(server, "/v1/completions/render", {"prompt": "a", "model": "nope"}).json()["error"]["param"] == "model"
+        )
         assert post(server, "/v1/chat/completions/render", {"messages": messages}, key=None).status_code == 401
 
 

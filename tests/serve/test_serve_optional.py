@@ -21,8 +21,8 @@ def test_rollout_imports_and_serve_explains_without_fastapi(tmp_path):
         "except SystemExit as e:\n"
         "    print('EXIT', e)\n"
         "import pytest\n"
-        f"rc = pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', {str(REPO / 'tests' / 'serve' / 'test_serve.py')!r}])\n"
-        "print('PYTEST', int(rc))\n"
+        "rc = pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', "
+        f"{str(REPO / 'tests' / 'serve' / 'test_serve.py')!r}])\nprint('PYTEST', int(rc))\n"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")])}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=180,

@@ -153,7 +153,9 @@ def test_openai_client_drives_a_tool_using_conversation(tool_model):
                                                     temperature=0, max_tokens=80, extra_body={"return_token_ids": True})
             got = forced.choices[0]
             assert got.finish_reason == "tool_calls" and got.message.content is None, got
-            assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [("add", args)]
+            assert [(c.function.name, json.loads(c.function.arguments)) for c in got.message.tool_calls] == [
+                ("add", args)
+            ]
             opening_ids = tok(opening, add_special_tokens=False)["input_ids"]
             prompt_ids = forced.model_extra["prompt_token_ids"]
             assert prompt_ids[-len(opening_ids):] == opening_ids  # the forced text is the prompt's, not sampled

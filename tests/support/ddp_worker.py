@@ -131,7 +131,9 @@ def real_runs(accelerator: Accelerator, out: str) -> list[dict]:
             x, mask = whiten_inputs()
             n = x.shape[0] // accelerator.num_processes
             rows = slice(accelerator.process_index * n, (accelerator.process_index + 1) * n)
-            records.append({"algorithm": "whiten", "values": whiten(x[rows], mask[rows], all_sum=trainer.all_sum).tolist()})
+            records.append(
+                {"algorithm": "whiten", "values": whiten(x[rows], mask[rows], all_sum=trainer.all_sum).tolist()}
+            )
         trainer.close()
     return records
 

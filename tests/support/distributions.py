@@ -83,7 +83,9 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor, min_expected: f
         expected = torch.cat([expected[~small], expected[small].sum()[None]])
     stat = float(((counts - expected) ** 2 / expected).sum())
     df = counts.numel() - 1
-    p = float(torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64)))
+    p = float(
+        torch.special.gammaincc(torch.tensor(df / 2, dtype=torch.float64), torch.tensor(stat / 2, dtype=torch.float64))
+    )
     return stat, p
 
 

@@ -5,8 +5,8 @@ the same code path, so a CPU test can prove a step has none. Recorded: the ops t
 (`aten._local_scalar_dense`, behind `.item()`, `int(t)`, `float(t)`, `bool(t)` and so every Python branch on a
 tensor's value), data-dependent shapes (`nonzero`, `masked_select`, `unique`...), and the `Tensor` methods that
 read values (`tolist`, `numpy`, `item`, `nonzero`, `__bool__`, `__int__`, `__float__`, `__index__`: patched for
-the length of the context, since under inference mode the dispatch mode does not see them). Each entry names the read and the innermost rollout frame
-that made it, so a failure says where.
+the length of the context, since under inference mode the dispatch mode does not see them). Each entry names the read
+and the innermost rollout frame that made it, so a failure says where.
 """
 
 from __future__ import annotations

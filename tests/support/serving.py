@@ -15,8 +15,9 @@ from .tiny_models import VOCAB, make_model
 SPECIALS = ["<pad>", "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if tools %}<|im_start|>tools\n{% for t in tools %}{{ t['function']['name'] }}\n{% endfor %}<|im_end|>\n{% endif %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% if greeting is defined %}{{ greeting }}{% endif %}{% endif %}"
+    "{% if tools %}<|im_start|>tools\n{% for t in tools %}{{ t['function']['name'] }}\n{% endfor %}<|im_end|>\n{% "
+    "endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% if greeting is defined %}{{ greeting }}{% endif "
+    "%}{% endif %}"
 )
 
 

@@ -73,7 +73,9 @@ def grpo_trainer(path: Path, output_dir: Path, model=None):
 
 def full_state(model) -> dict[str, torch.Tensor]:
     """Every parameter whole (the shards of a TP model gathered: collective)."""
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def check_grpo(ckpt: Path, out_dir: Path, rank: int) -> dict:
@@ -195,7 +197,9 @@ def refusals(ckpt: Path, rank: int) -> dict:
     except ValueError as e:
         out["kv_heads"] = str(e)
     try:
-        AutoModelForCausalLM.from_pretrained(ckpt / "qwen3", device_map="cpu", distributed_config=DistributedConfig(tp_size=2))
+        AutoModelForCausalLM.from_pretrained(
+            ckpt / "qwen3", device_map="cpu", distributed_config=DistributedConfig(tp_size=2)
+        )
     except ValueError as e:
         out["device_map"] = str(e)
     try:  # NOTE: the ranks pass different page sizes

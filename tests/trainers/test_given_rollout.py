@@ -101,7 +101,9 @@ def test_ppo_takes_a_given_engine_too(tokenizer, dataset, tmp_path):
 
     cfg = dict(max_steps=2, prompts_per_step=8, group_size=2, max_new_tokens=6, learning_rate=1e-3, num_minibatches=2,
                value_clip=None, log_stdout=False, progress=False, engine_config=ENGINE)
-    with PPOTrainer(value_model(), tokenizer, digit_share, dataset, PPOConfig(output_dir=str(tmp_path / "own"), **cfg)) as own:
+    with PPOTrainer(
+        value_model(), tokenizer, digit_share, dataset, PPOConfig(output_dir=str(tmp_path / "own"), **cfg)
+    ) as own:
         own_history = own.train()
     model = value_model()
     engine = RolloutEngine(model.policy, tokenizer=tokenizer, config=ENGINE)

@@ -263,7 +263,9 @@ def test_trl_style_reward_functions_work_unchanged_in_grpo_trainer(tokenizer, tm
         return [float(c.isdigit()) for c in completions]
 
     def accuracy(completions, solution, **kwargs):  # "got multiple values" before
-        return [None if s is None else float(c == s) + 0.25 * len(c) for c, s in zip(completions, solution, strict=True)]
+        return [
+            None if s is None else float(c == s) + 0.25 * len(c) for c, s in zip(completions, solution, strict=True)
+        ]
 
     rows = [{"prompt": f"00{i}+00{i}=", "solution": None if i % 2 else str(2 * i)} for i in range(8)]
     trainer = small_trainer(tokenizer, rows, tmp_path, reward_funcs=[format_reward, accuracy], shuffle=False)

@@ -562,7 +562,10 @@ def test_group_advantages_leave_nan_rewards_out_and_give_them_zero():
     rewards = t([1.0, math.nan, 3.0, 0.0, 0.0, 1.0])
     adv = group_advantages(rewards, 3, scale="std", eps=0.0)
     # group 0: present [1, 3], mean 2, unbiased std sqrt(2); group 1: [0, 0, 1], mean 1/3, std 1/sqrt(3)
-    close(adv, [-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), -1 / 3 * math.sqrt(3), -1 / 3 * math.sqrt(3), 2 / 3 * math.sqrt(3)])
+    close(
+        adv,
+        [-1 / math.sqrt(2), 0.0, 1 / math.sqrt(2), -1 / 3 * math.sqrt(3), -1 / 3 * math.sqrt(3), 2 / 3 * math.sqrt(3)],
+    )
     close(group_advantages(rewards, 3, scale=None), [-1.0, 0.0, 1.0, -1 / 3, -1 / 3, 2 / 3])
     # a constant group with a NaN carries no signal for DAPO either
     assert nonconstant_group_mask(t([2.0, math.nan, 2.0, 0.0, 1.0, math.nan]), 3).tolist() == [False] * 3 + [True] * 3

@@ -112,7 +112,9 @@ def assert_update_is(delta, module, grads_of, tol=2e-5):
     [("grpo", "seq_mean_token_mean", 0.2, 0.2), ("dr_grpo", "seq_mean_token_sum_norm", 0.2, 0.2),
      ("dapo", "token_mean", 0.2, 0.28), ("grpo-tis-topk", "seq_mean_token_mean", 0.1, 0.3)],
 )
-def test_grpo_variants_with_kl_update_equals_the_hand_gradient(tokenizer, tmp_path, algorithm, agg, clip_low, clip_high):
+def test_grpo_variants_with_kl_update_equals_the_hand_gradient(
+    tokenizer, tmp_path, algorithm, agg, clip_low, clip_high
+):
     """The last case overrides both clips, samples with top-k 5 (the trainer scores the truncated
     distribution), weights tokens by TIS and leaves garbage in the padded reference logprobs."""
     beta = 0.5

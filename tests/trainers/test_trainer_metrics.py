@@ -37,7 +37,9 @@ def test_grpo_rollout_metrics_recomputed_from_the_batch(tmp_path):
 
     def reward(prompts, completions, **kwargs):
         # NOTE: prompts starting with an even digit score a constant 1: DAPO drops their groups
-        scores = [1.0 if int(p[0]) % 2 == 0 else s for p, s in zip(prompts, digit_share(prompts, completions), strict=True)]
+        scores = [
+            1.0 if int(p[0]) % 2 == 0 else s for p, s in zip(prompts, digit_share(prompts, completions), strict=True)
+        ]
         seen.extend(scores)
         return scores
 

@@ -18,8 +18,8 @@ backend). Backends (`BACKENDS`):
 
 This module is the registry: `select` (the backend for a config, a device and a model), `resolve`
 (`"auto"` alone), `attention_memory` and `create`. `"auto"` picks `cpu` on a CPU (`sdpa` when the kernel cannot
-build: `rollout.kernels.cpu_kernels` has warned once, saying why) and `flex` on CUDA (`flash` there once it is implemented); a
-model with attention sinks (gpt-oss) gets a backend that implements them.
+build: `rollout.kernels.cpu_kernels` has warned once, saying why) and `flex` on CUDA (`flash` there once it is
+implemented); a model with attention sinks (gpt-oss) gets a backend that implements them.
 """
 
 from __future__ import annotations

@@ -41,7 +41,8 @@ class StepInputs:
         self.starts = int_tensor(starts, device)  # [B]
         self.rows = int_tensor(rows, device)  # [B] page-table row of each request
         self.tables = tables  # group window -> [R, P] int32
-        # NOTE: group window -> [B, 3] int64 (logical page, source page, slots) of forks whose partial prompt page copies
+        # NOTE: group window -> [B, 3] int64 (logical page, source page, slots) of forks whose partial prompt page
+        # copies
         # slots of a page the fork holds a reference to (`Request.fork_alias`); None when no request is one
         self.aliases: dict[int | None, torch.Tensor] | None = None
         total = int(sum(lens))

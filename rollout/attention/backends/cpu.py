@@ -5,10 +5,10 @@ Decode rows (one query token each) are attended in place over the paged cache by
 the kernel): rows whose page tables name the same full pages (the G samples of a GRPO group forked from
 one prompt, prefix-cache hits) read those pages once per step as a group, merged by log-sum-exp with each
 row's own pages (equal to the per-row kernel up to float rounding), and so do the slots a group's forks copied
-from their leader's partial prompt page (`StepInputs.aliases`: read from the block they were copied from); prompt chunks take the `sdpa` backend's segments (this is `SdpaBackend` with the kernel
-set: its builder emits `PagedDecode` rows instead of decode buckets). The kernel is built once per
-machine (see rollout.kernels.cpu_kernels); when it cannot be, `"auto"` picks `sdpa` instead and an explicit
-`"cpu"` is a ValueError.
+from their leader's partial prompt page (`StepInputs.aliases`: read from the block they were copied from); prompt chunks
+take the `sdpa` backend's segments (this is `SdpaBackend` with the kernel set: its builder emits `PagedDecode` rows
+instead of decode buckets). The kernel is built once per machine (see rollout.kernels.cpu_kernels); when it cannot be,
+`"auto"` picks `sdpa` instead and an explicit `"cpu"` is a ValueError.
 """
 
 from __future__ import annotations

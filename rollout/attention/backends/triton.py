@@ -4,10 +4,10 @@ The GPU shape of the `cpu` backend: the same metadata (`rollout.attention.backen
 decode row's page-table row and [start, end) of positions, read in place over the paged cache), attended by
 `rollout.kernels.triton_decode.paged_decode_attention` instead of the C++ kernel, with gpt-oss's attention sinks;
 prompt chunks (prefill and chunked prefill) by `rollout.kernels.triton_prefill.paged_prefill_attention`, causal
-over the same pages (their own K/V written there first), instead of `sdpa`'s gathered segments. Runs on CUDA, and on a CPU under Triton's interpreter
-(`TRITON_INTERPRET=1` before triton is imported: the tests' exactness path, slow). Chosen by name only: `"auto"`
-never picks it. Needs the `triton` extra (`pip install 'rollout[triton]'`); without it `attn_backend='triton'` is a
-ValueError naming the extra.
+over the same pages (their own K/V written there first), instead of `sdpa`'s gathered segments. Runs on CUDA, and on a
+CPU under Triton's interpreter (`TRITON_INTERPRET=1` before triton is imported: the tests' exactness path, slow). Chosen
+by name only: `"auto"` never picks it. Needs the `triton` extra (`pip install 'rollout[triton]'`); without it
+`attn_backend='triton'` is a ValueError naming the extra.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def client_python(name: str, module: str) -> str:
     """The python of client `name`'s venv, or a skip naming how to make it."""
     python = os.environ.get(f"ROLLOUT_{name.upper()}_PYTHON") or str(REPO / f".venv-{name}" / "bin" / "python")
     if not Path(python).exists():
-        pytest.skip(f"{name}'s client venv is absent ({python}; .ci/run builds it, or set ROLLOUT_{name.upper()}_PYTHON)")
+        pytest.skip(f"{name}'s client venv is absent ({python}; .ci/run builds it, or set "
+                    f"ROLLOUT_{name.upper()}_PYTHON)")
     # NOTE: SkyRL's pydantic models need typing_extensions' TypedDict on Python 3.11 (its drivers patch it too)
     patch = "import typing, typing_extensions; typing.TypedDict = typing_extensions.TypedDict; "
     probe = subprocess.run([python, "-c", f"{patch}import {module}"], capture_output=True, text=True, timeout=120)
