@@ -97,7 +97,14 @@ class StepCost:
         """A plain step's time; the fit also relaxes toward the prior (`RELAX`), so that a fit spoilt by a few
         slow steps (a loaded box) lets the speculative steps be tried and measured again."""
         old = self.plain.get(rows)
-        self.plain[rows] = seconds if old is None else DECAY * old + (1 - DECAY) * seconds
+        # NOTE: noise only adds time (a step descheduled on a shared box, a cold first step): a faster step moves
+        # the estimate half way down, a slower one by a bounded step
+        if old is None:
+            self.plain[rows] = seconds
+        elif seconds < old:
+            self.plain[rows] = (old + seconds) / 2
+        else:
+            self.plain[rows] = DECAY * old + (1 - DECAY) * min(2 * old, seconds)
         self.sums = [(1 - RELAX) * v + RELAX * p for v, p in zip(self.sums, PRIOR_SUMS, strict=True)]
         self._fit()
 
@@ -105,7 +112,9 @@ class StepCost:
         base = self.plain_time(rows)
         if base is None:
             return
-        x, y = extra * self.share(rows), min(5.0, max(0.3, seconds / base))  # NOTE: one descheduled step
+        x = extra * self.share(rows)
+        guess = self.c0 + self.c1 * x  # NOTE: one descheduled step moves the fit by a bounded step
+        y = min(1.25 * guess, max(guess / 2, seconds / base))
         s = self.sums
         for i, v in enumerate((1.0, x, y, x * x, x * y)):
             s[i] = DECAY * s[i] + v

@@ -119,3 +119,17 @@ def test_a_spoilt_fit_relaxes_toward_the_prior():
     for _ in range(200):
         cost.observe_plain(4, 0.02)
     assert cost.plan(likely) == [4, 4, 4, 4]
+
+
+def test_a_descheduled_step_moves_the_estimates_by_a_bounded_step():
+    """Noise on a shared box only adds time: a 50x slower plain step moves the plain estimate by at most 10%, a
+    faster one halves the gap; a 50x slower verifying step moves the fit little."""
+    cost = StepCost(*prior(100_000_000, 4, "cpu", 2))
+    cost.observe_plain(4, 0.02)
+    cost.observe_plain(4, 1.0)
+    assert cost.plain_time(4) == pytest.approx(0.022)
+    cost.observe_plain(4, 0.01)
+    assert cost.plain_time(4) == pytest.approx(0.016)
+    c0, c1 = cost.c0, cost.c1
+    cost.observe_spec(4, 16, 0.8)
+    assert cost.c0 + cost.c1 * 16 * cost.share(4) < 1.3 * (c0 + c1 * 16 * cost.share(4))
