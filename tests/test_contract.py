@@ -177,3 +177,19 @@ def test_docs_sampling_table_is_the_field_list():
     rows = [line.split("|")[1].strip().strip("`") for line in text.splitlines()
             if line.startswith("| `") and line.count("|") == 4]
     assert rows == list(FIELDS), "docs/sampling.md's SamplingParams table differs from rollout.sampling_params.FIELDS"
+
+
+def test_the_servers_place_every_sampling_field():
+    """The one field list reaches the OpenAI wire: each `SamplingParams` field is on `SamplingRequest` under its
+    name, under vLLM's other name, or declared off the wire; a new field fails this until it is placed."""
+    pytest.importorskip("fastapi")
+    from rollout.sampling_params import FIELDS
+    from rollout.serve import bridge
+    from rollout.serve.protocol import CompletionRequest
+
+    placed = [*bridge.WIRE_FIELDS, *bridge.WIRE_RENAMED, *bridge.NOT_ON_THE_WIRE]
+    assert sorted(placed) == sorted(FIELDS), set(placed) ^ set(FIELDS)
+    assert set(bridge.WIRE_FIELDS) <= set(CompletionRequest.model_fields)
+    source = inspect.getsource(bridge.EngineBridge.sampling)
+    missing = [f for f in bridge.WIRE_FIELDS if f"{f}=" not in source and f != "prompt_logprobs"]
+    assert missing == [], f"EngineBridge.sampling does not pass {missing}"

@@ -25,6 +25,17 @@ from rollout.sampling_params import SamplingParams
 from rollout.serve.protocol import APIError
 
 
+# NOTE: every `SamplingParams` field (`rollout.sampling_params.FIELDS`) is in exactly one of these (a test keeps
+# it so: a new field fails it until it is placed): on the OpenAI wire under its own name (`SamplingRequest`), under
+# vLLM's other name, or not on the wire (transformers' processors; the engine's `generate` takes them)
+WIRE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop_token_ids",
+               "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
+               "return_sampling_mask", "prompt_logprobs")
+WIRE_RENAMED = {"logprobs": "logprobs / top_logprobs (top-k count)", "bad_words_ids": "bad_words (strings)"}
+NOT_ON_THE_WIRE = ("no_repeat_ngram_size", "min_length", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
+                   "forced_bos_token_id", "forced_eos_token_ids", "prompt_lookup_num_tokens", "max_matching_ngram_size")
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
     """One sample to run: its `SamplingParams` (checked by the protocol models and `SamplingParams` itself) and
