@@ -24,7 +24,6 @@ from rollout.sampling.seeding import group_seed, sample_seed
 from rollout.sampling_params import SamplingParams
 from rollout.serve.protocol import APIError
 
-
 # NOTE: every `SamplingParams` field (`rollout.sampling_params.FIELDS`) is in exactly one of these (a test keeps
 # it so: a new field fails it until it is placed): on the OpenAI wire under its own name (`SamplingRequest`), under
 # vLLM's other name, or not on the wire (transformers' processors; the engine's `generate` takes them)
