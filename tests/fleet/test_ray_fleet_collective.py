@@ -23,7 +23,7 @@ import time
 import pytest
 from support.tiny_models import hf_greedy, make_model
 
-from rollout import ContinuousBatchingConfig
+from rollout import ContinuousBatchingConfig, SamplingParams
 from rollout.fleet.weight_group import bucket_plan, learner_state, resolve_transfer
 
 pytestmark = pytest.mark.timeout(900)
@@ -106,7 +106,8 @@ def assert_every_engine_on(fleet, model, version: int) -> None:
     assert fleet.engine_versions() == [version] * fleet.num_engines
     expected = oracle(model)
     for k, actor in enumerate(fleet.actors):
-        outs = fleet.ray.get(actor.generate.remote(PROMPTS, [0.0] * 5, 1, None, 0, {"max_new_tokens": MAX_NEW}))
+        greedy = SamplingParams(temperature=0.0, max_tokens=MAX_NEW)
+        outs = fleet.ray.get(actor.generate.remote(PROMPTS, [greedy] * 5, 1, 0))
         assert [o.generated_tokens for o in outs] == expected, f"engine {k} is not on the new weights"
         assert all(set(o.versions) == {version} for o in outs)
 
