@@ -76,7 +76,7 @@ def engine_vs_trainer(trainer, tokenizer) -> float:
 
 
 def test_lora_grpo_trains_the_adapter_only_and_syncs_its_bytes(tokenizer, dataset, tmp_path, monkeypatch):
-    import rollout.api.engine as engine_module
+    import rollout.engine.core as engine_module  # NOTE: the core copies full weights (load_weights)
 
     def full_copy(*args, **kwargs):
         raise AssertionError("a LoRA sync took the full-weight path (copy_weights)")
@@ -182,9 +182,9 @@ def test_unknown_target_modules_fsdp_and_given_rollouts_are_refused(tokenizer, d
     with pytest.raises(ValueError, match="lora_rank does not run under FSDP"):
         lora_trainer(tokenizer, dataset, tmp_path, fsdp=True)
 
-    class RolloutPool:  # NOTE: the engine API, as the given-rollout check sees it
+    class RolloutPool:  # NOTE: a rollout.Rollout, as the given-rollout check sees it
         policy_version, pad_token_id = 0, 0
-        generate = update_weights = sleep = wake = close = staticmethod(lambda *a, **k: None)
+        generate = score = update_weights = sleep = wake = close = staticmethod(lambda *a, **k: None)
 
     with pytest.raises(ValueError, match="lora_rank with rollout=RolloutPool.*no adapter name"):
         GRPOTrainer(
@@ -198,7 +198,7 @@ def test_unknown_target_modules_fsdp_and_given_rollouts_are_refused(tokenizer, d
 
 
 def test_async_lora_engine_copy_gets_adapter_only_syncs(tokenizer, dataset, tmp_path, monkeypatch):
-    import rollout.api.engine as engine_module
+    import rollout.engine.core as engine_module  # NOTE: the core copies full weights (load_weights)
 
     def full_copy(*args, **kwargs):
         raise AssertionError("a LoRA sync took the full-weight path (copy_weights)")
