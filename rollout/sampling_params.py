@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # NOTE: (neutral value, what it does): the one table of the public fields; `None` neutral = stays None
@@ -262,10 +262,6 @@ def _check(name: str, value: Any) -> Any:
             raise ValueError(f"sequence_bias holds an empty sequence: {value!r}")
         return pairs
     raise AssertionError(name)
-
-
-def field_names() -> list[str]:
-    return [f.name for f in fields(SamplingParams) if f.name in FIELDS]
 
 
 # NOTE: the keywords of `generate` / `score` that name a `SamplingParams` field (keyword -> field)

@@ -29,7 +29,7 @@ from rollout.model.model_facts import eos_ids_of
 from rollout.prompts import check_token_ids
 from rollout.requests import RequestStatus
 from rollout.sampling.seeding import call_seeds
-from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
+from rollout.sampling_params import SamplingParams, per_prompt
 from rollout.weights.checkpoint import load_checkpoint
 from rollout.weights.lora_adapters import is_peft_model
 
@@ -227,11 +227,9 @@ class RolloutEngine(LoraMethods):
         (`return_routed_experts`: with `routed_experts` [N, P + T, L, k], prompt and completion tokens). `lora`: as
         `generate`'s, one adapter name or None per row."""
         self._check_open()
-        temps_given = temps is not None or isinstance(prompt_ids, RolloutBatch)
-        prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps,
-                                                          lambda p: self._encode(p, False), self._encode_completion)
-        explicit = temps_given or not sets_temperature(sampling)
-        per_row = per_prompt(sampling, len(prompts), temps=temps if explicit else None)
+        prompts, completions, per_row, width = score_inputs(prompt_ids, completion_ids, temps,
+                                                            lambda p: self._encode(p, False), self._encode_completion,
+                                                            sampling)
         first_of = None
         if prompt_logprobs:  # NOTE: the first row of each distinct prompt scores it; the others fork its KV
             seen: dict[tuple[int, ...], int] = {}

@@ -14,7 +14,7 @@ import torch
 
 from rollout.api.batch import RolloutBatch, pack_routes
 from rollout.requests import GenerationOutput
-from rollout.sampling_params import temperatures
+from rollout.sampling_params import per_prompt, sets_temperature
 
 
 @dataclass
@@ -78,11 +78,13 @@ def pack_scores(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence
     return batch.to(device)
 
 
-def score_inputs(prompt_ids, completion_ids, temps, encode_prompt, encode_completion):
-    """`score`'s rows: `(prompts, completions, temps, width)`, from a `RolloutBatch` (its rows, its temperatures
+def score_inputs(prompt_ids, completion_ids, temps, encode_prompt, encode_completion, sampling=None):
+    """`score`'s rows: `(prompts, completions, rows, width)`, from a `RolloutBatch` (its rows, its temperatures
     unless `temps` is given, `width` its completion width) or from lists of prompts and completions (encoded by
-    `encode_prompt` / `encode_completion`, `width` None); `temps` one per row, default 1.0. ValueError when the
-    completions are missing or their count is not the prompts'."""
+    `encode_prompt` / `encode_completion`, `width` None). `rows`: each row's `SamplingParams`, `sampling` (one, or
+    one per row) at `temps` (one, or one per row; default 1.0 unless `sampling` sets the temperature); setting the
+    temperature both ways is a ValueError. ValueError when the completions are missing or their count is not the
+    prompts'."""
     width = None
     if isinstance(prompt_ids, RolloutBatch):
         prompts, completion_ids = prompt_ids.rows()
@@ -95,4 +97,6 @@ def score_inputs(prompt_ids, completion_ids, temps, encode_prompt, encode_comple
     completions = [encode_completion(c) for c in completion_ids]
     if len(completions) != len(prompts):
         raise ValueError(f"completion_ids has {len(completions)} rows for {len(prompts)} prompts")
-    return prompts, completions, temperatures(1.0 if temps is None else temps, len(prompts)), width
+    if temps is None and not sets_temperature(sampling):
+        temps = 1.0
+    return prompts, completions, per_prompt(sampling, len(prompts), temps=temps), width

@@ -42,7 +42,7 @@ from rollout.fleet.sessions import SessionTable, check_session_ids
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode, check_remote_update
 from rollout.requests import GenerationOutput, RequestStatus
 from rollout.sampling.seeding import group_seed
-from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
+from rollout.sampling_params import SamplingParams, per_prompt
 from rollout.weights.broadcast import DEFAULT_BUCKET_BYTES, WeightBroadcaster
 
 logger = logging.getLogger("rollout.fleet.pool")
@@ -276,18 +276,13 @@ class RolloutPool:
         if top_logprobs or prompt_logprobs or return_routed_experts:
             raise ValueError("RolloutPool.score returns the completions' logprobs only: score on a RolloutEngine "
                              "for top_logprobs, prompt_logprobs or routed experts")
-        temps_given = temps is not None or isinstance(prompt_ids, RolloutBatch)
-        prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
-                                                          lambda c: [int(t) for t in c] if not isinstance(c, str)
-                                                          else self._encode_text(c))
-        each = per_prompt(sampling, len(prompts), temps=temps if temps_given or not sets_temperature(sampling)
-                          else None)
-        bodies = [{"prompt": p + c, "max_tokens": 0, "echo": True, "return_token_ids": True,
-                   **completion_fields(each[i], i), "logprobs": 0}
+        prompts, completions, each, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
+                                                         lambda c: [int(t) for t in c] if not isinstance(c, str)
+                                                         else self._encode_text(c), sampling)
+        # NOTE: a row's fields, then scoring's own: no seed (nothing is drawn), no new tokens, no top logprobs
+        bodies = [{**{k: v for k, v in completion_fields(each[i], i).items() if k != "seed"}, "prompt": p + c,
+                   "max_tokens": 0, "echo": True, "return_token_ids": True, "logprobs": 0}
                   for i, (p, c) in enumerate(zip(prompts, completions, strict=True))]
-        for body in bodies:
-            body.pop("seed", None)
-            body["max_tokens"] = 0
         futures = [self._workers.submit(self._group, i, b) for i, b in enumerate(bodies)]
         bound = self.max_attempts * (self.request_timeout_s + 2 * self.health_timeout_s) + 30
         outputs = []

@@ -46,7 +46,7 @@ from rollout.fleet.engine_worker import EngineWorker, WeightStore, to_payload, t
 from rollout.fleet.sessions import SessionTable, check_session_ids, place_sessions
 from rollout.fleet.shards import merge_scores
 from rollout.in_flight import UPDATE_DEFAULT, InFlight, check_mode
-from rollout.sampling_params import SamplingParams, per_prompt, sets_temperature
+from rollout.sampling_params import SamplingParams, per_prompt
 from rollout.weights.checkpoint import load_checkpoint
 
 logger = logging.getLogger("rollout.fleet")
@@ -243,18 +243,11 @@ class RolloutFleet:
         self._check_open()
         if return_routed_experts:
             raise ValueError("RolloutFleet.score does not return routed experts: score on a RolloutEngine")
-        given_temps = temps
-        prompts, completions, temps, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
-                                                          lambda c: self._encode(c, special=False))
-        rows = None if sampling is None or isinstance(sampling, SamplingParams) else list(sampling)
-        if rows is not None and len(rows) != len(prompts):
-            raise ValueError(f"sampling has {len(rows)} SamplingParams for {len(prompts)} rows")
+        prompts, completions, rows, width = score_inputs(prompt_ids, completion_ids, temps, self._encode,
+                                                         lambda c: self._encode(c, special=False), sampling)
 
-        def call(actor, start: int, end: int):
-            args = {"top_logprobs": top_logprobs, "prompt_logprobs": prompt_logprobs,
-                    "sampling": sampling if rows is None else rows[start:end]}
-            if given_temps is not None or isinstance(prompt_ids, RolloutBatch) or not sets_temperature(sampling):
-                args["temps"] = temps[start:end]
+        def call(actor, start: int, end: int):  # NOTE: each row's SamplingParams carries its temperature
+            args = {"top_logprobs": top_logprobs, "prompt_logprobs": prompt_logprobs, "sampling": rows[start:end]}
             return actor.score.remote(prompts[start:end], completions[start:end], args)
 
         parts = self._run(call, len(prompts), "row")
