@@ -261,7 +261,7 @@ ATTENTION_PATHS = {
     "sdpa": "torch SDPA over each request's gathered pages",
     "flex": "torch FlexAttention over the paged cache, compiled",
     "flash": "flash-attn with page tables",
-    "triton": "rollout's Triton paged decode kernel for decode rows, torch SDPA for prompt chunks",
+    "triton": "rollout's Triton paged decode and cascade kernels for decode rows, its varlen kernel for prompt chunks",
 }
 ANNOUNCED: set[str] = set()  # NOTE: the lines `announce` said in this process
 

@@ -10,8 +10,9 @@ head), starts from that state (from nothing for rows in no group) and goes on ov
 kernel's cascade, with the same numbers as `rollout.kernels.triton_decode` up to float rounding.
 
 Written without a GPU: exact under `TRITON_INTERPRET=1` against the C++ cascade kernel and fp64
-(`tests/kernels/test_triton_cascade.py`); NOT yet used by the `triton` backend (the plan is a host computation
-over the page tables: for the general path, not a CUDA graph's fixed shapes) nor run on a GPU.
+(`tests/kernels/test_triton_cascade.py`); the `triton` backend's decode rows run through it where its host plan
+(`rollout.attention.backends.triton.plan_cascades`, over the host page tables: the general step path, not a CUDA
+graph's fixed shapes) finds groups (`tests/attention/test_triton_backend.py`). Not yet run on a GPU.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ Skipped with the reason without triton.
 
 from __future__ import annotations
 
+import copy
 import sys
 
 import pytest
@@ -87,3 +88,80 @@ def test_without_triton_the_name_is_a_value_error_naming_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "rollout.kernels.triton_decode", None)  # NOTE: its import now fails
     with pytest.raises(ValueError, match=r"needs the triton extra .*pip install 'rollout\[triton\]'"):
         TritonBackend.create(torch.device("cpu"), torch.float32)
+
+
+def test_the_host_plan_is_the_cpp_kernels_plan():
+    """`plan_cascades` (the backend's host grouping) forms the C++ kernel's groups on the cascade tests' cases."""
+    from support.paged_cases import shared_case
+
+    from rollout.attention.backends.triton import plan_cascades
+    from rollout.kernels import cpu_kernels
+
+    plan = cpu_kernels.cascade_plan()
+    if plan is None:
+        pytest.skip("the C++ kernels (and their cascade plan) cannot be built here")
+    for ps, window, seed in [(16, None, 1), (4, 21, 2), (4, None, 3), (16, 40, 4), (8, None, 5)]:
+        table, row, start, end, _ = shared_case(ps, window, seed)
+        want = sorted((f, p, sorted(r)) for f, p, r, *_ in plan(table, row, start, end, ps))
+        got = plan_cascades([table[r].tolist() for r in row.tolist()], start.tolist(), end.tolist(), ps)
+        assert want and sorted((f, p, sorted(r)) for f, p, r in got) == want
+
+
+def _grpo(model, arch: str, cascade: bool):
+    """2 prompts x G=3 forked samples (each its own length) and a long unrelated prompt prefilled in chunks beside
+    their decodes, through the triton backend; (prompts, completions, raw logprobs, cascade groups' sizes per call,
+    steps that had both prompt chunks and cascade groups)."""
+    cfg = ContinuousBatchingConfig(page_size=PS, num_blocks=64, max_batch_tokens=BUDGET, return_logprobs=True,
+                                   logprobs_mode="raw", attn_backend="triton")
+    core = EngineCore(model, GREEDY, cfg)
+    calls, mixed = [], []
+    if cascade:
+        kernel, build = core.backend.cascade_kernel, core.backend.build_group
+
+        def counting(q, k, v, table, row, start, end, ps, scale, cap, out, groups, *args, **kwargs):
+            calls.append([len(g[2]) for g in groups])
+            return kernel(q, k, v, table, row, start, end, ps, scale, cap, out, groups, *args, **kwargs)
+
+        def building(*args):
+            g = build(*args)
+            mixed.append(getattr(g, "prefill", None) is not None and getattr(g, "cascade", None) is not None)
+            return g
+
+        core.backend.cascade_kernel, core.backend.build_group = counting, building
+    else:
+        core.backend.cascade_kernel = None  # NOTE: every decode row through the per-row kernel
+    prompts = random_prompts(2, 18, 22, seed=5) + random_prompts(1, 70, 70, seed=6)
+    reqs = [core.make_request(p, request_id=f"{i}-{j}", max_new_tokens=4 + j)
+            for i, p in enumerate(prompts[:2]) for j in range(3)]
+    for r in reqs:
+        core.add(r)
+    for _ in range(2):  # NOTE: the groups decode by now; the long prompt's chunks then run beside them
+        core.step()
+    reqs.append(core.make_request(prompts[2], request_id="long", max_new_tokens=2))
+    core.add(reqs[-1])
+    while core.has_work():
+        core.step()
+    return prompts, [r.generated for r in reqs], [r.logprobs for r in reqs], calls, any(mixed)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_grpo_groups_read_their_prompt_once_and_equal_the_per_row_kernel(kernel_module, arch):
+    """A GRPO group's forks share their prompt's full pages: the decode steps (also those beside another prompt's
+    chunks) go through the Triton cascade kernel with one group per prompt (counted on its arguments), and the
+    completions and logprobs equal the per-row kernel's (cascade off) and a teacher-forced pass in fp64 (gpt-oss:
+    fp32, with the sinks)."""
+    model = make_model(arch).to(device())
+    prompts, toks, lps, calls, mixed = _grpo(model, arch, cascade=True)
+    assert calls and max(len(c) for c in calls) == 2, f"each prompt's samples should form a group: {calls}"
+    assert max(max(c) for c in calls) == 3, f"the leader and its forks should form one group: {calls}"
+    assert mixed, f"no cascade group beside a prompt chunk: {calls}"
+    _, toks0, lps0, calls0, _ = _grpo(model, arch, cascade=False)
+    assert not calls0 and toks == toks0
+    for a, b in zip(lps, lps0, strict=True):
+        assert a == pytest.approx(b, abs=2e-6)
+    # NOTE: gpt-oss's experts run torch's grouped GEMM, which has no fp64: its reference is fp32
+    ref = copy.deepcopy(model).double() if arch != "gpt_oss" else model
+    owners = [p for p in prompts[:2] for _ in range(3)] + prompts[2:]
+    for p, t, lp in zip(owners, toks, lps, strict=True):
+        want = teacher_forced_logprobs(ref, p, t).tolist()
+        assert lp == pytest.approx(want, abs=5e-5)
