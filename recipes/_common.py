@@ -10,7 +10,9 @@ import json
 import math
 import os
 import shutil
+import signal
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -419,16 +421,60 @@ def output_dir_owner_problem(output_dir: str, record: dict, resuming: bool = Fal
             f"({_flag_diff(theirs['flags'], record['flags'])})")
 
 
+class Refusal(SystemExit):
+    """A recipe's refusal before any work: exit status 2, its message the one line `refuse` printed."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(2)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _accelerate_launcher(pid: int) -> bool:
+    """Whether process `pid` is `accelerate launch` (its `accelerate` script or `-m accelerate.commands.launch`)."""
+    import psutil  # NOTE: accelerate's own dependency
+
+    try:
+        argv = psutil.Process(pid).cmdline()
+    except (psutil.Error, OSError):
+        return False
+    script = [os.path.basename(a) for a in argv[:2]]
+    return ("accelerate" in script and "launch" in argv) or "accelerate-launch" in script or (
+        "accelerate.commands.launch" in argv)
+
+
+def refuse(message: str) -> Refusal:
+    """End the run with `message` as its one line on stderr (printed by rank 0) and exit status 2.
+
+    `accelerate launch` answers a child's non-zero exit with a traceback of its own (`CalledProcessError`, ~20
+    lines under the refusal; `-q` silences it), so under it the launcher is asked to stop first (SIGTERM, which
+    it handles by stopping its children and exiting 143 without a traceback): the refusal stays one line there
+    too (a multi-process launch adds torch's three warning lines as its agent stops the ranks). Every rank refuses
+    alike; rank 0 prints and signals, the others wait to be stopped with it (a rank's own non-zero exit first would
+    bring the traceback back). Raise what this returns (`raise refuse(...)`), so tests catch it as a SystemExit."""
+    rank, launcher = int(os.environ.get("RANK", "0")), os.getppid()
+    if rank == 0:
+        print(message, file=sys.stderr, flush=True)
+    if _accelerate_launcher(launcher):
+        if rank == 0:
+            os.kill(launcher, signal.SIGTERM)
+        else:
+            time.sleep(60)  # NOTE: the launcher stops this rank once rank 0 has signalled it
+    return Refusal(message)
+
+
 def claim_output_dir(accelerator: Accelerator, output_dir: str, record: dict, overwrite: bool = False,
                      resuming: bool = False) -> None:
-    """Refuse (SystemExit, one line) to write into another run's `output_dir` unless `overwrite`; else mark it as
+    """Refuse (`refuse`: one line) to write into another run's `output_dir` unless `overwrite`; else mark it as
     this run's (`RUN_FILE`). Rerunning the same command into its own directory redoes its results (the warm start
     in init/ is reused when its settings match); `--overwrite` replaces another run's, its `final/` first (a
     LoRA adapter's files left beside a full model's would make a third, broken checkpoint)."""
     problem = output_dir_owner_problem(output_dir, record, resuming)
     if problem and not overwrite:
-        raise SystemExit(f"{record['recipe']}: refusing to write into {output_dir}: {problem}. Choose another "
-                         "--output_dir, or pass --overwrite to replace those results.")
+        raise refuse(f"{record['recipe']}: refusing to write into {output_dir}: {problem}. Choose another "
+                     "--output_dir, or pass --overwrite to replace those results.")
     accelerator.wait_for_everyone()  # NOTE: every rank decided on the directory as it was
     if accelerator.is_main_process:
         os.makedirs(output_dir, exist_ok=True)

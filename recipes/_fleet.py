@@ -7,6 +7,8 @@ others), else one process starts a local cluster of `N x --engine_cpus` CPUs on 
 
 from __future__ import annotations
 
+from _common import refuse
+
 
 def add_fleet_args(p) -> None:
     p.add_argument("--rollout_engines", type=int, default=0,
@@ -21,8 +23,8 @@ def build_fleet(args, model_path: str, tokenizer, engine_config, accelerator):
     if not args.rollout_engines:
         return None
     if accelerator.num_processes > 1 and args.ray_address is None:
-        raise SystemExit("--rollout_engines with several learner processes needs --ray_address (one Ray cluster "
-                         "for all of them: start it with `ray start --head`)")
+        raise refuse("--rollout_engines with several learner processes needs --ray_address (one Ray cluster "
+                     "for all of them: start it with `ray start --head`)")
     from rollout.fleet import RolloutFleet
 
     resources = {"CPU": args.engine_cpus, **({"GPU": args.engine_gpus} if args.engine_gpus else {})}

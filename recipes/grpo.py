@@ -74,6 +74,7 @@ from _common import (
     make_accelerator,
     plot_rewards,
     read_metrics,
+    refuse,
     resolve_checkpoint,
     reward_span,
     run_engine_dtype,
@@ -163,7 +164,10 @@ def write_outputs(args, accelerator, policy, tokenizer, summary: dict, history: 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     accelerator = make_accelerator(bf16=args.bf16, report_to=args.report_to)
-    check_tp_args(args, accelerator)  # --tp_size: the launch and the flags it combines with
+    try:
+        check_tp_args(args, accelerator)  # --tp_size: the launch and the flags it combines with
+    except ValueError as error:
+        raise refuse(f"recipes/grpo.py: {error}") from None
     set_seed(args.seed)
     resume = resolve_checkpoint(args.output_dir, args.resume_from_checkpoint)
     fresh_output_dir(accelerator, args.output_dir, checkpoint_step(resume) if resume else None,
