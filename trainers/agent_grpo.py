@@ -131,7 +131,7 @@ class AgentGRPOTrainer(GRPOTrainer):
             "env_reward_mean": batch.rewards.float().mean().item(),
             # NOTE: each turn resubmits the whole context; this share of it came from the prefix cache
             "prefix_cached_fraction": cached / max(1, cached + computed),
-            "policy_version": float(batch.policy_version + self._version_base),
+            "policy_version": float(batch.policy_version + self.version_base),
             **speculation_metrics(spec, speculation_counts(self.engine)),  # NOTE: an engine that speculates
         }
         rewards = batch.rewards.to(acc.device).float()  # [N]

@@ -14,7 +14,7 @@ are treated exactly as in the synchronous trainer, so `max_staleness=0` (generat
 update) reproduces the synchronous update bit for bit.
 
 The producer starts with `train()` or, in a user's own loop, at the first `step()`, and stops at `close()` (or
-`config.max_steps`: a later `step()` is refused by name). With `rollout=` (`trainers.given_rollout`) it asks that
+`config.max_steps`: a later `step()` is refused by name). With `rollout=` (`trainers.engine_builder`) it asks that
 rollout (a `RolloutFleet` or `RolloutPool` generating in other processes) instead of a copy-engine of its own.
 
 Threads: `torch.set_num_threads` acts per calling thread for the OpenMP pool that torch's CPU kernels use
@@ -158,74 +158,96 @@ def stale_correction(data: dict[str, Tensor], version: int, max_staleness: int, 
     return metrics
 
 
-class AsyncRolloutMixin:
-    """Plugs `AsyncRollouts` into an `RLTrainer` when `config.async_rollout` (else a pass-through): the
-    engine on its own copy of the policy, batches from the producer, in-flight weight syncs, the
-    staleness correction before the update."""
+class SyncFeed:
+    """The feed part of a synchronous trainer: a step generates its own rollouts when it needs them (the engine
+    asleep during the update where the trainer sleeps it), and the update reaches the engine after the step.
+    `AsyncFeed` is the other choice. The trainer passes itself to each call.
 
-    def __init__(self, *args, **kwargs) -> None:
-        self.rollouts: AsyncRollouts | None = None
-        super().__init__(*args, **kwargs)
-        if self.config.async_rollout:
-            self.sleeps = False  # NOTE: the engine generates while the learner trains
+    Attributes: `producer`, the running `AsyncRollouts` (never one here); `overlaps`, whether the engine
+    generates while the learner trains (then it never sleeps)."""
 
-    def train(self) -> list[dict[str, float]]:
-        if not self.config.async_rollout:
-            return super().train()
-        if self.rollouts is None and self.step_count < self.config.max_steps:
-            self.start_rollouts()
-        try:
-            return super().train()
-        finally:
-            self.stop_rollouts()
+    producer: AsyncRollouts | None = None
+    overlaps = False
 
-    def step(self) -> dict[str, float]:
-        """One RL step; with `async_rollout`, the first one starts the producer (a user's own loop of `step()`
-        overlaps like `train()` does), which runs until `close()` or `config.max_steps`."""
-        if self.config.async_rollout:
-            if self.step_count >= self.config.max_steps:
-                raise ValueError(f"async_rollout generates the steps up to config.max_steps={self.config.max_steps}; "
-                                 f"step {self.step_count + 1} is past it: raise max_steps to train longer")
-            if self.rollouts is None:
-                self.start_rollouts()
-        return super().step()
+    def before_train(self, trainer) -> None:
+        """Called by `train()` before its first step."""
 
-    def start_rollouts(self) -> None:
-        """Start the producer for steps `step_count` .. `config.max_steps - 1`."""
-        if self.config.learner_threads is not None:
-            torch.set_num_threads(self.config.learner_threads)
-        self._engine_base = self.step_count - self.engine.policy_version
-        self.rollouts = AsyncRollouts(self, self.step_count, self.config.max_steps, self.step_count)
+    def before_step(self, trainer) -> None:
+        """Called by `step()` before it collects."""
 
-    def stop_rollouts(self) -> None:
-        if self.rollouts is not None:
-            self.rollouts.close()
-            self.rollouts = None
+    def stop(self) -> None:
+        """Called when `train()` ends and at `close()`."""
 
-    def close(self) -> None:
-        self.stop_rollouts()  # NOTE: before the engine closes under a running generate
-        super().close()
-
-    def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
-        if self.rollouts is None:
-            return super().generate(rows)
-        batch, metrics = self.rollouts.take(self.step_count)
-        done = batch.completion_mask.bool()  # [N, T]
-        batch.versions = torch.where(done, batch.versions + self._engine_base, 0)  # NOTE: in RL steps
-        metrics["policy_version"] = float(batch.versions[done].min()) if done.any() else float(self.step_count)
+    def generate(self, trainer, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
+        """The trainer's rollouts for `rows` at its current step, `policy_version` counted in RL steps."""
+        batch, metrics = trainer.sample_rollouts(rows, trainer.step_count, sleep=trainer.sleeps)
+        metrics["policy_version"] = float(batch.policy_version + trainer.version_base)  # NOTE: resumes too
         return batch, metrics
 
-    def optimize(self, data: dict[str, Tensor]) -> dict[str, float]:
-        if self.rollouts is None:
-            return super().optimize(data)
-        cfg = self.config
-        extra = stale_correction(data, self.step_count, cfg.max_staleness, cfg.stale_tis_cap, cfg.mask_stale)
-        return {**super().optimize(data), **extra}
+    def correct(self, trainer, data: dict[str, Tensor]) -> dict[str, float]:
+        """Adjust the update's tensors in place before the update; returns metrics (none here)."""
+        return {}
 
-    def sync_weights(self) -> float:
-        if self.rollouts is None:
-            return super().sync_weights()
-        start = time.perf_counter()
-        self.engine.update_weights(self.weight_source(), in_flight="keep")
-        self.rollouts.published(self.step_count + 1)  # NOTE: `step` counts this update after the sync
-        return time.perf_counter() - start
+    def sync(self, trainer) -> None:
+        """Hand the updated policy to the engine (a version bump and a prefix-cache flush when it shares the
+        trainer's tensors)."""
+        trainer.engine.update_weights(trainer.weight_source())  # NOTE: FSDP: full tensors a bucket at a time
+
+
+class AsyncFeed(SyncFeed):
+    """The feed part under `async_rollout` (module docstring): `AsyncRollouts` runs ahead from the first
+    `step()` (or `train()`) until `train()` ends or `close()`; batches come from it, each update reaches the
+    engine in flight, and the staleness correction runs before the update."""
+
+    overlaps = True
+
+    def __init__(self) -> None:
+        self.producer = None
+        self.engine_base = 0  # NOTE: RL steps minus engine versions when the producer started
+
+    def before_train(self, trainer) -> None:
+        if self.producer is None and trainer.step_count < trainer.config.max_steps:
+            self.start(trainer)
+
+    def before_step(self, trainer) -> None:
+        """The first step starts the producer (a user's own loop of `step()` overlaps like `train()` does); a step
+        past `config.max_steps` is refused (the producer generates up to it)."""
+        cfg = trainer.config
+        if trainer.step_count >= cfg.max_steps:
+            raise ValueError(f"async_rollout generates the steps up to config.max_steps={cfg.max_steps}; "
+                             f"step {trainer.step_count + 1} is past it: raise max_steps to train longer")
+        if self.producer is None:
+            self.start(trainer)
+
+    def start(self, trainer) -> None:
+        """Start the producer for steps `step_count` .. `config.max_steps - 1`."""
+        if trainer.config.learner_threads is not None:
+            torch.set_num_threads(trainer.config.learner_threads)
+        self.engine_base = trainer.step_count - trainer.engine.policy_version
+        self.producer = AsyncRollouts(trainer, trainer.step_count, trainer.config.max_steps, trainer.step_count)
+
+    def stop(self) -> None:
+        if self.producer is not None:
+            self.producer.close()
+            self.producer = None
+
+    def generate(self, trainer, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
+        if self.producer is None:
+            return super().generate(trainer, rows)
+        batch, metrics = self.producer.take(trainer.step_count)
+        done = batch.completion_mask.bool()  # [N, T]
+        batch.versions = torch.where(done, batch.versions + self.engine_base, 0)  # NOTE: in RL steps
+        metrics["policy_version"] = float(batch.versions[done].min()) if done.any() else float(trainer.step_count)
+        return batch, metrics
+
+    def correct(self, trainer, data: dict[str, Tensor]) -> dict[str, float]:
+        if self.producer is None:
+            return {}
+        cfg = trainer.config
+        return stale_correction(data, trainer.step_count, cfg.max_staleness, cfg.stale_tis_cap, cfg.mask_stale)
+
+    def sync(self, trainer) -> None:
+        if self.producer is None:
+            return super().sync(trainer)
+        trainer.engine.update_weights(trainer.weight_source(), in_flight="keep")
+        self.producer.published(trainer.step_count + 1)  # NOTE: `step` counts this update after the sync

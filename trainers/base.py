@@ -1,6 +1,10 @@
 """`RLTrainer`: the plumbing GRPO and PPO share (accelerate setup, one rollout engine per process,
 rollouts, the minibatch update loop, weight sync, metrics, checkpoints).
 
+What varies with the config is a part the trainer holds, chosen in `trainers.parts` (`adapter`, `layout`,
+`passes`, `routing`, `engine`, `ref_model` / `reference`, `feed`); the trainer calls its parts and
+inherits from nothing but `object`.
+
 A subclass supplies three things: `collect()` (rollout -> rewards -> advantages -> old logprobs,
 top to bottom), `loss(micro)` (a pure loss from `trainers.losses` on one micro-batch) and, for PPO,
 the trainable module. One RL step is `collect`, `optimize`, `sync_weights`, `log`.
@@ -37,19 +41,23 @@ from trainers.common import (
     rollout_seed,
     scored_logprobs,
 )
-from trainers.engine_builder import build_rollout, colocated_engine_config  # noqa: F401 (re-exported)
-from trainers.invariant import BatchInvariantMixin
-from trainers.lora import LoraMixin, lora_policy
+from trainers.engine_builder import build_rollout, check_given, colocated_engine_config  # noqa: F401 (re-exported)
 from trainers.losses import masked_mean, truncated_importance_weights
 from trainers.metrics import MetricsLogger
+from trainers.parts import (
+    choose_adapter,
+    choose_feed,
+    choose_layout,
+    choose_passes,
+    choose_reference,
+    reference_model,
+)
 from trainers.rewards import RewardFn, score_completions
 from trainers.rollouts import completion_id_lists, encode_prompt, speculation_counts, speculation_metrics
-from trainers.routing_replay import RoutingReplayMixin
-from trainers.sharding import ShardingMixin
-from trainers.tensor_parallel import TensorParallelMixin
+from trainers.routing_replay import RoutingReplay
 
 
-class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMixin, RoutingReplayMixin):
+class RLTrainer:
     """Shared base of `GRPOTrainer` and `PPOTrainer` (see their docstrings for the arguments)."""
 
     config: RLConfig
@@ -65,12 +73,16 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         ref_model: torch.nn.Module | None = None,
         accelerator: Accelerator | None = None,
         optimizer: torch.optim.Optimizer | None = None,
+        rollout: Rollout | None = None,
     ) -> None:
+        check_given(rollout)
+        self.given_rollout = rollout  # NOTE: None: the trainer builds its own engine (trainers.engine_builder)
         self.config, self.tokenizer = config, tokenizer
         self.accelerator = acc = accelerator or Accelerator(cpu=not torch.cuda.is_available())
         self.algorithm = get_algorithm(config.algorithm)
         self.reward_funcs = list(reward_funcs) if isinstance(reward_funcs, Sequence) else [reward_funcs]
-        module = self.trainable_module(lora_policy(model, config))  # NOTE: lora_rank: a PeftModel (trainers.lora)
+        self.adapter = choose_adapter(config)
+        module = self.trainable_module(self.adapter.wrap(model))  # NOTE: lora_rank: a PeftModel (trainers.lora)
         if config.disable_dropout:
             disable_dropout(module)
         optimizer = optimizer or torch.optim.AdamW(
@@ -89,15 +101,23 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
                 total_steps=config.max_steps,
             ),
         )
-        self.model, self.optimizer = self.prepare_model(module, optimizer)  # DDP-wrapped, or FSDP2-sharded
+        self.layout = choose_layout(self, self.policy_module(module))
+        # NOTE: DDP-wrapped, FSDP2-sharded, or as it is (TP)
+        self.model, self.optimizer = self.layout.prepare(module, optimizer, self.policy_module(module))
         acc.register_for_checkpointing(self.scheduler)
         self.policy = self.policy_module(acc.unwrap_model(self.model))  # the HF causal LM, unwrapped
-        self.engine = self.build_engine()
-        self.check_lora_engine(self.engine)
+        self.passes = choose_passes(config, acc, self.model)
+        self.routing = RoutingReplay(config.routing_replay)
+        self.feed = choose_feed(config)
+        self.engine = build_rollout(self)
+        self.adapter.check_engine(self.engine)
         self.sleeps = config.sleep_engine
         if self.sleeps is None:  # NOTE: colocated on one GPU: the update needs the cache's memory
             self.sleeps = self.engine.device.type == "cuda" and self.engine.device == acc.device
-        self.ref_model = self.build_reference(ref_model)
+        if self.feed.overlaps:  # NOTE: the engine generates while the learner trains
+            self.sleeps = False
+        self.ref_model = reference_model(self, ref_model)
+        self.reference = choose_reference(self)
         self.prompts = PromptSource(train_dataset, config.prompts_per_step, self.data_rank, self.data_world,
                                     config.seed, config.shuffle)
         self.metrics_logger = MetricsLogger(
@@ -109,7 +129,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
             desc=config.algorithm,
         )
         self.step_count = 0  # RL steps done
-        self._version_base = 0  # step count minus engine version (non-zero after a resume)
+        self.version_base = 0  # step count minus engine version (non-zero after a resume)
 
     # ----------------------------------------------------------------------------- hooks
     def trainable_module(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -133,46 +153,77 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
     def forward(self, model: torch.nn.Module, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         """Teacher-forced `(logits [n, T+1, V], values [n, T] or None)` of a micro-batch."""
         with self.routing.forcing(model, micro.get("routed_experts")):  # NOTE: routing replay, when on
-            return completion_forward(self.compute_model(model), micro).logits, None
+            return completion_forward(self.passes.model(model), micro).logits, None
 
     @property
     def truncation(self) -> dict[str, float | int | None]:
         """The engine's sampling filters, applied again wherever the trainer scores tokens."""
         return {"top_k": self.config.top_k, "top_p": self.config.top_p}
 
-    # ------------------------------------------------------------------------- building
-    def build_engine(self) -> Rollout:
-        """The run's `Rollout`: the one given (`rollout=`), or one engine per process for the whole run on the
-        trainer's own weights (zero-copy) or a copy (`trainers.engine_builder.build_rollout`)."""
-        return build_rollout(self)
+    # ---------------------------------------------------------------------- the layout's
+    @property
+    def data_rank(self) -> int:
+        """The data-parallel replica this process feeds (a TP group's ranks share one)."""
+        return self.layout.data_rank
 
-    def build_reference(self, ref_model: torch.nn.Module | None) -> torch.nn.Module | None:
-        """The frozen reference for KL: the one given, else a copy of the initial policy."""
-        if not self.uses_reference:
-            return None
-        if ref_model is None and self.lora:  # NOTE: the base, the adapter disabled in its pass: no second copy
-            return self.policy
-        ref = ref_model if ref_model is not None else self.reference_copy()  # NOTE: of the initial policy
-        if self.config.disable_dropout:
-            disable_dropout(ref)
-        ref = ref.to(self.accelerator.device).eval()
-        ref.requires_grad_(False)
-        return ref
+    @property
+    def data_world(self) -> int:
+        """How many data-parallel replicas the processes make."""
+        return self.layout.data_world
+
+    @property
+    def fsdp(self):
+        """The FSDP settings the policy is sharded with (`trainers.sharding`), None unsharded."""
+        return self.layout.fsdp
+
+    @property
+    def sync_stats(self):
+        """The last sharded sync's buckets, tensors and peak bucket bytes (`trainers.sharding.SyncStats`)."""
+        return self.layout.sync_stats
+
+    @property
+    def param_fraction(self) -> float:
+        """The share of the policy's parameters this rank holds (1.0 unsharded)."""
+        return self.layout.param_fraction
+
+    def unsharded_policy(self) -> torch.nn.Module:
+        """The policy with full tensors: the trainer's own, or under FSDP the engine's copy."""
+        return self.layout.unsharded_policy(self.policy)
+
+    def weight_source(self):
+        """What `engine.update_weights` copies from: the policy itself, or under FSDP its full tensors."""
+        return self.layout.weight_source(self.policy, given=self.given_rollout is not None)
+
+    def gather_policy(self) -> torch.nn.Module:
+        """The policy with its current weights as full tensors, for evaluation or `save_pretrained` between steps
+        (collective under FSDP or TP: every rank calls it)."""
+        return self.layout.gather_policy(self.policy)
+
+    @property
+    def rollouts(self):
+        """The `AsyncRollouts` producer of an `async_rollout` run while it runs (else None)."""
+        return self.feed.producer
 
     # --------------------------------------------------------------------------- the loop
     def train(self) -> list[dict[str, float]]:
         """Run steps until `config.max_steps`; returns every step's metrics."""
         history = []
-        self.metrics_logger.start(self.step_count)
-        while self.step_count < self.config.max_steps:
-            history.append(self.step())
-            if self.config.save_steps and self.step_count % self.config.save_steps == 0:
-                self.save_checkpoint()
-        self.metrics_logger.close()
+        self.feed.before_train(self)
+        try:
+            self.metrics_logger.start(self.step_count)
+            while self.step_count < self.config.max_steps:
+                history.append(self.step())
+                if self.config.save_steps and self.step_count % self.config.save_steps == 0:
+                    self.save_checkpoint()
+            self.metrics_logger.close()
+        finally:
+            self.feed.stop()  # NOTE: async: the producer ends with the run
         return history
 
     def step(self) -> dict[str, float]:
-        """One RL step: collect rollouts, update the policy, sync the engine, log."""
+        """One RL step: collect rollouts, update the policy, sync the engine, log. With `async_rollout` the first
+        step starts the producer (`trainers.async_rollout`)."""
+        self.feed.before_step(self)
         self.model.train()
         data, metrics = self.collect()
         start = time.perf_counter()
@@ -184,19 +235,18 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         if self.sleeps:
             self.engine.wake()
         metrics["sync_seconds"] = self.sync_weights()
-        metrics.update(self.lora_sync_metrics())
+        metrics.update(self.adapter.sync_metrics(self.policy))
         metrics["time_sync"] = time.perf_counter() - start  # NOTE: the wake and the sync
         self.step_count += 1
-        metrics = {"step": self.step_count, **self.reduce_rank_metrics(metrics)}
+        metrics = {"step": self.step_count, **self.layout.reduce_metrics(metrics)}
         metrics["trainer_param_fraction"] = self.param_fraction  # NOTE: the logging rank's own, not a mean
         self.metrics_logger.log(metrics)
         return metrics
 
     def generate(self, rows: list[dict]) -> tuple[RolloutBatch, dict[str, float]]:
-        """This rank's rollouts for its prompt shard: `group_size` seeded samples per prompt."""
-        batch, metrics = self.sample_rollouts(rows, self.step_count, sleep=self.sleeps)
-        metrics["policy_version"] = float(batch.policy_version + self._version_base)  # NOTE: in RL steps, resumes too
-        return batch, metrics
+        """This rank's rollouts for its prompt shard: `group_size` seeded samples per prompt (from the async
+        producer when one runs)."""
+        return self.feed.generate(self, rows)
 
     def sample_rollouts(
         self, rows: list[dict], step: int, sleep: bool = False
@@ -251,7 +301,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
 
     def reward_stats(self, rewards: Tensor) -> dict[str, float]:
         """Global `reward_mean` / `reward_std` over every rank's scored rows (one gather)."""
-        everyone = self.gather_replicas(rewards.to(self.accelerator.device)).float()  # [N x data-parallel ranks]
+        everyone = self.layout.gather_replicas(rewards.to(self.accelerator.device)).float()  # [N x data-parallel ranks]
         everyone = everyone[~everyone.isnan()]
         # NOTE: every rank gets the same global values, so the cross-rank mean leaves them as they are.
         return {
@@ -299,6 +349,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         """`num_iterations` epochs of `num_minibatches` optimizer steps, each accumulating
         `gradient_accumulation_steps` micro-batches; returns metrics averaged over optimizer steps."""
         cfg, acc = self.config, self.accelerator
+        extra = self.feed.correct(self, data)  # NOTE: async: the stale tokens' weights and masks
         # NOTE: accelerate's gradient state is process-global; set our count each time.
         acc.gradient_accumulation_steps = cfg.gradient_accumulation_steps
         denominator = AGG_DENOMINATORS[self.algorithm.agg]
@@ -324,7 +375,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
                         totals[key] += float(value) * share
                 totals["grad_norm"] += self.clip_and_step()
                 updates += 1
-        return {k: v / updates for k, v in totals.items()}
+        return {**{k: v / updates for k, v in totals.items()}, **extra}
 
     def global_mean(self, value: float) -> float:
         """`value` averaged over the ranks. A minibatch's loss divides by this mean of the ranks'
@@ -337,7 +388,7 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
 
     def clip_and_step(self) -> float:
         """Clip the all-reduced gradients, step, zero; returns the pre-clip grad norm."""
-        params = self.all_reduced([p for p in self.model.parameters() if p.requires_grad])
+        params = self.passes.all_reduced([p for p in self.model.parameters() if p.requires_grad])
         max_norm = self.config.max_grad_norm
         norm = self.accelerator.clip_grad_norm_(params, max_norm if max_norm is not None else float("inf"))
         self.optimizer.step()
@@ -345,10 +396,10 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         return float("nan") if norm is None else float(norm)  # NOTE: some backends report no norm
 
     def sync_weights(self) -> float:
-        """Hand the updated policy to the engine (a version bump and a prefix-cache flush when it
-        shares the trainer's tensors); returns the seconds it took."""
+        """Hand the updated policy to the engine (`feed.sync`: in flight under `async_rollout`); returns the
+        seconds it took."""
         start = time.perf_counter()
-        self.engine.update_weights(self.weight_source())  # NOTE: FSDP: full tensors a bucket at a time
+        self.feed.sync(self)
         return time.perf_counter() - start
 
     # ---------------------------------------------------------------------- checkpoints
@@ -356,8 +407,8 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         """`accelerator.save_state` (model, optimizer, scheduler, RNG) plus the step counter."""
         path = path or os.path.join(self.config.output_dir, f"checkpoint-{self.step_count}")
         self.accelerator.save_state(path)
-        self.save_shards(path)  # NOTE: FSDP: model and optimizer as sharded DCP
-        self.save_adapter(path)  # NOTE: LoRA: the adapter as PEFT saves it
+        self.layout.save_shards(self.model, self.optimizer, path)  # NOTE: FSDP, TP: model and optimizer as DCP
+        self.adapter.save(self.unsharded_policy(), path, self.accelerator.is_main_process)  # NOTE: LoRA's adapter
         if self.accelerator.is_main_process:
             with open(os.path.join(path, STATE_FILE), "w") as f:
                 json.dump({"step": self.step_count}, f)
@@ -371,16 +422,19 @@ class RLTrainer(LoraMixin, TensorParallelMixin, ShardingMixin, BatchInvariantMix
         """Restore a `save_checkpoint` directory and resync the engine; the next step is the saved
         step + 1 (prompt order and sampling seeds depend only on the step)."""
         self.accelerator.load_state(path)
-        self.load_shards(path)
+        self.layout.load_shards(self.model, self.optimizer, path)
         with open(os.path.join(path, STATE_FILE)) as f:
             self.step_count = int(json.load(f)["step"])
         self.sync_weights()
-        self._version_base = self.step_count - self.engine.policy_version
+        self.version_base = self.step_count - self.engine.policy_version
 
     def close(self) -> None:
-        """Stop the engine and close the progress bar."""
+        """Stop the async producer, the engine and the reference's engine; close the progress bar."""
+        self.feed.stop()  # NOTE: before the engine closes under a running generate
         self.metrics_logger.close()
         self.engine.close()
+        if self.reference is not None:
+            self.reference.close()
 
     def __enter__(self):
         return self

@@ -1,7 +1,18 @@
 """`build_rollout`: the one place a trainer gets its `Rollout`, whatever the run: a rollout the caller gave
 (`rollout=`: an engine, a `RolloutPool`, a `RolloutFleet`, a `RolloutClient`), or an engine of its own on the
 policy's weights (zero-copy), on a cast copy (`engine_dtype`), or on a copy refreshed by each sync (async GRPO,
-where the optimizer must not change the weights under a running generation)."""
+where the optimizer must not change the weights under a running generation).
+
+    fleet = RolloutFleet(checkpoint_dir, num_engines=2)        # or a RolloutEngine, or a RolloutPool
+    trainer = GRPOTrainer(model, tokenizer, reward, dataset, config, rollout=fleet)
+
+A given rollout is any `rollout.Rollout` (`generate`, `score`, `update_weights`, `close`, `policy_version`; the
+trainer hands it token ids, so one built without a tokenizer works too). It must start on the same weights as
+`model` (built from the checkpoint the model was loaded from, or on the model itself); each step's sync sends it
+the new weights. With `async_rollout=True` the trainer's producer thread asks it for step k+1 while the learner
+trains on step k (a fleet or a pool then generates in its own processes). The trainer closes it with itself, as it
+would its own engine.
+"""
 
 from __future__ import annotations
 
@@ -28,13 +39,14 @@ def check_given(rollout) -> None:
 
 
 def build_rollout(trainer) -> Rollout:
-    cfg, given = trainer.config, getattr(trainer, "given_rollout", None)
+    """The trainer's `Rollout` (module docstring); ValueError naming a setting a given rollout cannot run."""
+    cfg, given = trainer.config, trainer.given_rollout
     if given is not None:
         return _given(trainer, given)
     if cfg.engine_dtype is not None:  # NOTE: a cast copy; each sync copies and casts
         model = copy.deepcopy(trainer.unsharded_policy()).to(getattr(torch, cfg.engine_dtype)).eval()
         model.requires_grad_(False)
-    elif getattr(cfg, "async_rollout", False) and getattr(trainer, "fsdp", None) is None:
+    elif getattr(cfg, "async_rollout", False) and trainer.layout.fsdp is None:
         model = copy.deepcopy(trainer.policy).eval()  # NOTE: refreshed by each sync, never changed mid-generation
         model.requires_grad_(False)
     else:

@@ -26,12 +26,9 @@ from torch import Tensor
 
 from rollout import RolloutBatch
 from trainers.algorithms import get_algorithm, nonconstant_group_mask
-from trainers.async_rollout import AsyncRolloutMixin
 from trainers.base import RLTrainer
 from trainers.common import RLConfig, scored_logprobs
-from trainers.given_rollout import GivenRolloutMixin
 from trainers.losses import aggregate, clipped_policy_loss, kl_k3, masked_mean
-from trainers.reference import EngineReferenceMixin
 from trainers.rollouts import batch_tensors, merge_batches, take_rows
 
 
@@ -100,7 +97,7 @@ def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, factor: 
     return -factor * over / buffer
 
 
-class GRPOTrainer(EngineReferenceMixin, GivenRolloutMixin, AsyncRolloutMixin, RLTrainer):
+class GRPOTrainer(RLTrainer):
     """Group-relative policy optimisation with one rollout engine per process.
 
     Args:
@@ -117,7 +114,7 @@ class GRPOTrainer(EngineReferenceMixin, GivenRolloutMixin, AsyncRolloutMixin, RL
         accelerator: an `accelerate.Accelerator` (default: a new one, `cpu=True` without CUDA).
         optimizer: default AdamW over the model's trainable parameters.
         rollout: generate on this engine-like rollout (a `RolloutEngine`, `RolloutPool` or `RolloutFleet` on the
-            same initial weights; `trainers.given_rollout`) instead of an engine built here.
+            same initial weights; `trainers.engine_builder`) instead of an engine built here.
     Attributes:
         engine (`RolloutEngine`), model (prepared), policy (unwrapped), accelerator, step_count.
     """

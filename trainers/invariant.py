@@ -23,27 +23,48 @@ import torch
 from rollout.invariant.forward import InvariantForward
 
 
-class BatchInvariantMixin:
-    """For `RLTrainer`: `compute_model(model)` is the module its teacher-forced passes run."""
+class PlainPasses:
+    """The passes part of a trainer without `batch_invariant`: its teacher-forced passes run the model itself and
+    DDP averages the gradients. `InvariantPasses` is the other choice."""
 
-    def compute_model(self, model: torch.nn.Module):
-        """`model` itself, or under `batch_invariant` the invariant forward over the same parameters."""
-        return self.invariant_model if self.config.batch_invariant else model
+    def model(self, model: torch.nn.Module):
+        """The module a teacher-forced pass of `model` runs: `model`."""
+        return model
 
     def all_reduced(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-        """`params`, their gradients averaged over the processes when the mode's passes bypassed DDP."""
-        if not self.config.batch_invariant or self.accelerator.num_processes == 1:
+        """`params`, their gradients as the backward left them (DDP's all-reduce ran)."""
+        return params
+
+
+class InvariantPasses(PlainPasses):
+    """The passes part under `batch_invariant` (module docstring): every teacher-forced pass runs the invariant
+    forward over the policy's parameters (built on first use), gradients averaged here over the processes.
+
+    Args:
+        policy: the unwrapped trainable module (PPO's with its value head).
+        page_size: the engine's page size.
+        dtype: the engine's dtype (`engine_dtype`), None = the policy's.
+        world: the number of processes.
+    """
+
+    def __init__(self, policy: torch.nn.Module, page_size: int, dtype: torch.dtype | None, world: int) -> None:
+        self.policy, self.page_size, self.dtype, self.world = policy, page_size, dtype, world
+
+    def model(self, model: torch.nn.Module):
+        return self.invariant_model
+
+    def all_reduced(self, params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+        """`params`, their gradients averaged over the processes (the passes bypassed DDP)."""
+        if self.world == 1:
             return params
-        world = self.accelerator.num_processes
         for p in params:  # NOTE: a missing gradient counts as zeros, so every rank joins every collective
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             torch.distributed.all_reduce(p.grad)
-            p.grad.div_(world)
+            p.grad.div_(self.world)
         return params
 
     @functools.cached_property
     def invariant_model(self) -> InvariantForward:
-        cfg, acc = self.config, self.accelerator
-        dtype = getattr(torch, cfg.engine_dtype) if cfg.engine_dtype else None
-        return InvariantForward(acc.unwrap_model(self.model), cfg.engine_config.page_size, dtype)
+        return InvariantForward(self.policy, self.page_size, self.dtype)
+

@@ -126,27 +126,58 @@ def adapter_nbytes(policy: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for name, p in policy.named_parameters() if ".lora_" in name)
 
 
-class LoraMixin:
-    """For `RLTrainer`: the LoRA pieces of a step (with `config.lora_rank` None each is a no-op)."""
+class FullWeights:
+    """The adapter part of a trainer without LoRA (`lora_rank=None`): every weight trains, each step does nothing
+    more. `LoraAdapter` is the other choice."""
 
-    @property
-    def lora(self) -> bool:
-        return self.config.lora_rank is not None
+    enabled = False
 
-    def lora_sync_metrics(self) -> dict[str, float]:
-        """`sync_bytes`: the bytes the step's adapter-only sync copied (LoRA only)."""
-        return {"sync_bytes": float(adapter_nbytes(self.policy))} if self.lora else {}
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The module to train: `model` itself."""
+        return model
 
-    def check_lora_engine(self, engine) -> None:
+    def check_engine(self, engine) -> None:
+        """Nothing to check of the rollout engine."""
+
+    def sync_metrics(self, policy: torch.nn.Module) -> dict[str, float]:
+        """A step's extra sync metrics (none)."""
+        return {}
+
+    def save(self, policy: torch.nn.Module, path: str, main_process: bool) -> None:
+        """Nothing beside the checkpoint."""
+
+
+class LoraAdapter(FullWeights):
+    """The adapter part of a LoRA trainer (`lora_rank` set; module docstring): the policy wrapped with a fresh
+    adapter, the engine serving it unmerged, adapter-only syncs counted, the adapter saved in each checkpoint.
+
+    Args:
+        config: the trainer's config (`LoraFields`).
+    """
+
+    enabled = True
+
+    def __init__(self, config: LoraFields) -> None:
+        self.config = config
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` wrapped with PEFT (`lora_policy`)."""
+        return lora_policy(model, self.config)
+
+    def check_engine(self, engine) -> None:
         """The engine must serve the policy's adapter unmerged (else each sync would copy the whole model)."""
-        if self.lora and not engine.list_loras():
+        if not engine.list_loras():
             engine.close()
             raise ValueError(
                 "lora_rank: the rollout engine could not run the adapter unmerged (see the warning "
                 "above), so every sync would copy the whole model"
             )
 
-    def save_adapter(self, path: str) -> None:
-        """LoRA: the adapter in `path/adapter` (PEFT's `save_pretrained`), loadable by `RolloutEngine.add_lora`."""
-        if self.lora and self.accelerator.is_main_process:
-            self.unsharded_policy().save_pretrained(os.path.join(path, ADAPTER_DIR))
+    def sync_metrics(self, policy: torch.nn.Module) -> dict[str, float]:
+        """`sync_bytes`: the bytes the step's adapter-only sync copied."""
+        return {"sync_bytes": float(adapter_nbytes(policy))}
+
+    def save(self, policy: torch.nn.Module, path: str, main_process: bool) -> None:
+        """The adapter in `path/adapter` (PEFT's `save_pretrained`), loadable by `RolloutEngine.add_lora`."""
+        if main_process:
+            policy.save_pretrained(os.path.join(path, ADAPTER_DIR))

@@ -22,7 +22,6 @@ from torch import Tensor, nn
 
 from trainers.base import RLTrainer
 from trainers.common import RLConfig, completion_forward, scored_logprobs
-from trainers.given_rollout import GivenRolloutMixin
 from trainers.losses import (
     clipped_policy_loss,
     gae,
@@ -31,7 +30,6 @@ from trainers.losses import (
     masked_sum,
     value_loss,
 )
-from trainers.reference import EngineReferenceMixin
 from trainers.rollouts import batch_tensors
 
 
@@ -99,12 +97,12 @@ class PolicyWithValue(nn.Module):
         return out.logits, self.value_head(hidden).squeeze(-1).float()  # [N, K, V], [N, K]
 
 
-class PPOTrainer(EngineReferenceMixin, GivenRolloutMixin, RLTrainer):
+class PPOTrainer(RLTrainer):
     """PPO with a value head, one rollout engine per process.
 
     Args: as `GRPOTrainer`; `model` is a HF causal LM (wrapped here in a `PolicyWithValue`) or a
     `PolicyWithValue`; `ref_model` is used when `kl_coef > 0`; `rollout=` an engine-like rollout
-    (`trainers.given_rollout`). Attributes as `GRPOTrainer`, plus
+    (`trainers.engine_builder`). Attributes as `GRPOTrainer`, plus
     `value_model` (the unwrapped `PolicyWithValue`).
     """
 
@@ -130,7 +128,7 @@ class PPOTrainer(EngineReferenceMixin, GivenRolloutMixin, RLTrainer):
 
     def forward(self, model: nn.Module, micro: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         with self.routing.forcing(model, micro.get("routed_experts")):
-            logits, values = completion_forward(self.compute_model(model), micro)  # [n, T+1, V], [n, T+1]
+            logits, values = completion_forward(self.passes.model(model), micro)  # [n, T+1, V], [n, T+1]
         # NOTE: the value at the position that predicts token t is V(s_t), the state before it.
         return logits, values[:, :-1]
 

@@ -12,14 +12,12 @@ forward (`reference_logprobs`).
 
 from __future__ import annotations
 
-import functools
 import time
 
 import torch
 from torch import Tensor
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
-from trainers.base import colocated_engine_config
 from trainers.common import reference_logprobs
 
 
@@ -98,21 +96,3 @@ class AdapterDisabledReference:
     def close(self) -> None:
         pass
 
-
-class EngineReferenceMixin:
-    """For a trainer (`RLTrainer` subclass): `self.reference`, an `EngineReference` over `self.ref_model`
-    with the trainer's engine configuration, built on first use and closed with the trainer."""
-
-    @functools.cached_property
-    def reference(self) -> EngineReference | AdapterDisabledReference:
-        cfg = self.config
-        if self.ref_model is self.policy:  # NOTE: LoRA without a given ref_model (RLTrainer.build_reference)
-            return AdapterDisabledReference(self.policy)
-        device = next(self.ref_model.parameters()).device
-        config = colocated_engine_config(cfg.engine_config, cfg.engine_memory_fraction, device)
-        return EngineReference(self.ref_model, config, cfg.reference_engine)
-
-    def close(self) -> None:
-        super().close()
-        if "reference" in self.__dict__:
-            self.reference.close()

@@ -85,10 +85,3 @@ class RoutingReplay:
             self.counting = False
         metrics["routing_mismatch_fraction"] = self.mismatched / max(self.pairs, 1)
 
-
-class RoutingReplayMixin:
-    """For `RLTrainer`: `routing` is the trainer's `RoutingReplay` (enabled by `config.routing_replay`)."""
-
-    @functools.cached_property
-    def routing(self) -> RoutingReplay:
-        return RoutingReplay(self.config.routing_replay)

@@ -26,6 +26,8 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from trainers.common import reduce_metrics
+
 LAYER_NAME = re.compile(r"^(.*\.layers\.\d+)\.")  # NOTE: the bucket key of a decoder layer's tensors
 
 
@@ -170,28 +172,76 @@ def remap_optimizer(optimizer: torch.optim.Optimizer, before: dict[int, str], mo
         group["params"] = [after[before[id(p)]] for p in group["params"]]
 
 
-class ShardingMixin:
-    """For `RLTrainer`: FSDP2 when `config.fsdp` says so (see the module docstring), else a pass-through.
+class Replicated:
+    """The layout of an unsharded policy: one whole copy per process, `accelerator.prepare`d (DDP over several
+    processes, the module itself in one). The base of the other layouts (`FullyShardedLayout`,
+    `trainers.tensor_parallel.TensorParallelLayout`): each method says what a trainer does with the layout's
+    policy, given the trainer's own `policy` (the unwrapped causal LM), `model` and `optimizer`.
 
-    `prepare_model(module, optimizer)` is `accelerator.prepare` unsharded; sharded, it keeps a full copy of the
-    policy (`unsharded_policy()`, the engine's model), shards `module` in place and remaps the optimizer.
-    `weight_source()` is what a sync hands the engine; `param_fraction`, `sync_stats` are logged."""
+    Attributes: `fsdp` (the FSDP settings, None unsharded), `tp_size`, `data_rank` / `data_world` (the
+    data-parallel replica this process feeds, of how many), `param_fraction` (the share of the parameters held
+    here, logged), `sync_stats` (the last sharded sync's `SyncStats`)."""
 
     fsdp: FSDPSettings | None = None
-    full_policy: torch.nn.Module | None = None
+    tp_size: int = 1
     param_fraction: float = 1.0
 
-    def prepare_model(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        acc, cfg = self.accelerator, self.config
-        self.fsdp = fsdp_settings(cfg.fsdp, acc)
+    def __init__(self, accelerator) -> None:
+        self.accelerator = accelerator
+        self.data_rank, self.data_world = accelerator.process_index, max(1, accelerator.num_processes)
         self.sync_stats = SyncStats()
-        if self.fsdp is None:
-            return acc.prepare(module, optimizer)
-        if cfg.batch_invariant:
-            raise ValueError("batch_invariant does not run on FSDP-sharded parameters: use DDP (fsdp=False)")
-        if cfg.lora_rank is not None:  # NOTE: the engine's full copy would be a second base, each sync every tensor
-            raise ValueError("lora_rank does not run under FSDP yet: use DDP (fsdp=False) for LoRA")
-        policy = self.policy_module(module)
+
+    def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: torch.nn.Module):
+        """`(model, optimizer)` to train: `module` (whose causal LM is `policy`) laid out over the processes."""
+        return self.accelerator.prepare(module, optimizer)
+
+    def unsharded_policy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The policy with full tensors (the engine's model): the trainer's own."""
+        return policy
+
+    def weight_source(self, policy: torch.nn.Module, given: bool):
+        """What `engine.update_weights` copies from (`given`: the rollout is the caller's, `rollout=`)."""
+        return policy
+
+    def gather_policy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The policy with its current weights as full tensors (collective where the layout shards)."""
+        return self.unsharded_policy(policy)
+
+    def reference_copy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The KL reference's initial weights: a deep copy of the policy's full tensors."""
+        return copy.deepcopy(self.unsharded_policy(policy))
+
+    def save_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """What `accelerator.save_state` cannot save of a sharded model and optimizer (nothing here)."""
+
+    def load_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """`save_shards`' counterpart."""
+
+    def gather_replicas(self, rows: Tensor) -> Tensor:
+        """`accelerator.gather(rows)`: every data-parallel replica's rows, `[n x data_world]`."""
+        return self.accelerator.gather(rows)
+
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+        """`trainers.common.reduce_metrics` over the processes."""
+        return reduce_metrics(self.accelerator, metrics)
+
+
+class FullyShardedLayout(Replicated):
+    """FSDP2 (see the module docstring): `prepare` keeps a full copy of the policy (`full_policy`, the engine's
+    model), shards the module in place and remaps the optimizer; each sync streams full tensors bucket by bucket.
+
+    Args:
+        accelerator: the trainer's.
+        settings: `fsdp_settings`' answer.
+    """
+
+    def __init__(self, accelerator, settings: FSDPSettings) -> None:
+        super().__init__(accelerator)
+        self.fsdp = settings
+        self.full_policy: torch.nn.Module | None = None
+
+    def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: torch.nn.Module):
+        acc = self.accelerator
         if acc.num_processes > 1:
             broadcast_module(module.to(acc.device))  # NOTE: as DDP: every rank starts from rank 0's weights
         self.full_policy = copy.deepcopy(policy).to(acc.device).eval()  # NOTE: the engine's, before sharding
@@ -202,39 +252,39 @@ class ShardingMixin:
         self.param_fraction = param_fraction(policy)
         return module, optimizer  # NOTE: not prepared: accelerate would wrap a CPU rank's module in DDP
 
-    def unsharded_policy(self) -> torch.nn.Module:
-        """The policy with full tensors: the trainer's own, or under FSDP the engine's copy."""
-        return self.policy if self.fsdp is None else self.full_policy
+    def unsharded_policy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        return self.full_policy
 
-    def weight_source(self):
-        """What `engine.update_weights` copies from: the policy itself, or its full tensors bucket by bucket; for a
-        given rollout (a fleet, a pool: `rollout=`) every bucket gathered first, then handed over whole, so no
-        gather interleaves with the sends."""
-        if self.fsdp is None:
-            return self.policy
-        stream = full_tensor_stream(self.policy, self.sync_stats)
-        return stream if getattr(self, "given_rollout", None) is None else dict(stream)
+    def weight_source(self, policy: torch.nn.Module, given: bool):
+        """Full tensors bucket by bucket; for a given rollout (a fleet, a pool: `rollout=`) every bucket gathered
+        first, then handed over whole, so no gather interleaves with the sends."""
+        stream = full_tensor_stream(policy, self.sync_stats)
+        return dict(stream) if given else stream
 
-    def gather_policy(self) -> torch.nn.Module:
-        """The policy with its current weights as full tensors, for evaluation or `save_pretrained` between steps:
-        the trainer's own module, or under FSDP the full copy refreshed from the shards (collective: every rank
-        calls it; afterwards `unsharded_policy()` is that module)."""
-        if self.fsdp is not None:
-            targets = dict(self.full_policy.named_parameters())
-            with torch.no_grad():
-                for name, tensor in full_tensor_stream(self.policy, SyncStats()):
-                    targets[name].copy_(tensor)
-        return self.unsharded_policy()
+    def gather_policy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """The full copy refreshed from the shards (collective: every rank calls it); afterwards
+        `unsharded_policy` is that module."""
+        targets = dict(self.full_policy.named_parameters())
+        with torch.no_grad():
+            for name, tensor in full_tensor_stream(policy, SyncStats()):
+                targets[name].copy_(tensor)
+        return self.full_policy
 
-    def save_shards(self, path: str) -> None:
-        """Sharded: the model and optimizer as one DCP checkpoint (`path/fsdp`, each rank its shards)."""
-        if self.fsdp is not None:
-            from trainers.checkpoints import save_sharded
+    def save_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """The model and optimizer as one DCP checkpoint (`path/fsdp`, each rank its shards)."""
+        from trainers.checkpoints import save_sharded
 
-            save_sharded(self.model, self.optimizer, path)
+        save_sharded(model, optimizer, path)
 
-    def load_shards(self, path: str) -> None:
-        if self.fsdp is not None:
-            from trainers.checkpoints import load_sharded
+    def load_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        from trainers.checkpoints import load_sharded
 
-            load_sharded(self.model, self.optimizer, path)
+        load_sharded(model, optimizer, path)
+
+
+def check_fsdp_trainer(config) -> None:
+    """ValueError naming the setting that does not run on an FSDP-sharded policy."""
+    if config.batch_invariant:
+        raise ValueError("batch_invariant does not run on FSDP-sharded parameters: use DDP (fsdp=False)")
+    if config.lora_rank is not None:  # NOTE: the engine's full copy would be a second base, each sync every tensor
+        raise ValueError("lora_rank does not run under FSDP yet: use DDP (fsdp=False) for LoRA")

@@ -28,9 +28,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rollout.engine.tp import tp_size_of
-from trainers.common import reduce_metrics
-from trainers.sharding import fsdp_settings, param_fraction
+from trainers.sharding import Replicated, fsdp_settings, param_fraction
 
 TP_DIR = "tp"  # NOTE: a TP policy's DCP checkpoint inside checkpoint-N/ (trainers.checkpoints)
 # NOTE: RLConfig fields (name -> the value that means "off") that do not run on a TP policy yet, with the reason
@@ -63,70 +61,65 @@ def check_tp_trainer(trainer, tp: int) -> None:
             raise ValueError(f"{name}={value!r} does not run on a tensor-parallel policy (tp_size={tp}) yet: {why}")
 
 
-class TensorParallelMixin:
-    """For `RLTrainer`: the TP layout (module docstring); with tp_size 1 everything is as before."""
+class TensorParallelLayout(Replicated):
+    """The layout of a policy loaded with `tp_size > 1` (module docstring): one data-parallel replica over the TP
+    ranks. With one process (an `Accelerator` that sees one) the module is prepared as before.
 
-    tp_size: int = 1
-    data_rank: int = 0
-    data_world: int = 1
+    Args:
+        accelerator: the trainer's.
+        tp: the policy's tensor-parallel size.
+    """
 
-    def prepare_model(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer):
-        acc = self.accelerator
-        self.tp_size = tp = tp_size_of(self.policy_module(module))
-        self.data_rank, self.data_world = acc.process_index // tp, max(1, acc.num_processes // tp)
-        if tp > 1:
-            check_tp_trainer(self, tp)
-        if tp == 1 or acc.num_processes == 1:  # NOTE: one process per TP group: prepare is a pass-through
-            return super().prepare_model(module, optimizer)
-        self.param_fraction = param_fraction(self.policy_module(module))
+    def __init__(self, accelerator, tp: int) -> None:
+        super().__init__(accelerator)
+        self.tp_size = tp
+        self.data_rank, self.data_world = accelerator.process_index // tp, max(1, accelerator.num_processes // tp)
+        self.spans_ranks = accelerator.num_processes > 1  # NOTE: one process per TP group: as `Replicated`
+
+    def prepare(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, policy: torch.nn.Module):
+        if not self.spans_ranks:
+            return super().prepare(module, optimizer, policy)
+        self.param_fraction = param_fraction(policy)
         # NOTE: not prepared: the model would be DDP-wrapped over the TP ranks; checkpoints save both as DCP
         return module, optimizer
 
-    def save_shards(self, path: str) -> None:
-        """Under TP: the model's and the optimizer's shards as one DCP checkpoint in `path/tp` (each rank its own)."""
-        if self.tp_size > 1 and self.accelerator.num_processes > 1:
+    def save_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        """The model's and the optimizer's shards as one DCP checkpoint in `path/tp` (each rank its own)."""
+        if self.spans_ranks:
             from trainers.checkpoints import save_sharded
 
-            return save_sharded(self.model, self.optimizer, path, folder=TP_DIR)
-        return super().save_shards(path)
+            save_sharded(model, optimizer, path, folder=TP_DIR)
 
-    def load_shards(self, path: str) -> None:
-        if self.tp_size > 1 and self.accelerator.num_processes > 1:
+    def load_shards(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: str) -> None:
+        if self.spans_ranks:
             from trainers.checkpoints import load_sharded
 
-            return load_sharded(self.model, self.optimizer, path, folder=TP_DIR)
-        return super().load_shards(path)
+            load_sharded(model, optimizer, path, folder=TP_DIR)
 
-    def reference_copy(self) -> torch.nn.Module:
-        """The KL reference's initial weights: a deep copy of the policy, or under TP an unsharded copy on every rank
-        (a TP model does not deep-copy; the reference scores the same rows on every rank through its own engine)."""
-        if self.tp_size > 1:
-            return unsharded_copy(self.policy)
-        import copy
+    def reference_copy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """An unsharded copy on every rank (a TP model does not deep-copy; the reference scores the same rows on
+        every rank through its own engine)."""
+        return unsharded_copy(policy)
 
-        return copy.deepcopy(self.unsharded_policy())
+    def gather_policy(self, policy: torch.nn.Module) -> torch.nn.Module:
+        """An unsharded copy of the policy with its current weights (collective: every rank calls it), for
+        evaluation or `save_pretrained` on one rank (its config without the `distributed_config`, so it loads
+        back as a plain model)."""
+        return unsharded_copy(policy)
 
     def gather_replicas(self, rows: Tensor) -> Tensor:
         """`accelerator.gather(rows)` with each TP group's rows once (its rank 0's): `[n x data_world]`."""
         everyone = self.accelerator.gather(rows)
-        if self.tp_size == 1 or self.accelerator.num_processes == 1:
+        if not self.spans_ranks:
             return everyone
         return everyone.view(self.accelerator.num_processes, *rows.shape)[:: self.tp_size].flatten(0, 1)
 
-    def reduce_rank_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
+    def reduce_metrics(self, metrics: dict[str, float]) -> dict[str, float]:
         """`trainers.common.reduce_metrics`, with the summed throughputs of a TP group counted once."""
-        out = reduce_metrics(self.accelerator, metrics)
-        if self.tp_size > 1 and self.accelerator.num_processes > 1:
+        out = super().reduce_metrics(metrics)
+        if self.spans_ranks:
             out = {k: v / self.tp_size if k.endswith("_per_s") else v for k, v in out.items()}
         return out
-
-    def gather_policy(self) -> torch.nn.Module:
-        """Under TP (collective: every rank calls it): an unsharded copy of the policy with its current weights,
-        for evaluation or `save_pretrained` on one rank (its config without the `distributed_config`, so it loads
-        back as a plain model); else as before."""
-        if self.tp_size == 1:
-            return super().gather_policy()
-        return unsharded_copy(self.policy)
 
 
 def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
