@@ -122,6 +122,7 @@ class ModelRunner:
         persistent = {window: self.device_page_tables.group(g) for g, window in enumerate(self.windows)}
         step = StepInputs(starts, lens, rows, persistent, dev)
         step.aliases = self._fork_aliases(requests)
+        step.verify = drafts is not None
         groups = [self.backend.build_group(window, tables[g], step, self.page_size)
                   for g, window in enumerate(self.windows)]
         kwargs = {

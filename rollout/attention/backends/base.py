@@ -45,6 +45,9 @@ class StepInputs:
         # copies
         # slots of a page the fork holds a reference to (`Request.fork_alias`); None when no request is one
         self.aliases: dict[int | None, torch.Tensor] | None = None
+        # NOTE: a speculative step's verification (each row its last token and its draft, `ModelRunner.prepare`):
+        # a backend may attend every token as a decode query of its own, reading keys up to its own position
+        self.verify = False
         total = int(sum(lens))
         self.decode_only = total == len(lens)
         if self.decode_only:  # NOTE: a pure decode step (one token per request): no ragged indexing

@@ -24,6 +24,10 @@ from rollout.kernels import cpu_kernels
 from rollout.kv.memory_plan import AttnMemory, KVShape
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# NOTE: a speculative step's rows (`StepInputs.verify`) of at most this many tokens run through the kernel, each
+# token a decode query reading keys up to its own position (causal inside the draft): the cascade reads a row's
+# full pages once for all its tokens. Longer rows take sdpa's segments (0: every verifying step does).
+VERIFY_MAX_TOKENS = 33
 
 
 def cpu_kernel(dtype: torch.dtype):
@@ -61,6 +65,8 @@ def build_cpu_group(window: int | None, step: StepInputs, ps: int) -> CpuGroupMe
         lo = torch.zeros_like(step.starts) if window is None else (step.starts - (window - 1)).clamp_min(0)
         g.paged = PagedDecode(step.request_of_token, table, step.rows, lo, step.starts + 1, all_rows=True, alias=alias)
         return g
+    if step.verify and max(step.lens_list) <= VERIFY_MAX_TOKENS:
+        return verify_group(window, step, table, alias, ps)
     g, decode = gather_group_rows(CpuGroupMetadata, window, step, ps)
     if decode:
         dev = step.device
@@ -69,6 +75,19 @@ def build_cpu_group(window: int | None, step: StepInputs, ps: int) -> CpuGroupMe
         g.paged = PagedDecode(step.starts.new_tensor([step.first_row[c[1]] for c in decode]),
                               table, step.rows[reqs], lo, lo + torch.tensor([c[0] for c in decode], device=dev),
                               alias=None if alias is None else alias[reqs])
+    return g
+
+
+def verify_group(window: int | None, step: StepInputs, table: torch.Tensor, alias: torch.Tensor | None,
+                 ps: int) -> CpuGroupMetadata:
+    """Every token of a verifying step a kernel query of its own: token t of row b reads positions
+    [lo, positions[t]] of b's table row (its draft's earlier tokens were written before the attention)."""
+    of = step.request_of_token  # [T]
+    rows, pos = step.rows[of], step.positions  # [T], [T]
+    g = CpuGroupMetadata(window, cache_slots(table, rows, pos, ps))
+    lo = torch.zeros_like(pos) if window is None else (pos - (window - 1)).clamp_min(0)
+    g.paged = PagedDecode(torch.arange(len(pos), device=pos.device), table, rows, lo, pos + 1, all_rows=True,
+                          alias=None if alias is None else alias.index_select(0, of))
     return g
 
 
