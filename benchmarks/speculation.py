@@ -81,11 +81,30 @@ def run_pair(cores: dict[int, EngineCore], wl: Workload, tag: str, seeded: bool,
     return out
 
 
+def partly_repeating(p: list[int], rng: random.Random, vocab: int, tail: int = 100, alphabet: int = 11) -> list[int]:
+    """`p` with its last `tail` tokens (at most half of it) replaced by text that repeats only in part: pieces
+    drawn from `alphabet` ids, each a run of one token (2-6), a short cycle (2-4 ids, 2-3 times) or a break
+    (1-4 ids at random)."""
+    ids = [rng.randrange(1, vocab) for _ in range(alphabet)]
+    n = min(tail, len(p) // 2)
+    out: list[int] = []
+    while len(out) < n:
+        kind = rng.random()
+        if kind < 0.35:
+            out += [rng.choice(ids)] * rng.randint(2, 6)
+        elif kind < 0.7:
+            out += [rng.choice(ids) for _ in range(rng.randint(2, 4))] * rng.randint(2, 3)
+        else:
+            out += [rng.choice(ids) for _ in range(rng.randint(1, 4))]
+    return p[: len(p) - n] + out[:n]
+
+
 def workload(name: str, args, vocab: int, seed: int) -> Workload:
     rng = random.Random(seed)
 
     def prompt(lo: int, hi: int) -> list[int]:
-        return [rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))]
+        p = [rng.randrange(1, vocab) for _ in range(rng.randint(lo, hi))]
+        return p if args.prompt_kind == "random" else partly_repeating(p, rng, vocab)
 
     if name == "tail":
         n = args.tail_rows
@@ -125,6 +144,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--workloads", default="tail,lognorm,large")
     ap.add_argument("--seed", type=int, default=100)
+    ap.add_argument("--prompt-kind", choices=("random", "partial"), default="random",
+                    help="partial: each prompt's last 100 tokens repeat in part (`partly_repeating`)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy; else sampled rows, seeded")
     ap.add_argument("--init", type=float, default=0.3,
                     help="initializer_range of the random model: 0.3 (the benchmarks' peaked logits) never repeats "
@@ -134,6 +155,7 @@ def main() -> None:
     model = make_model(args.model, initializer_range=args.init)
     print(machine_info())
     print(f"model {args.model} (initializer_range {args.init}), {args.threads} threads, k={args.k}, "
+          f"prompts {args.prompt_kind}, "
           f"temperature {args.temperature}, seeds {args.seed}..{args.seed + args.repeats - 1}", flush=True)
     cores = {0: engine(model, 0, args.temperature), args.k: engine(model, args.k, args.temperature)}
     for name in args.workloads.split(","):

@@ -12,7 +12,8 @@ makes it: one call over every position):
   verify       B x (1 + k) tokens now: every token a query of the paged kernel (`verify_group`), linears on the
                small-M kernel up to `rollout.kernels.linear.SMALL_ROWS` tokens
 
-Reported per (model, B, k): the median of each variant's times (ms), its ratio to plain, and the load average.
+Reported per (model, B, k): the median of each variant's wall and CPU times (ms; at 1 thread the CPU time is the
+measure a shared box disturbs least), its ratio to plain's, and the load average.
 The steps write their K/V past each row's computed tokens and change no request, so the same state is timed
 again and again (the draft tokens are random).
 
@@ -65,10 +66,11 @@ def decoding_core(model, rows: int, prompt_len: int, max_k: int, seed: int) -> E
     return core
 
 
-def timed_step(core: EngineCore, drafts: list[list[int]] | None) -> float:
+def timed_step(core: EngineCore, drafts: list[list[int]] | None) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of this process) of one step's forward and sampler call."""
     reqs = list(core.scheduler.running)
     cfg = core.config
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     if drafts is None:
         out = SchedulerOutput([ScheduledRequest(r, 1) for r in reqs], decode_only=True)
         logits = core.runner.execute(out)[0]
@@ -79,7 +81,7 @@ def timed_step(core: EngineCore, drafts: list[list[int]] | None) -> float:
         per = [r for r, d in zip(reqs, drafts, strict=True) for _ in range(1 + len(d))]
     core.sampler(logits, [r.sampling for r in per], [r.request_id for r in per], cfg.logprobs_mode, requests=per,
                  top_mode=cfg.logprobs_mode)
-    return time.perf_counter() - t0
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
 def set_path(values: dict) -> dict:
@@ -99,6 +101,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--small-rows", type=int, default=0, help="also time verify with this SMALL_ROWS")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = make_model(args.model, initializer_range=args.init)
@@ -113,7 +116,9 @@ def main() -> None:
         variants = [("plain", None, new)]
         for k in ks:
             variants += [(f"verify-old k={k}", k, OLD), (f"verify k={k}", k, new)]
-        times: dict[str, list[float]] = {name: [] for name, _, _ in variants}
+            if args.small_rows:
+                variants.append((f"verify small{args.small_rows} k={k}", k, dict(new, SMALL_ROWS=args.small_rows)))
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name, _, _ in variants}
         for _, k, path in variants:  # NOTE: warm-up: panels, packed weights, first calls
             set_path(path)
             drafts = None if k is None else [[rng.randrange(1, 100) for _ in range(k)] for _ in range(rows)]
@@ -125,11 +130,14 @@ def main() -> None:
                 drafts = None if k is None else [[rng.randrange(1, 100) for _ in range(k)] for _ in range(rows)]
                 times[name].append(timed_step(core, drafts))
         set_path(new)
-        base = statistics.median(times["plain"])
-        line = [f"B={rows}: plain {base * 1e3:.1f} ms"]
+        def med(name: str, i: int) -> float:
+            return statistics.median(t[i] for t in times[name])
+
+        base, base_cpu = med("plain", 0), med("plain", 1)
+        line = [f"B={rows}: plain {base * 1e3:.1f} ms ({base_cpu * 1e3:.1f} cpu)"]
         for name, _, _ in variants[1:]:
-            m = statistics.median(times[name])
-            line.append(f"{name} {m * 1e3:.1f} ms ({m / base:.2f}x)")
+            m, c = med(name, 0), med(name, 1)
+            line.append(f"{name} {m * 1e3:.1f} ms ({m / base:.2f}x; cpu {c * 1e3:.1f}, {c / base_cpu:.2f}x)")
         print("; ".join(line) + f"; load {load()}", flush=True)
 
 

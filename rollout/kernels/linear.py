@@ -86,8 +86,10 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
 # NOTE: up to this many rows an fp32 linear runs on rollout's small-M kernel (rollout/kernels/csrc/small_gemm.cpp),
 # which streams the weights while it computes; above, oneDNN's packed GEMM is faster (measured on the 100M
 # model's 84 layer linears + head at 2 threads, oneDNN -> ours: 1 row 11.8 -> 8.7 ms, 16 rows 14.9 -> 10.5,
-# 32 rows 22.2 -> 17.4, 64 rows 35.5 -> 33.0, 512 rows 258 -> 377; `benchmarks/decode_linears.py`).
-SMALL_ROWS = 32
+# 32 rows 22.2 -> 17.4, 64 rows 35.5 -> 33.0, 512 rows 258 -> 377; `benchmarks/decode_linears.py`). 48, not 32: a
+# speculative step verifies 4 rows x (1 + 8) tokens = 36 (issue 60; at 1 thread on a loaded box, ours / oneDNN
+# 1.08x at 36 rows, 1.10x at 48, 0.95x at 64; the 100M verifying step 104 vs 110 ms CPU, `benchmarks/verify_step.py`)
+SMALL_ROWS = 48
 # NOTE: the batch size oneDNN lays a packed weight out for; decode steps run 1-256 rows and prompt chunks
 # more, and one layout serves every size (measured: packed for 16 or 64 rows, the same speed at 1-64).
 PACK_ROWS = 16
