@@ -130,7 +130,7 @@ def main() -> None:
                 drafts = None if k is None else [[rng.randrange(1, 100) for _ in range(k)] for _ in range(rows)]
                 times[name].append(timed_step(core, drafts))
         set_path(new)
-        def med(name: str, i: int) -> float:
+        def med(name: str, i: int, times=times) -> float:
             return statistics.median(t[i] for t in times[name])
 
         base, base_cpu = med("plain", 0), med("plain", 1)
