@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +23,7 @@ from rollout.requests import GenerationOutput
 from rollout.sampling.seeding import group_seed, sample_seed
 from rollout.sampling_params import SamplingParams
 from rollout.serve.protocol import APIError
+from rollout.serve.text import SampleText
 
 # NOTE: every `SamplingParams` field (`rollout.sampling_params.FIELDS`) is in exactly one of these (a test keeps
 # it so: a new field fails it until it is placed): on the OpenAI wire under its own name (`SamplingRequest`), under
@@ -31,6 +32,7 @@ WIRE_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "
                "ignore_eos", "repetition_penalty", "presence_penalty", "frequency_penalty", "logit_bias",
                "return_sampling_mask", "prompt_logprobs")
 WIRE_RENAMED = {"logprobs": "logprobs / top_logprobs (top-k count)", "bad_words_ids": "bad_words (strings)"}
+DISCONNECT_POLL_S = 0.5  # NOTE: how long `collect` waits for an output before asking whether the client left
 NOT_ON_THE_WIRE = ("no_repeat_ngram_size", "min_length", "sequence_bias", "suppress_tokens", "begin_suppress_tokens",
                    "forced_bos_token_id", "forced_eos_token_ids", "prompt_lookup_num_tokens", "max_matching_ngram_size")
 
@@ -212,6 +214,49 @@ class EngineBridge:
             raise APIError("the engine is not running", None, 503, "server_error")
         self.counters["samples"] += len(reqs)
         return [r.request_id for r in reqs]
+
+    async def collect(self, queue: asyncio.Queue, texts: Mapping[str, SampleText], routes: bool,
+                      disconnected: Callable[[], Awaitable[bool]]) -> bool:
+        """Hand each output on `queue` to its sample (`texts`: engine request id -> `SampleText`, as `submit` put
+        them) until every sample is done, with `routes` until each has its final output (the one that carries
+        them); a sample a stop string ended is cancelled. Every sample still running is cancelled on the way out.
+        Returns False when the client went away (`disconnected()`, asked after `DISCONNECT_POLL_S` without an
+        output); a failed sample is a 500 `APIError` naming the first one's error."""
+        try:
+            while not all(s.done and (s.final is not None or not routes) for s in texts.values()):
+                try:
+                    out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await disconnected():
+                        return False
+                    continue
+                sample = texts[out.request_id]
+                sample.absorb(out)
+                if sample.done and not out.status.is_final:
+                    self.cancel([out.request_id])  # NOTE: stopped by a stop string
+        finally:
+            self.cancel([r for r, s in texts.items() if not s.done])
+        failed = [s for s in texts.values() if s.finish_reason == "error"]
+        if failed:
+            self.counters["failed"] += 1
+            raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
+        return True
+
+    async def updates(self, queue: asyncio.Queue,
+                      texts: Mapping[str, SampleText]) -> AsyncIterator[tuple[SampleText, str]]:
+        """For a stream: hand each output on `queue` to its sample (`texts` as in `collect`) until every sample is
+        done, yielding `(sample, its new text)` for each output a running sample took (a failed one too: its
+        `finish_reason` is "error"); a sample a stop string ended is cancelled. The caller cancels what is left
+        when the stream ends early."""
+        while not all(s.done for s in texts.values()):
+            out = await queue.get()
+            sample = texts[out.request_id]
+            if sample.done:
+                continue
+            delta = sample.absorb(out)
+            if sample.done and not out.status.is_final:
+                self.cancel([out.request_id])  # NOTE: stopped by a stop string
+            yield sample, delta
 
     def cancel(self, rids: Sequence[str]) -> None:
         for rid in rids:

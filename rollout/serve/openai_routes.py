@@ -34,7 +34,6 @@ from rollout.serve.text import SampleText
 from rollout.serve.tools import ToolStream, forced_prefix, parse_tool_calls, tool_mode, tools_start_newline
 
 router = APIRouter()
-DISCONNECT_POLL_S = 0.5
 
 
 @router.get("/v1/models")
@@ -114,25 +113,9 @@ async def _serve(request: Request, req: SamplingRequest, prompts: list[list[int]
     if req.stream:
         events = _stream(bridge, req, by_rid, queue, rid, model, chat, tool_parser, tool_prefix)
         return StreamingResponse(events, media_type="text/event-stream")
-    routes = bool(plan) and plan[0][1].routes
-    try:  # NOTE: with routes, a sample cut by a stop string waits for its final (cancelled) output, which has them
-        while not all(s.done and (s.final is not None or not routes) for s in samples):
-            try:
-                out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse({}, status_code=499)
-                continue
-            sample = by_rid[out.request_id]
-            sample.absorb(out)
-            if sample.done and not out.status.is_final:
-                bridge.cancel([out.request_id])  # NOTE: stopped by a stop string
-    finally:
-        bridge.cancel([r for r, s in by_rid.items() if not s.done])
-    failed = [s for s in samples if s.finish_reason == "error"]
-    if failed:
-        bridge.counters["failed"] += 1
-        raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
+    # NOTE: with routes, a sample cut by a stop string waits for its final (cancelled) output, which has them
+    if not await bridge.collect(queue, by_rid, bool(plan) and plan[0][1].routes, request.is_disconnected):
+        return JSONResponse({}, status_code=499)
     body = _response(req, samples, prompts, rid, model, chat, tool_parser, tool_prefix)
     return JSONResponse(body)
 
@@ -210,17 +193,9 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
                 first = {"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                          "finish_reason": None}
                 yield event(first, s, **({"prompt_token_ids": s.prompt_ids} if req.return_token_ids else {}))
-        while not all(s.done for s in samples):
-            out = await queue.get()
-            s = by_rid[out.request_id]
-            if s.done:
-                continue
-            delta = s.absorb(out)
-            if s.done and not out.status.is_final:
-                bridge.cancel([out.request_id])
+        async for s, delta in bridge.updates(queue, by_rid):
             if s.finish_reason == "error":
-                yield "data: " + json.dumps({"error": {"message": f"generation failed: {s.error}",
-                                                       "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+                yield failed_event(s)
                 continue
             tokens, lps = s.new_tokens()
             if not delta and not tokens and not s.done:
@@ -251,6 +226,12 @@ async def _stream(bridge: EngineBridge, req: SamplingRequest, by_rid: dict[str, 
         yield "data: [DONE]\n\n"
     finally:  # NOTE: also on disconnect (the generator is cancelled / closed): free the engine's pages
         bridge.cancel([r for r, s in by_rid.items() if not s.done])
+
+
+def failed_event(sample: SampleText) -> str:
+    """The stream event of a failed sample, in the OpenAI wire's error shape."""
+    return "data: " + json.dumps({"error": {"message": f"generation failed: {sample.error}", "type": "server_error",
+                                            "param": None, "code": 500}}) + "\n\n"
 
 
 def _echoed(sample: SampleText) -> str:

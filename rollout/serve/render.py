@@ -64,14 +64,20 @@ def _text_logprobs(tok, choice: dict) -> dict | None:
                        "generate_response") from None
 
 
-@router.post("/v1/chat/completions/derender")
-async def derender_chat(req: DerenderRequest, request: Request) -> dict:
+def _derendering(req: DerenderRequest, request: Request, original: dict | None):
+    """`(app state, the generate response, the original request or {}, its skip_special_tokens)` of a derender
+    call; a 400 when the server has no tokenizer to decode with."""
     state = request.app.state
     if state.tokenizer is None:
         raise APIError("this server has no tokenizer", None)
-    gen, chat = req.generate_response, req.chat_request or {}
+    original = original or {}
+    return state, req.generate_response, original, bool(original.get("skip_special_tokens", True))
+
+
+@router.post("/v1/chat/completions/derender")
+async def derender_chat(req: DerenderRequest, request: Request) -> dict:
+    state, gen, chat, skip = _derendering(req, request, req.chat_request)
     parser = tool_mode(chat.get("tools"), chat.get("tool_choice"), state.tool_call_parser)
-    skip = bool(chat.get("skip_special_tokens", True))
     choices = []
     for c in _choices(state, gen):
         text = state.tokenizer.decode(c["token_ids"], skip_special_tokens=skip)
@@ -94,11 +100,7 @@ async def derender_chat(req: DerenderRequest, request: Request) -> dict:
 
 @router.post("/v1/completions/derender")
 async def derender_completion(req: DerenderRequest, request: Request) -> dict:
-    state = request.app.state
-    if state.tokenizer is None:
-        raise APIError("this server has no tokenizer", None)
-    gen, comp = req.generate_response, req.completion_request or {}
-    skip = bool(comp.get("skip_special_tokens", True))
+    state, gen, _, skip = _derendering(req, request, req.completion_request)
     choices = [{"index": c.get("index", i), "text": state.tokenizer.decode(c["token_ids"], skip_special_tokens=skip),
                 "logprobs": None, "finish_reason": c.get("finish_reason"), "stop_reason": c.get("stop_reason"),
                 "token_ids": c["token_ids"]} for i, c in enumerate(_choices(state, gen))]

@@ -38,7 +38,6 @@ from rollout.serve.protocol import MAX_LOGPROBS, APIError, SamplingRequest, vali
 from rollout.serve.text import SampleText
 
 router = APIRouter()
-DISCONNECT_POLL_S = 0.5
 DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's `SamplingParams.max_new_tokens` default
 FLOOR = -9999.0  # -inf logprobs (a token outside top-k / top-p) as a finite JSON number, as the OpenAI routes
 
@@ -237,26 +236,12 @@ async def generate(req: GenerateRequest, request: Request):
     if req.stream:
         return StreamingResponse(_stream(request, bridge, by_id, queue, labels, single, table),
                                  media_type="text/event-stream")
-    routes = req.return_routed_experts
+    texts = {e: s.text for e, s in by_id.items()}
     try:
-        while not all(s.text.done and (s.text.final is not None or not routes) for s in samples):
-            try:
-                out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse({}, status_code=499)
-                continue
-            s = by_id[out.request_id]
-            s.text.absorb(out)
-            if s.text.done and not out.status.is_final:
-                bridge.cancel([out.request_id])  # NOTE: stopped by a stop string
+        if not await bridge.collect(queue, texts, req.return_routed_experts, request.is_disconnected):
+            return JSONResponse({}, status_code=499)
     finally:
-        bridge.cancel([e for e, s in by_id.items() if not s.text.done])
         _forget(table, by_id)
-    failed = [s for s in samples if s.text.finish_reason == "error"]
-    if failed:
-        bridge.counters["failed"] += 1
-        raise APIError(f"generation failed: {failed[0].text.error}", None, 500, "server_error")
     bodies = [_output(s, bridge, labels, final=True) for s in samples]
     return JSONResponse(bodies[0] if single else bodies)
 

@@ -32,12 +32,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from rollout.serve.bridge import EngineBridge
 from rollout.serve.logprobs import FLOOR, prompt_logprobs
 from rollout.serve.lora_routes import lora_of
+from rollout.serve.openai_routes import failed_event
 from rollout.serve.protocol import MAX_LOGPROBS, APIError, SamplingRequest, TokenIds
 from rollout.serve.text import SampleText
 from rollout.serve.vllm_control import abort, registry, version_spans
 
 router = APIRouter()
-DISCONNECT_POLL_S = 0.5
 TopK = Annotated[int, Field(ge=0, le=MAX_LOGPROBS, strict=True)]
 
 
@@ -120,25 +120,11 @@ async def generate(req: GenerateRequest, request: Request):
         return StreamingResponse(_stream(bridge, reply, by_rid, queue, table, (client_id, rid)),
                                  media_type="text/event-stream")
     try:
-        while not all(s.done and (s.final is not None or not plan[0][1].routes) for s in samples):
-            try:
-                out = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return JSONResponse({}, status_code=499)
-                continue
-            sample = by_rid[out.request_id]
-            sample.absorb(out)
-            if sample.done and not out.status.is_final:
-                bridge.cancel([out.request_id])  # NOTE: stopped by a stop string
+        if not await bridge.collect(queue, by_rid, plan[0][1].routes, request.is_disconnected):
+            return JSONResponse({}, status_code=499)
     finally:
-        bridge.cancel([r for r, s in by_rid.items() if not s.done])
         table.pop(client_id, None)
         table.pop(rid, None)
-    failed = [s for s in samples if s.finish_reason == "error"]
-    if failed:
-        bridge.counters["failed"] += 1
-        raise APIError(f"generation failed: {failed[0].error}", None, 500, "server_error")
     return JSONResponse(reply.body(samples))
 
 
@@ -242,20 +228,11 @@ class Reply:
 
 async def _stream(bridge: EngineBridge, reply: Reply, by_rid: dict[str, SampleText], queue: asyncio.Queue,
                   table: dict, keys: tuple[str, str]):
-    samples = sorted(by_rid.values(), key=lambda s: s.index)
     first = True
     try:
-        while not all(s.done for s in samples):
-            out = await queue.get()
-            s = by_rid[out.request_id]
-            if s.done:
-                continue
-            s.absorb(out)
-            if s.done and not out.status.is_final:
-                bridge.cancel([out.request_id])
+        async for s, _ in bridge.updates(queue, by_rid):
             if s.finish_reason == "error":
-                yield "data: " + json.dumps({"error": {"message": f"generation failed: {s.error}",
-                                                       "type": "server_error", "param": None, "code": 500}}) + "\n\n"
+                yield failed_event(s)
                 continue
             start = s.sent_tokens
             s.new_tokens()

@@ -72,6 +72,18 @@ def build_app(service: Service, api_key: str | None, max_body_bytes: int = 256 *
     def future(rid: str, **extra):
         return {"request_id": rid, **extra}
 
+    def json_route(name: str, returns_future: bool) -> None:
+        """`POST /api/v1/{name}`: its JSON body to `service.{name}`, whose answer is the reply, or for a route that
+        runs in the background the id of the future the SDK polls (`retrieve_future`)."""
+        method = getattr(service, name)
+
+        async def route(request: Request):
+            result = method(await body_json(request))
+            return future(result) if returns_future else result
+
+        route.__name__ = name  # NOTE: FastAPI names the operation after its function
+        app.post(f"/api/v1/{name}")(route)
+
     @app.get("/api/v1/healthz")
     async def healthz():
         return {"status": "ok"}
@@ -101,10 +113,6 @@ def build_app(service: Service, api_key: str | None, max_body_bytes: int = 256 *
     async def telemetry():
         return {"status": "accepted"}
 
-    @app.post("/api/v1/create_session")
-    async def create_session(request: Request):
-        return service.create_session(await body_json(request))
-
     @app.post("/api/v1/session_heartbeat")
     async def heartbeat(request: Request):
         body = await body_json(request)
@@ -124,10 +132,6 @@ def build_app(service: Service, api_key: str | None, max_body_bytes: int = 256 *
         rid = service.create_model(body)
         return future(rid, model_id=f"{body['session_id']}:train:{body['model_seq_id']}")
 
-    @app.post("/api/v1/get_info")
-    async def get_info(request: Request):
-        return service.get_info(await body_json(request))
-
     @app.post("/api/v1/forward_backward")
     async def forward_backward(request: Request):
         body = await request.body()
@@ -142,33 +146,14 @@ def build_app(service: Service, api_key: str | None, max_body_bytes: int = 256 *
             raise UserError(f"forward_backward takes a {PROTO_TYPE} body (tinker SDK >= 0.38)")
         return future(service.forward_backward(body))
 
-    @app.post("/api/v1/optim_step")
-    async def optim_step(request: Request):
-        return future(service.optim_step(await body_json(request)))
-
-    @app.post("/api/v1/save_weights")
-    async def save_weights(request: Request):
-        return future(service.save_weights(await body_json(request)))
-
-    @app.post("/api/v1/load_weights")
-    async def load_weights(request: Request):
-        return future(service.load_weights(await body_json(request)))
-
-    @app.post("/api/v1/save_weights_for_sampler")
-    async def save_weights_for_sampler(request: Request):
-        return future(service.save_weights_for_sampler(await body_json(request)))
-
-    @app.post("/api/v1/create_sampling_session")
-    async def create_sampling_session(request: Request):
-        return service.create_sampling_session(await body_json(request))
+    for name in ("create_session", "get_info", "create_sampling_session", "asample"):
+        json_route(name, returns_future=False)
+    for name in ("optim_step", "save_weights", "load_weights", "save_weights_for_sampler"):
+        json_route(name, returns_future=True)
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str):
         return service.get_sampler(sampler_id)
-
-    @app.post("/api/v1/asample")
-    async def asample(request: Request):
-        return service.asample(await body_json(request))
 
     @app.post("/api/v1/retrieve_future")
     async def retrieve_future(request: Request):
