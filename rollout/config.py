@@ -20,7 +20,8 @@ from rollout import compat_config
 SCHEDULER_TYPES = ("fifo", "prefill_first")
 LOGPROBS_MODES = ("processed", "raw")
 ATTN_BACKENDS = ("auto", "cpu", "sdpa", "flex", "flash", "triton")  # NOTE: rollout.attention.backends implements each
-BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa")  # NOTE: each runs rollout.invariant.attention in the mode
+# NOTE: each runs rollout.invariant.attention in the mode ("triton": its Triton kernels, rollout.invariant.mode)
+BATCH_INVARIANT_BACKENDS = ("auto", "cpu", "sdpa", "triton")
 # NOTE: the seed's defaults for the safety margin depend on the scheduler.
 DEFAULT_SAFETY_MARGIN = {"fifo": 0.15, "prefill_first": 0.0}
 SEED_STREAMS = ("auto", "generator", "counter")  # NOTE: rollout.sampling.sampler draws seeded rows either way
@@ -197,7 +198,8 @@ class ContinuousBatchingConfig(_ConfigFields):
             "triton" (Triton paged decode kernel; CUDA, or a CPU under TRITON_INTERPRET=1; the triton extra).
             See `rollout.attention.backends`.
         batch_invariant: a request's tokens and logprobs bitwise identical whatever else is batched with it
-            (`rollout.invariant.mode`): CPU, fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa", no compile.
+            (`rollout.invariant.mode`): fp32 or bf16, attn_backend "auto" / "cpu" / "sdpa" / "triton", no compile;
+            rollout's C++ kernels on a CPU, Triton kernels on CUDA (and for "triton" on a CPU, interpreted).
         seed_stream: how seeded rows draw their noise (`rollout.sampling.sampler`): "generator" (one
             `torch.Generator` per seeded request), "counter" (the counter-based Philox generator of
             `rollout.sampling.seeding`: one vectorised draw for every seeded row, the same bits on CPU and CUDA), or

@@ -85,9 +85,10 @@ class EngineCore:
         self.windows, groups = layer_groups(layer_windows(model))
         sharing = config.allow_block_sharing
         # NOTE: the k-th layer of every group shares a storage, so a page costs max-group-size layers.
+        invariant_kernels = batch_invariant.kernels_for(self.device, config.attn_backend)
         if config.batch_invariant:  # NOTE: one reduction order per token (rollout.invariant.mode); before any group
             batch_invariant.check(self.device, self.dtype, has_attention_sinks(model), type(model).__name__,
-                                  tp_size_of(model), moe=bool(self.routers))
+                                  tp_size_of(model), moe=bool(self.routers), kernels=invariant_kernels)
         # NOTE: under tensor parallelism each rank holds its own KV heads only (rollout.engine.tp)
         self.tp = TensorParallelGroup(model, config) if tp_size_of(model) > 1 else None
         # NOTE: a follower's own submissions only say which of rank 0's results it waits for (rollout.engine.tp)
@@ -95,13 +96,13 @@ class EngineCore:
         attn_name = select_backend(config.attn_backend, self.device, self.dtype, has_attention_sinks(model),
                                    type(model).__name__)
         if config.batch_invariant:
-            batch_invariant.install(self.view)
+            batch_invariant.install(self.view, invariant_kernels)
         plan = plan_engine_cache(model, config, self.device, self.dtype, groups, attn_name, self.tp)
         num_pages, self.max_batch_tokens, offload_pages = plan.num_pages, plan.max_batch_tokens, plan.offload_pages
         self.page_size = config.page_size
-        self.backend = batch_invariant.engine_backend(attn_name) if config.batch_invariant else create_backend(
-            attn_name, self.device, self.dtype, page_size=config.page_size, num_pages=num_pages,
-            max_batch_tokens=self.max_batch_tokens)
+        self.backend = (batch_invariant.engine_backend(attn_name, invariant_kernels) if config.batch_invariant
+                        else create_backend(attn_name, self.device, self.dtype, page_size=config.page_size,
+                                            num_pages=num_pages, max_batch_tokens=self.max_batch_tokens))
         tc = text_config(model)
         static = static_plan(config, self.device, config.page_size, num_pages,
                              getattr(tc, "max_position_embeddings", None))

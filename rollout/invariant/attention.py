@@ -4,7 +4,8 @@ Every query row of a step, a prompt chunk's as well as a decode's, attends its o
 paged cache through `rollout.invariant.ops.attend_rows` (the C++ per-row kernel): one reduction order per
 token whatever the step holds, and the same one a trainer's padded forward uses
 (`rollout.invariant.forward`). No cascade over shared pages (it merges partial softmaxes, another order).
-Chosen by `rollout.invariant.mode.engine_backend` for `attn_backend` "auto", "cpu" or "sdpa" on a CPU.
+Chosen by `rollout.invariant.mode.engine_backend` for `attn_backend` "auto", "cpu" or "sdpa" on a CPU (the C++
+per-row kernel), and on CUDA or for "triton" (the Triton per-row kernel, `rollout.kernels.triton_decode`).
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ class InvariantBackend:
     supports_sinks = False  # NOTE: the C++ kernel has no sink term
     reads_unwritten_slots = False  # NOTE: each row reads its own written positions only
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, kernels: str = "cpu") -> None:
         self.name = name
+        self.kernels = kernels  # NOTE: "cpu" (the C++ per-row kernel) or "triton" (rollout.kernels.triton_decode)
 
     @classmethod
     def attn_memory(
@@ -82,5 +84,6 @@ class InvariantBackend:
             meta.cache.page_size,
             scale,
             softcap,
+            self.kernels,
         )
         return out.to(query.dtype)

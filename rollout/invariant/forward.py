@@ -37,7 +37,8 @@ class PaddedRows:
         page_size: the engine's, so each row's keys split into pages exactly as in the engine.
     """
 
-    def __init__(self, mask: torch.Tensor, page_size: int) -> None:
+    def __init__(self, mask: torch.Tensor, page_size: int, kernels: str = "cpu") -> None:
+        self.kernels = kernels  # NOTE: the attention's kernels (`rollout.invariant.ops.attend_rows`)
         self.valid = mask.bool()  # [N, L]
         n, length = self.valid.shape
         self.pos = (self.valid.long().cumsum(-1) - 1).clamp_min(0)  # [N, L] position of each column
@@ -85,6 +86,7 @@ class _Attention(torch.autograd.Function):
             rows.page_size,
             scale,
             softcap,
+            rows.kernels,
         )
         ctx.save_for_backward(q, k, v)
         ctx.rows, ctx.window, ctx.scale, ctx.softcap = rows, window, scale, softcap
@@ -144,12 +146,17 @@ class InvariantForward:
         model: the trainer's module (a HF causal LM, or a wrapper holding one, e.g. a value-head model).
         page_size: the engine's `page_size`.
         dtype: the engine's dtype when it runs a cast copy (e.g. torch.bfloat16); None: the model's own.
+        kernels: the engine's (`rollout.invariant.mode.kernels_for`): "cpu", "triton"; None: by the model's
+            device ("triton" on CUDA).
     """
 
-    def __init__(self, model: torch.nn.Module, page_size: int, dtype: torch.dtype | None = None) -> None:
+    def __init__(self, model: torch.nn.Module, page_size: int, dtype: torch.dtype | None = None,
+                 kernels: str | None = None) -> None:
         from transformers import PreTrainedModel
 
         register()
+        device = next(model.parameters()).device
+        self.kernels = kernels or ("triton" if device.type == "cuda" else "cpu")
         self.model, self.page_size = model, page_size
         memo = {id(t): t for t in itertools.chain(model.parameters(), model.buffers())}
         self.view = copy.deepcopy(model, memo)  # NOTE: modules and configs copied, tensors shared
@@ -158,7 +165,7 @@ class InvariantForward:
                 if "forward" in vars(module) and "_hf_hook" not in vars(module):
                     del module.forward  # NOTE: accelerate's autocast wrapper: the mode runs one dtype
                 module.set_attn_implementation(ATTN_NAME)
-        install(self.view)
+        install(self.view, self.kernels)
         own = next(model.parameters()).dtype
         self.dtype = dtype if dtype is not None and dtype != own else None
         if self.dtype is not None:
@@ -171,9 +178,10 @@ class InvariantForward:
                     module.gradient_checkpointing_disable()
 
     def __call__(self, **kwargs):
-        kwargs["rollout_rows"] = PaddedRows(kwargs["attention_mask"], self.page_size)
+        mask = kwargs["attention_mask"]
+        kwargs["rollout_rows"] = PaddedRows(mask, self.page_size, self.kernels)
         self.view.train(self.model.training)
-        with torch.autocast("cpu", enabled=False):
+        with torch.autocast(mask.device.type, enabled=False):
             if self.dtype is None:
                 return self.view(**kwargs)
             tensors = {

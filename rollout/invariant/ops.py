@@ -26,6 +26,12 @@ and a trainer (padded `[N, L]` batches) get the same bits for the same token.
 Row-local ops not replaced (RMSNorm / LayerNorm reductions over the hidden size, activations, the
 log-softmax of the logits) were measured row-invariant here; tests/invariant/test_batch_invariant.py checks the whole
 forward end to end.
+
+`kernels="triton"` (the GPU path: CUDA, or a CPU under Triton's interpreter for tests) runs the same ops through
+Triton instead: linears through `rollout.kernels.triton_invariant.linear` (fixed output tiles, no split-K),
+RMSNorm through its `rms_norm` (one program per row; `triton_rms_norm_forward`, installed by
+`rollout.invariant.mode.install`), attention through `rollout.kernels.triton_decode` per row (one program per
+token and KV head). tests/invariant/test_triton_invariant.py checks it under the interpreter.
 """
 
 from __future__ import annotations
@@ -41,10 +47,11 @@ TILE = 16  # NOTE: rows per GEMM tile; every linear of the mode runs [TILE, K] x
 
 class _TiledLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: dict | None):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: dict | None,
+                kernels: str = "cpu"):
         ctx.save_for_backward(x, weight)
         ctx.has_bias = bias is not None
-        return _tiled(x, weight, bias, cache)
+        return _forward(x, weight, bias, cache, kernels)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -57,7 +64,21 @@ class _TiledLinear(torch.autograd.Function):
             gw = (g.t() @ x.reshape(-1, x.shape[-1]).to(g.dtype)).to(weight.dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             gb = g.sum(0)
-        return gx, gw, gb, None
+        return gx, gw, gb, None, None
+
+
+def _forward(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cache: dict | None,
+             kernels: str) -> torch.Tensor:
+    if kernels == "triton":
+        return triton_kernels().linear(x, weight, bias)
+    return _tiled(x, weight, bias, cache)
+
+
+def triton_kernels():
+    """`rollout.kernels.triton_invariant` (the GPU path's linears and RMSNorm); imported on first use."""
+    import importlib
+
+    return importlib.import_module("rollout.kernels.triton_invariant")
 
 
 def _tiled(
@@ -94,30 +115,65 @@ def _packed(weight: torch.Tensor, cache: dict) -> torch.Tensor:
 
 
 def tiled_linear(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache: dict | None = None
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, cache: dict | None = None,
+    kernels: str = "cpu",
 ) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with each row's bits independent of the other rows (see the docstring).
 
     `cache`: a dict the caller keeps per weight (a module's), holding fp32 weights' oneDNN packed copy; without
-    it fp32 rows run as a bmm of tiles (other bits than the packed path: a model runs one or the other)."""
+    it fp32 rows run as a bmm of tiles (other bits than the packed path: a model runs one or the other).
+    `kernels`: "cpu" (the above) or "triton" (the GPU path's Triton GEMM)."""
     if x.dtype != weight.dtype:
         raise ValueError(
             f"batch_invariant: a linear got {x.dtype} inputs for {weight.dtype} weights (autocast or a "
             "mixed-dtype model); the mode runs one dtype end to end"
         )
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _TiledLinear.apply(x, weight, bias, cache)
-    return _tiled(x, weight, bias, cache)
+        return _TiledLinear.apply(x, weight, bias, cache, kernels)
+    return _forward(x, weight, bias, cache, kernels)
 
 
 def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """An `nn.Linear.forward` through `tiled_linear` (bound to a module with `types.MethodType`)."""
-    return tiled_linear(x, self.weight, self.bias, self._rollout_invariant_packed)
+    return tiled_linear(x, self.weight, self.bias, self._rollout_invariant_packed, self._rollout_invariant_kernels)
 
 
 def conv1d_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """transformers' `Conv1D.forward` (GPT-2: a linear with its weight stored `[in, out]`) through `tiled_linear`."""
-    return tiled_linear(x, self.weight.t(), self.bias)
+    return tiled_linear(x, self.weight.t(), self.bias, kernels=getattr(self, "_rollout_invariant_kernels", "cpu"))
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool):
+        ctx.save_for_backward(x, weight)
+        ctx.eps, ctx.offset = eps, offset
+        return triton_kernels().rms_norm(x, weight, eps, offset)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # NOTE: the ordinary backward (correct, not invariant)
+        x, weight = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad():
+            ref = reference_rms_norm(x, weight, ctx.eps, ctx.offset)
+            gx, gw = torch.autograd.grad(ref, (x, weight), grad)
+        return gx, gw, None, None
+
+
+def reference_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: bool) -> torch.Tensor:
+    """RMSNorm in torch ops (HF's Llama / Gemma forms): the backward of the Triton one."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (h * (1.0 + weight.float())).to(x.dtype)
+    return weight * h.to(x.dtype)
+
+
+def triton_rms_norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An RMSNorm module's forward through the Triton kernel (bound with `types.MethodType` by `install`)."""
+    eps, offset = self._rollout_invariant_norm
+    if torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad):
+        return _RMSNorm.apply(x, self.weight, eps, offset)
+    return triton_kernels().rms_norm(x, self.weight, eps, offset)
 
 
 class RotaryTable:
@@ -172,8 +228,18 @@ def attend_rows(
     page_size: int,
     scale: float,
     softcap: float | None,
+    kernels: str = "cpu",
 ) -> torch.Tensor:  # [n, H, D] fp32
-    """Each query row attends its own keys `[start, end)` with one fixed reduction order (see the docstring)."""
+    """Each query row attends its own keys `[start, end)` with one fixed reduction order (see the docstring);
+    `kernels="triton"`: through the Triton per-row kernel (`rollout.kernels.triton_decode`)."""
+    if kernels == "triton":
+        import importlib
+
+        run = importlib.import_module("rollout.kernels.triton_decode").paged_decode_attention
+        qf = q.float().contiguous()
+        out = torch.empty_like(qf)
+        return run(qf, k_cache, v_cache, table.contiguous(), row.contiguous(), start.contiguous(), end.contiguous(),
+                   page_size, float(scale), float(softcap or 0.0), out)
     run = kernel()
     if run is None:
         raise RuntimeError(
