@@ -2,7 +2,9 @@
 
 Given one CUDA device, within `--budget` seconds (default 420):
 1. the `gpu`-marked tests (`pytest -m gpu`: flex on CUDA against `generate` and teacher forcing, no host
-   sync in a flex step under `torch.cuda.set_sync_debug_mode("error")`, pinned CPU offload, flash refusal);
+   sync in a flex step under `torch.cuda.set_sync_debug_mode("error")`, pinned CPU offload, flash refusal) and the
+   `triton`-marked ones compiled (batch-invariant mode on CUDA among them);
+1b. the batch-invariant mode's overhead against the default config (`invariant_overhead`);
 2. a throughput comparison on a ~0.6B random-weight Qwen3-architecture model in bf16 (the RL workload
    of benchmarks/throughput.py, scaled up): ours (`attn_backend="flex"`, the CUDA default, and "sdpa")
    vs padded `model.generate` vs transformers' continuous batching (flash_attention_2 when flash-attn
@@ -99,10 +101,13 @@ def _version(name: str) -> str | None:
         return None
 
 
-GPU_TEST_FILES = ("tests/model/test_gpu_async.py", "tests/model/test_gpu.py", "tests/kernels/test_triton_decode.py",
+GPU_TEST_FILES = ("tests/model/test_gpu_async.py", "tests/invariant/test_triton_invariant.py",
+                  "tests/model/test_gpu.py", "tests/kernels/test_triton_decode.py",
                   "tests/kernels/test_triton_prefill.py", "tests/kernels/test_triton_cascade.py",
-                  "tests/attention/test_triton_backend.py",
-                  "tests/sampling/test_counter_seed.py")
+                  "tests/attention/test_triton_backend.py", "tests/sampling/test_counter_seed.py")
+# NOTE: the batch-invariant overhead's workload: 16 prompts x G=4, prompts 64-512, completions 64-256
+INVARIANT_WORKLOAD = (16, 4, (64, 512), (64, 256))
+INVARIANT_ORDER = ("invariant", "default", "triton")  # NOTE: the mode, the CUDA default (flex), the triton backend
 
 
 def gpu_tests(dry_run: bool, timeout: float, log: str) -> dict:
@@ -240,6 +245,69 @@ def throughput(dry_run: bool, device: str, deadline: float, save, names=SYSTEM_O
     return out
 
 
+def invariant_overhead(dry_run: bool, device: str, deadline: float, save) -> dict:
+    """What `batch_invariant=True` costs on this device: useful tok/s of ours with the mode (on CUDA: its Triton
+    GEMMs, RMSNorm and per-row attention) against the default config and `attn_backend='triton'`, on one bf16 model
+    and RL workload (each system warmed on two short requests first), and whether the mode's request 0 is bitwise
+    the same (tokens and logprobs) run alone as in the batch; `slowdown` = the mode's seconds / the other's - 1
+    (anchors: SGLang's deterministic mode 34%, vLLM's batch-invariant mode +111-127%; the target is <= 35%)."""
+    from rollout.engine.core import EngineCore
+
+    spec, dtype = (CPU_MODEL, torch.float32) if dry_run else (GPU_MODEL, torch.bfloat16)
+    n_prompts, group, plen, clen = CPU_WORKLOAD if dry_run else INVARIANT_WORKLOAD
+    model = make_model(spec, dtype, device, "sdpa")
+    wl = rl_workload(n_prompts, group, spec["vocab_size"], plen, clen, seed=1)
+    configs = {"invariant": dict(batch_invariant=True), "default": {}, "triton": dict(attn_backend="triton")}
+    if dry_run:  # NOTE: the CPU's default; Triton runs interpreted there (too slow)
+        configs["triton"] = None
+    out: dict = {"workload": wl.describe(), "dtype": str(dtype), "systems": {}}
+
+    def run(fields: dict, prompts, max_new) -> tuple[float, list]:
+        core = EngineCore(model, greedy_config(), ContinuousBatchingConfig(return_logprobs=True, **fields))
+        reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
+                for i, (p, n) in enumerate(zip(prompts, max_new, strict=True))]
+        t0 = time.perf_counter()
+        for r in reqs:
+            core.add(r)
+        while core.has_work():
+            core.step()
+        _sync(device)
+        return time.perf_counter() - t0, [r.to_output() for r in reqs]
+
+    batch = None
+    for name in INVARIANT_ORDER:
+        fields = configs[name]
+        if fields is None:
+            continue
+        if deadline - time.perf_counter() < 45:
+            out["systems"][name] = {"skipped": f"{deadline - time.perf_counter():.0f} s left before the deadline"}
+            continue
+        try:
+            warm = run(fields, [p[:16] for p in wl.prompts[:2]], [8, 8])[0]
+            seconds, outs = run(fields, wl.prompts, wl.max_new)
+            out["systems"][name] = {"warmup_s": round(warm, 1), "seconds": round(seconds, 3),
+                                    "tokens_per_s": round(wl.useful_tokens / seconds, 1)}
+            if name == "invariant":
+                batch = outs
+        except Exception as e:  # NOTE: reported; the other systems still run
+            out["systems"][name] = {"error": f"{type(e).__name__}: {e}"[:800],
+                                    "traceback": traceback.format_exc().splitlines()[-12:]}
+        print("invariant_overhead", name, out["systems"][name], flush=True)
+        save(out)
+    inv = out["systems"].get("invariant", {}).get("seconds")
+    for name in INVARIANT_ORDER[1:]:
+        other = out["systems"].get(name, {}).get("seconds")
+        if inv and other:
+            out[f"slowdown_vs_{name}"] = round(inv / other - 1, 3)
+    if batch is not None and deadline - time.perf_counter() > 20:
+        alone = run(configs["invariant"], wl.prompts[:1], wl.max_new[:1])[1][0]
+        out["request0_alone_equals_batch"] = {
+            "tokens": alone.generated_tokens == batch[0].generated_tokens,
+            "logprobs": alone.logprobs == batch[0].logprobs}
+    save(out)
+    return out
+
+
 def step_profile(dry_run: bool, device: str, steps: int = 20, cbc: ContinuousBatchingConfig | None = None) -> dict:
     """Where a decode step's time goes: `steps` steady decode steps of ours (default backend) under
     torch.profiler. On CUDA, GPU-busy time (the sum of kernel times) against the wall clock says whether
@@ -285,7 +353,9 @@ def step_profile(dry_run: bool, device: str, steps: int = 20, cbc: ContinuousBat
 PLAN = [
     "gpu tests: pytest -m 'gpu or triton' (issue 61 first: the counter-based generator's words on CUDA equal the "
     "CPU's, seeded fp32 tokens on CUDA equal the CPU's, use_async_batching equal to the synchronous engine on "
-    "triton+graphs and flex, a steady overlapped step under set_sync_debug_mode('error'); then flex kernel vs fp64; "
+    "triton+graphs and flex, a steady overlapped step under set_sync_debug_mode('error'); batch-invariant mode on CUDA "
+    "(a row bitwise the same alone and in a 48-row bf16 batch, the default differing; trainer == engine bitwise, "
+    "the Triton GEMM / RMSNorm rows invariant, compiled); then flex kernel vs fp64; "
     "flex/sdpa/triton on CUDA exact vs generate and teacher forcing; the Triton decode kernel compiled, vs the C++ "
     "kernel and fp64; no host sync in a flex step; pinned CPU offload under pressure; flash refuses without "
     "flash-attn; the RL loop update/sleep/wake/close, also with triton and use_cuda_graph=True; seeded sampling; the "
@@ -297,6 +367,10 @@ PLAN = [
     "padded generate, transformers CB (flash_attention_2 or sdpa), "
     "ours sdpa, ours triton; useful tok/s, greedy agreement with unbatched generate (bf16: informative only), "
     "peak and leaked GPU memory",
+    "batch-invariant overhead, same bf16 model, 16 prompts x G=4 (prompts 64-512, completions 64-256): ours with "
+    "batch_invariant=True (on CUDA its Triton GEMMs, RMSNorm and per-row attention) vs the default config and vs "
+    "attn_backend='triton': useful tok/s, slowdown (target <= 35%; SGLang 34%, vLLM +111-127%), and request 0 run "
+    "alone bitwise equal (tokens, logprobs) to itself in the batch",
     "nano-vllm's workload, same bf16 model, 256 sequences, input and output lengths uniform 100-1024, no EOS: "
     "ours async (greedy), ours async seeded (T=0.6, a seed per request: the counter stream), ours static, "
     "ours flex (tok/s of generated tokens)",
@@ -318,6 +392,8 @@ def main() -> None:
     ap.add_argument("--no-fp32-check", action="store_true", help="skip the fp32 exactness run")
     ap.add_argument("--no-nano", dest="nano", action="store_false", help="skip nano-vllm's workload (256 x 100-1024)")
     ap.add_argument("--no-profile", dest="profile", action="store_false", help="skip the step profile")
+    ap.add_argument("--no-invariant", dest="invariant", action="store_false",
+                    help="skip the batch-invariant overhead")
     args = ap.parse_args()
     t_start = time.perf_counter()
     deadline = t_start + args.budget
@@ -359,8 +435,14 @@ def main() -> None:
         print(key, result[key], flush=True)
         save()
 
-    # NOTE: what issue 61 must show comes first (a run cut short keeps it): nano-vllm's workload, the GPU-busy share
-    # of asynchronous static decode steps, then the RL comparison and the other profiles
+    # NOTE: what issue 61 must show comes first (a run cut short keeps it): the batch-invariant overhead, nano-vllm's
+    # workload, the GPU-busy share of asynchronous static decode steps, then the RL comparison and the other profiles
+    if args.invariant:
+        def save_invariant(partial: dict) -> None:
+            result["invariant_overhead"] = partial
+            save()
+
+        save_invariant(invariant_overhead(args.dry_run, device, deadline, save_invariant))
     if args.nano:
         def save_nano(partial: dict) -> None:
             result["nano_vllm_workload"] = partial

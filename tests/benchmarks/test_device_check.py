@@ -30,6 +30,11 @@ def test_device_check_dry_run_writes_its_plan_and_a_tiny_measurement(tmp_path):
     for name, entry in systems.items():
         assert "error" not in entry, (name, entry)
         assert entry["tokens_per_s"] > 0 and entry["greedy_exact_vs_generate"] == 1.0
+    assert "test_triton_invariant.py" in log  # NOTE: the GPU path of the batch-invariant mode, compiled there
+    inv = result["invariant_overhead"]  # NOTE: on a CPU the mode's C++ kernels against the CPU default
+    assert set(inv["systems"]) == {"invariant", "default"} and "slowdown_vs_default" in inv
+    assert all(e["tokens_per_s"] > 0 for e in inv["systems"].values()), inv
+    assert inv["request0_alone_equals_batch"] == {"tokens": True, "logprobs": True}
     prof = result["step_profile"]
     assert "error" not in prof, prof
     assert prof["rows"] == 4 and prof["wall_ms_per_step"] > 0 and prof["top_cpu_ops"]

@@ -164,3 +164,38 @@ def test_a_layernorm_model_is_refused_on_the_triton_path(kernels):
         install(make_model("gpt2"), "triton")
     with pytest.raises(ValueError, match="batch_invariant: kernels must be one of"):
         install(make_model("qwen3"), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_a_row_is_bitwise_the_same_alone_and_in_a_48_row_bf16_batch():
+    """On CUDA the mode takes the Triton kernels by itself (attn_backend 'auto'): a Qwen3-shaped bf16 model
+    (hidden 1024, head size 128, GQA 16/8), request 0 alone and among 47 others (prompts 20-300 tokens) gives the
+    same greedy tokens and logprobs bit for bit; the control (the triton backend without the mode, cuBLAS GEMMs)
+    gives request 0 other logprob bits in the batch."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    config = Qwen3Config(hidden_size=1024, intermediate_size=3072, num_hidden_layers=4, num_attention_heads=16,
+                         num_key_value_heads=8, head_dim=128, vocab_size=32000, max_position_embeddings=4096)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).cuda().eval()
+    rng = random.Random(1)
+    prompts = [[rng.randrange(1, 32000) for _ in range(rng.randrange(20, 300))] for _ in range(48)]
+
+    def run(batch: list, **fields):
+        core = EngineCore(model, GenerationConfig(do_sample=False, eos_token_id=None),
+                          ContinuousBatchingConfig(return_logprobs=True, **fields))
+        reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=24) for i, p in enumerate(batch)]
+        for r in reqs:
+            core.add(r)
+        while core.has_work():
+            core.step()
+        return core, reqs[0].to_output()
+
+    core, alone = run(prompts[:1], batch_invariant=True)
+    assert core.backend.kernels == "triton"
+    _, mixed = run(prompts, batch_invariant=True)
+    assert mixed.generated_tokens == alone.generated_tokens and mixed.logprobs == alone.logprobs
+    _, plain_alone = run(prompts[:1], attn_backend="triton")
+    _, plain_mixed = run(prompts, attn_backend="triton")
+    assert plain_mixed.logprobs != plain_alone.logprobs, "the control should depend on the batch"
