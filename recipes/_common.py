@@ -451,18 +451,32 @@ def refuse(message: str) -> Refusal:
     `accelerate launch` answers a child's non-zero exit with a traceback of its own (`CalledProcessError`, ~20
     lines under the refusal; `-q` silences it), so under it the launcher is asked to stop first (SIGTERM, which
     it handles by stopping its children and exiting 143 without a traceback): the refusal stays one line there
-    too (a multi-process launch adds torch's three warning lines as its agent stops the ranks). Every rank refuses
-    alike; rank 0 prints and signals, the others wait to be stopped with it (a rank's own non-zero exit first would
-    bring the traceback back). Raise what this returns (`raise refuse(...)`), so tests catch it as a SystemExit."""
+    too (a multi-process launch adds torch's three warning lines as its agent stops the ranks). The line is
+    written to the launcher's own stderr, not through the pipe accelerate tees a child's stderr with: a SIGTERM
+    landing between that tee's read and its write dropped the line (seen in 2 of 4 runs on a loaded box). Every
+    rank refuses alike; rank 0 prints and signals, the others wait to be stopped with it (a rank's own non-zero
+    exit first would bring the traceback back). Raise what this returns (`raise refuse(...)`), so tests catch it
+    as a SystemExit."""
     rank, launcher = int(os.environ.get("RANK", "0")), os.getppid()
-    if rank == 0:
+    under_accelerate = _accelerate_launcher(launcher)
+    if rank == 0 and not (under_accelerate and _write_to_stderr_of(launcher, message)):
         print(message, file=sys.stderr, flush=True)
-    if _accelerate_launcher(launcher):
+    if under_accelerate:
         if rank == 0:
             os.kill(launcher, signal.SIGTERM)
         else:
             time.sleep(60)  # NOTE: the launcher stops this rank once rank 0 has signalled it
     return Refusal(message)
+
+
+def _write_to_stderr_of(pid: int, message: str) -> bool:
+    """Write `message` and a newline to process `pid`'s stderr (Linux: /proc/PID/fd/2); False where it cannot."""
+    try:
+        with open(f"/proc/{pid}/fd/2", "a") as err:  # NOTE: "a": a redirected log is not truncated
+            err.write(message + "\n")
+    except OSError:
+        return False
+    return True
 
 
 def claim_output_dir(accelerator: Accelerator, output_dir: str, record: dict, overwrite: bool = False,
