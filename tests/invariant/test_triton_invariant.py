@@ -172,7 +172,8 @@ def test_on_cuda_a_row_is_bitwise_the_same_alone_and_in_a_48_row_bf16_batch():
     """On CUDA the mode takes the Triton kernels by itself (attn_backend 'auto'): a Qwen3-shaped bf16 model
     (hidden 1024, head size 128, GQA 16/8), request 0 alone and among 47 others (prompts 20-300 tokens) gives the
     same greedy tokens and logprobs bit for bit; the control (the triton backend without the mode, cuBLAS GEMMs)
-    gives request 0 other logprob bits in the batch."""
+    gives request 0 other logprob bits in the batch; and the trainer's `InvariantForward` pass (Triton kernels,
+    by the model's device) gives a sampled batch's logprobs bit for bit at this vocabulary."""
     from transformers import AutoModelForCausalLM, Qwen3Config
 
     torch.manual_seed(0)
@@ -199,3 +200,18 @@ def test_on_cuda_a_row_is_bitwise_the_same_alone_and_in_a_48_row_bf16_batch():
     _, plain_alone = run(prompts[:1], attn_backend="triton")
     _, plain_mixed = run(prompts, attn_backend="triton")
     assert plain_mixed.logprobs != plain_alone.logprobs, "the control should depend on the batch"
+    # NOTE: the trainer's pass at a real vocabulary (32,000: torch's CUDA log-softmax takes its large-row kernels)
+    cbc = ContinuousBatchingConfig(return_logprobs=True, batch_invariant=True)
+    with RolloutEngine(model, config=cbc) as engine:
+        batch = engine.generate(prompts[:8], temps=[1.0, 0.0, 0.7, 1.0], group_size=2, max_new_tokens=16, seed=5)
+    data = {"input_ids": batch.input_ids.masked_fill(batch.attention_mask == 0, 0),
+            "attention_mask": batch.attention_mask,
+            "completion_ids": batch.completion_ids.masked_fill(batch.completion_mask == 0, 0),
+            "temperatures": batch.temperatures}
+    data = {k: v.cuda() for k, v in data.items()}
+    invariant = InvariantForward(model, page_size=cbc.page_size)
+    assert invariant.kernels == "triton"
+    with torch.no_grad():
+        logprobs, _ = scored_logprobs(completion_forward(invariant, data).logits, data)
+    mask = batch.completion_mask.bool().cuda()
+    assert torch.equal(logprobs[mask], batch.logprobs.cuda()[mask])
