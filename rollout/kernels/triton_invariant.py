@@ -5,11 +5,12 @@ The GPU path of `rollout.invariant` (`ContinuousBatchingConfig(batch_invariant=T
 count, and torch's CUDA reductions split a row over more threads or blocks when there are few rows, so a token's
 bits there depend on how many others share its step. These kernels do not:
 
-- `linear(x, weight, bias)`: `x @ weight.T + bias` over fixed `[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]` tiles,
+- `linear(x, weight, bias)`: `x @ weight.T + bias` over fixed `[BLOCK_M, BLOCK_K] x [BLOCK_K, BLOCK_N]` tiles (64s),
   one program per output tile, K walked in `BLOCK_K` steps in order into one fp32 accumulator (no split-K, no
   autotuning: one configuration for every shape), bias added in fp32, one rounding to the output dtype. A row's
   result depends only on its own input and the weights. fp32 runs `tl.dot` in IEEE fp32 (no TF32), bf16 on its
   native dot with fp32 accumulation (under the interpreter, whose numpy dot has no bf16, widened to fp32 first).
+  The tile sizes are a guess not yet timed on a GPU (the device check's `invariant_overhead` measures them).
 - `rms_norm(x, weight, eps, offset)`: one program per row, the whole row in one block, its sum of squares one
   `tl.sum` over a fixed block: Llama's `weight * (x * rsqrt(mean(x^2) + eps)).to(dtype)`, or with `offset`
   Gemma's `(x * rsqrt(...)) * (1 + weight)` in fp32, then the dtype.
@@ -31,9 +32,9 @@ except ImportError as e:  # pragma: no cover - exercised where triton is not ins
 
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "available", "linear", "rms_norm"]
 
-BLOCK_M = 32  # NOTE: rows per output tile
+BLOCK_M = 64  # NOTE: rows per output tile (a decode step of <= 64 rows reads each weight tile once)
 BLOCK_N = 64  # NOTE: columns per output tile
-BLOCK_K = 32  # NOTE: the reduction's step: every element sums K in these chunks, in order
+BLOCK_K = 64  # NOTE: the reduction's step: every element sums K in these chunks, in order
 
 
 @triton.jit
