@@ -28,7 +28,9 @@ every system: row-wise is what a per-row reader can reach, shared-once what a ca
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import random
 import sys
 import time
 
@@ -98,6 +100,14 @@ def kv_bytes(wl, model, page_size: int) -> tuple[int, int, int]:
     return rowwise * per_token, shared * per_token, max(wl.max_new)
 
 
+def lognormal_lengths(wl, median: float, sigma: float, bounds: tuple[int, int], seed: int):
+    """`wl` with each request's completion length drawn log-normally (median, sigma), clipped to `bounds`."""
+    rng = random.Random(seed + 1)
+    lo, hi = bounds
+    wl.max_new = [max(lo, min(hi, round(rng.lognormvariate(math.log(median), sigma)))) for _ in wl.max_new]
+    return wl
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=["5m", "100m"], default="5m")
@@ -110,6 +120,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--page-size", type=int, default=None, help="ours: tokens per KV page (default: the engine's)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lognormal", type=float, nargs=2, default=None, metavar=("MEDIAN", "SIGMA"),
+                   help="completion lengths log-normal (median, sigma), clipped to --completion-len: a long tail")
     p.add_argument("--trainer-step", action="store_true",
                    help="first, as a trainer's process has: deep-copy the model and run a training step (forward, "
                         "backward, AdamW) on this thread, then generate in the same process")
@@ -144,6 +156,8 @@ def main() -> None:
     for G in [int(x) for x in a.groups.split(",")]:
         wl = rl_workload(max(1, a.requests // G), G, model.config.vocab_size, tuple(a.prompt_len),
                          tuple(a.completion_len), seed=a.seed)
+        if a.lognormal:
+            wl = lognormal_lengths(wl, *a.lognormal, tuple(a.completion_len), a.seed)
         kv_row, kv_shared, steps = kv_bytes(wl, model, page_size)
         bound_row = wl.useful_tokens / ((kv_row + steps * weights) / bw)
         bound_shared = wl.useful_tokens / ((kv_shared + steps * weights) / bw)
