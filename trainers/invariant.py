@@ -21,6 +21,7 @@ import functools
 import torch
 
 from rollout.invariant.forward import InvariantForward
+from rollout.invariant.mode import kernels_for
 
 
 class PlainPasses:
@@ -45,10 +46,15 @@ class InvariantPasses(PlainPasses):
         page_size: the engine's page size.
         dtype: the engine's dtype (`engine_dtype`), None = the policy's.
         world: the number of processes.
+        attn_backend: the engine's `attn_backend`: the passes run the kernels the engine's mode runs
+            (`rollout.invariant.mode.kernels_for`: Triton on CUDA, or on a CPU when the engine's backend is
+            'triton'), else a trainer beside a 'triton' engine on a CPU would not match it bit for bit.
     """
 
-    def __init__(self, policy: torch.nn.Module, page_size: int, dtype: torch.dtype | None, world: int) -> None:
+    def __init__(self, policy: torch.nn.Module, page_size: int, dtype: torch.dtype | None, world: int,
+                 attn_backend: str = "auto") -> None:
         self.policy, self.page_size, self.dtype, self.world = policy, page_size, dtype, world
+        self.attn_backend = attn_backend
 
     def model(self, model: torch.nn.Module):
         return self.invariant_model
@@ -66,5 +72,6 @@ class InvariantPasses(PlainPasses):
 
     @functools.cached_property
     def invariant_model(self) -> InvariantForward:
-        return InvariantForward(self.policy, self.page_size, self.dtype)
+        device = next(self.policy.parameters()).device
+        return InvariantForward(self.policy, self.page_size, self.dtype, kernels_for(device, self.attn_backend))
 

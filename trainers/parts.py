@@ -58,7 +58,7 @@ def choose_passes(config, accelerator, model: torch.nn.Module) -> PlainPasses:
         return PlainPasses()
     dtype = getattr(torch, config.engine_dtype) if config.engine_dtype else None
     return InvariantPasses(accelerator.unwrap_model(model), config.engine_config.page_size, dtype,
-                           accelerator.num_processes)
+                           accelerator.num_processes, config.engine_config.attn_backend)
 
 
 def choose_feed(config) -> SyncFeed:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -50,6 +51,9 @@ def test_each_part_is_the_one_the_config_asks_for():
     invariant = SimpleNamespace(batch_invariant=True, engine_dtype=None, engine_config=ENGINE)
     passes = choose_passes(invariant, acc, policy)
     assert type(passes) is InvariantPasses and passes.policy is policy and passes.page_size == ENGINE.page_size
+    assert passes.invariant_model.kernels == "cpu"  # NOTE: the engine's mode on a CPU with its default backend
+    beside_triton = SimpleNamespace(**invariant.__dict__ | {"engine_config": replace(ENGINE, attn_backend="triton")})
+    assert choose_passes(beside_triton, acc, policy).invariant_model.kernels == "triton"  # NOTE: as the engine's
     assert type(choose_feed(plain)) is SyncFeed and type(choose_feed(SimpleNamespace())) is SyncFeed
     assert type(choose_feed(SimpleNamespace(async_rollout=True))) is AsyncFeed
     assert type(choose_layout(SimpleNamespace(accelerator=acc, config=plain), policy)) is Replicated
