@@ -121,6 +121,10 @@ def test_the_warm_start_cache_is_keyed_by_settings_model_and_library_versions(tm
     # NOTE: another process's warm start, built with another transformers, is not this run's
     (path / _common.WARM_START_FILE).write_text(json.dumps({**key, "transformers": "5.23.0", "exact": 0.3}))
     assert not _common.saved_settings_match(str(path), key)
+    # NOTE: nor one another machine's CPU built (a cache on a shared home: its float rounding moves the warm start)
+    assert key["cpu"] == _common.cpu_name() and key["cpu"] and "_cpu" in path.name
+    (path / _common.WARM_START_FILE).write_text(json.dumps({**key, "cpu": "AMD EPYC 7B13", "exact": 0.3}))
+    assert not _common.saved_settings_match(str(path), key)
     assert not _common.saved_settings_match(str(tmp_path / "missing"), key)
 
 
