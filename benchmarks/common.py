@@ -149,16 +149,24 @@ def timed(fn, *args, **kwargs) -> RunResult:
     return r
 
 
+def step_to_end(core, reqs) -> int:
+    """Add `reqs` to the `EngineCore` and step it until it has no work; returns the number of steps."""
+    for r in reqs:
+        core.add(r)
+    steps = 0
+    while core.has_work():
+        core.step()
+        steps += 1
+    return steps
+
+
 def run_core(core, wl: Workload) -> tuple[float, float, list[list[int]]]:
     """Every request of `wl` through an existing `EngineCore` (kept alive across runs, as in RL
     training), greedy; returns (CPU seconds of this process, wall seconds, generated tokens)."""
     reqs = [core.make_request(p, request_id=f"r{i}", max_new_tokens=n)
             for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
     c0, w0 = time.process_time(), time.perf_counter()
-    for r in reqs:
-        core.add(r)
-    while core.has_work():
-        core.step()
+    step_to_end(core, reqs)
     return time.process_time() - c0, time.perf_counter() - w0, [r.generated for r in reqs]
 
 
@@ -175,21 +183,14 @@ def run_ours(model, wl: Workload, cbc=None, warm: bool = False) -> RunResult:
     core, before = None, {}
     if warm:
         core = engine()
-        for i, p in enumerate(wl.prompts[:4]):
-            core.add(core.make_request(p[:16], request_id=f"warmup_{i}", max_new_tokens=8))
-        while core.has_work():
-            core.step()
+        step_to_end(core, [core.make_request(p[:16], request_id=f"warmup_{i}", max_new_tokens=8)
+                           for i, p in enumerate(wl.prompts[:4])])
         before = core.cache_stats()
     t0 = time.perf_counter()
     core = core if core is not None else engine()
     reqs = [core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n)
             for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-    for r in reqs:
-        core.add(r)
-    steps = 0
-    while core.has_work():
-        core.step()
-        steps += 1
+    steps = step_to_end(core, reqs)
     dt = time.perf_counter() - t0
     outs = [r.to_output() for r in reqs]
     bad = [o for o in outs if o.finish_reason != "length"]

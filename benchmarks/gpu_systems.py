@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 import time
 
-from benchmarks.common import RunResult, Workload, run_ours
+from benchmarks.common import RunResult, Workload, run_ours, step_to_end
 from rollout import ContinuousBatchingConfig
 
 
@@ -42,12 +42,7 @@ def run_seeded(model, wl: Workload, cbc: ContinuousBatchingConfig, temperature: 
     core = EngineCore(model, GenerationConfig(do_sample=True, eos_token_id=None, top_k=0, top_p=1.0), cbc)
     reqs = [core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n, temperature=temperature, seed=1000 + i)
             for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
-    for r in reqs:
-        core.add(r)
-    steps = 0
-    while core.has_work():
-        core.step()
-        steps += 1
+    steps = step_to_end(core, reqs)
     outs = [r.to_output() for r in reqs]
     return RunResult("ours_async_seeded", time.perf_counter() - t0, [o.generated_tokens for o in outs],
                      extra={"steps": steps, "overlapped": core.pipeline.overlapped if core.pipeline else 0})
