@@ -25,6 +25,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where triton is not installed
     raise ImportError("rollout's Triton kernels need the `triton` package: pip install 'rollout[triton]'") from e
 
+from rollout.kernels.triton_decode import built_for_interpreter, runs_on
+
 __all__ = ["available", "cascade_decode_attention"]
 
 BLOCK_N = 32
@@ -136,13 +138,11 @@ def _private_kernel(Q, K, V, Table, Row, Start, End, S0, S1, InGroup, PM, PL, PA
 
 
 def interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_private_kernel, InterpretedFunction)
+    return built_for_interpreter(_private_kernel)
 
 
 def available(device: torch.device) -> bool:
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return runs_on(device, _private_kernel)
 
 
 def cascade_decode_attention(q, k_cache, v_cache, table, row, start, end, page_size: int, scale: float,

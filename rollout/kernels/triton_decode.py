@@ -24,7 +24,7 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where triton is not installed
     raise ImportError("rollout's Triton kernels need the `triton` package: pip install 'rollout[triton]'") from e
 
-__all__ = ["BLOCK_N", "available", "interpreted", "paged_decode_attention"]
+__all__ = ["BLOCK_N", "available", "built_for_interpreter", "interpreted", "paged_decode_attention", "runs_on"]
 
 BLOCK_N = 32  # NOTE: key positions per tile; tl.dot needs >= 16 on a GPU
 
@@ -82,16 +82,27 @@ def _paged_decode_kernel(
              out.to(Out.dtype.element_ty), mask=mask_h[:, None] & mask_d[None, :])
 
 
-def interpreted() -> bool:
-    """The kernel was built for Triton's interpreter (`TRITON_INTERPRET=1` when this module was imported)."""
+def built_for_interpreter(kernel) -> bool:
+    """`kernel` (a `triton.jit` function) was built for Triton's interpreter (`TRITON_INTERPRET=1` when its module
+    was imported)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    return isinstance(_paged_decode_kernel, InterpretedFunction)
+    return isinstance(kernel, InterpretedFunction)
+
+
+def runs_on(device: torch.device, kernel) -> bool:
+    """`kernel` runs on `device`: CUDA, or a CPU when it was built for the interpreter."""
+    return device.type == "cuda" or (device.type == "cpu" and built_for_interpreter(kernel))
+
+
+def interpreted() -> bool:
+    """The kernel was built for Triton's interpreter (`TRITON_INTERPRET=1` when this module was imported)."""
+    return built_for_interpreter(_paged_decode_kernel)
 
 
 def available(device: torch.device) -> bool:
     """The kernel runs on `device`: CUDA, or a CPU under the interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return runs_on(device, _paged_decode_kernel)
 
 
 def paged_decode_attention(

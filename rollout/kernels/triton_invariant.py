@@ -30,6 +30,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where triton is not installed
     raise ImportError("rollout's Triton kernels need the `triton` package: pip install 'rollout[triton]'") from e
 
+from rollout.kernels.triton_decode import built_for_interpreter, runs_on
+
 __all__ = ["BLOCK_K", "BLOCK_M", "BLOCK_N", "available", "linear", "rms_norm"]
 
 BLOCK_M = 64  # NOTE: rows per output tile (a decode step of <= 64 rows reads each weight tile once)
@@ -81,14 +83,12 @@ def _rms_norm_kernel(X, W, Y, N, stride_x, stride_y, eps, OFFSET: tl.constexpr, 
 
 
 def interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_linear_kernel, InterpretedFunction)
+    return built_for_interpreter(_linear_kernel)
 
 
 def available(device: torch.device) -> bool:
     """The kernels run on `device`: CUDA, or a CPU under the interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return runs_on(device, _linear_kernel)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

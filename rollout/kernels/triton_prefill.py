@@ -27,6 +27,8 @@ try:
 except ImportError as e:  # pragma: no cover - exercised where triton is not installed
     raise ImportError("rollout's Triton kernels need the `triton` package: pip install 'rollout[triton]'") from e
 
+from rollout.kernels.triton_decode import built_for_interpreter, runs_on
+
 __all__ = ["BLOCK_M", "BLOCK_N", "available", "paged_prefill_attention"]
 
 BLOCK_M = 16  # NOTE: query tokens per program (times the GQA group: the tile's rows)
@@ -103,14 +105,12 @@ def _paged_prefill_kernel(
 
 
 def interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_paged_prefill_kernel, InterpretedFunction)
+    return built_for_interpreter(_paged_prefill_kernel)
 
 
 def available(device: torch.device) -> bool:
     """The kernel runs on `device`: CUDA, or a CPU under the interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return runs_on(device, _paged_prefill_kernel)
 
 
 def paged_prefill_attention(

@@ -20,6 +20,7 @@ except ImportError as e:  # pragma: no cover - exercised where triton is not ins
     raise ImportError("rollout's Triton kernels need the `triton` package: pip install 'rollout[triton]'") from e
 
 from rollout.kernels.philox import PHILOX_M, PHILOX_ROUNDS, PHILOX_W, TOKEN_STREAM
+from rollout.kernels.triton_decode import built_for_interpreter, runs_on
 
 __all__ = ["BLOCK", "counter_exponential", "counter_words", "available"]
 
@@ -64,14 +65,12 @@ def _store(ptr, token, word, vocab, WORDS: tl.constexpr):
 
 
 def interpreted() -> bool:
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(_counter_kernel, InterpretedFunction)
+    return built_for_interpreter(_counter_kernel)
 
 
 def available(device: torch.device) -> bool:
     """The kernel runs on `device`: CUDA, or a CPU under the interpreter."""
-    return device.type == "cuda" or (device.type == "cpu" and interpreted())
+    return runs_on(device, _counter_kernel)
 
 
 def _launch(seeds: list[int], positions: list[int], vocab: int, device, stream: int, words: bool) -> torch.Tensor:
