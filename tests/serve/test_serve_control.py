@@ -20,9 +20,9 @@ if __name__ != "__main__":
     for _mod in ("fastapi", "uvicorn", "prometheus_client", "httpx"):
         pytest.importorskip(_mod, reason=f"rollout serve tests need {_mod} (pip install -e '.[serve,dev]')")
 
-import httpx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from support.serving import call  # noqa: E402
 from support.tiny_models import hf_greedy, make_model  # noqa: E402
 
 PROMPT = [7, 30, 41, 9, 77, 12, 5, 66, 90, 3, 21, 54, 18, 33, 71, 8, 44, 2, 99, 60]  # 20 tokens: a full page
@@ -35,11 +35,6 @@ def server(tmp_path_factory):
 
     with serving(save_tiny(tmp_path_factory.mktemp("tiny") / "model")) as s:
         yield s
-
-
-def call(server, method, path, body=None, **params):
-    return httpx.request(method, server.url + path, json=body, params=params or None, timeout=120,
-                         headers={"Authorization": f"Bearer {server.key}"})
 
 
 def greedy(server, prompt=PROMPT, n=8) -> dict:

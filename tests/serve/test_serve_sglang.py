@@ -26,6 +26,7 @@ if __name__ != "__main__":
 import httpx  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from support.serving import call  # noqa: E402
 from support.tiny_models import hf_greedy, make_model  # noqa: E402
 
 PROMPT = [7, 30, 41, 9, 77, 12, 5, 66, 90, 3, 21, 54]
@@ -38,11 +39,6 @@ def server(tmp_path_factory):
 
     with serving(save_tiny(tmp_path_factory.mktemp("tiny") / "model")) as s:
         yield s
-
-
-def call(server, method, path, body=None, timeout=120):
-    return httpx.request(method, server.url + path, json=body, timeout=timeout,
-                         headers={"Authorization": f"Bearer {server.key}"})
 
 
 def generate(server, body) -> httpx.Response:

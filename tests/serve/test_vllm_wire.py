@@ -20,6 +20,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
+from support.serving import call  # noqa: E402
 from support.tiny_models import make_model  # noqa: E402
 
 WIRE = Path(__file__).parents[1] / "data" / "wire"
@@ -36,11 +37,6 @@ def server(tmp_path_factory):
 
     with serving(save_tiny(tmp_path_factory.mktemp("tiny") / "model")) as s:
         yield s
-
-
-def call(server, method, path, body=None, **params):
-    return httpx.request(method, server.url + path, json=body, params=params or None, timeout=120,
-                         headers={"Authorization": f"Bearer {server.key}"})
 
 
 def generate(server, **sampling) -> dict:

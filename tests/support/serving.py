@@ -78,6 +78,14 @@ class Served:
     model_dir: Path
 
 
+def call(server, method: str, path: str, body=None, timeout: float = 120, **params):
+    """One request to a `serving` server (`Served`): `body` as JSON, `params` as the query, its API key as bearer."""
+    import httpx
+
+    return httpx.request(method, server.url + path, json=body, params=params or None, timeout=timeout,
+                         headers={"Authorization": f"Bearer {server.key}"})
+
+
 @contextlib.contextmanager
 def serving(model_dir: Path, key: str = "test-key", start_timeout: float = 60.0, app_kwargs: dict | None = None,
             **engine_config):
