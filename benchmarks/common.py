@@ -186,12 +186,12 @@ def run_ours(model, wl: Workload, cbc=None, warm: bool = False) -> RunResult:
         step_to_end(core, [core.make_request(p[:16], request_id=f"warmup_{i}", max_new_tokens=8)
                            for i, p in enumerate(wl.prompts[:4])])
         before = core.cache_stats()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     core = core if core is not None else engine()
     reqs = [core.make_request(ids, request_id=f"req_{i}", max_new_tokens=n)
             for i, (ids, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
     steps = step_to_end(core, reqs)
-    dt = time.perf_counter() - t0
+    dt, cpu = time.perf_counter() - t0, time.process_time() - c0
     outs = [r.to_output() for r in reqs]
     bad = [o for o in outs if o.finish_reason != "length"]
     if bad:
@@ -205,7 +205,7 @@ def run_ours(model, wl: Workload, cbc=None, warm: bool = False) -> RunResult:
     return RunResult("ours", dt, [o.generated_tokens for o in outs], body, st["generated_tokens"],
                      dict(steps=steps, cached_prompt_tokens=st["cached_prompt_tokens"], preemptions=st["preemptions"],
                           num_blocks=st["num_blocks"], page_size=st["page_size"],
-                          max_batch_tokens=st["max_batch_tokens"]))
+                          max_batch_tokens=st["max_batch_tokens"], cpu_timed=cpu))
 
 
 def hf_cb_config(wl: Workload, page_size: int = 32, max_batch_tokens: int = 512):
@@ -354,7 +354,7 @@ def run_vllm(model, wl: Workload) -> RunResult:
         with open(res) as f:
             out = json.load(f)
     return RunResult("vllm", out["seconds"], [o[:n] for o, n in zip(out["outputs"], wl.max_new, strict=True)],
-                     extra=dict(init_seconds=out["init_seconds"]))
+                     extra=dict(init_seconds=out["init_seconds"], cpu_timed=out.get("cpu_seconds")))
 
 
 SYSTEMS = {"ours": run_ours, "hf_cb": run_hf_cb, "generate": run_generate, "engine": run_engine,

@@ -171,7 +171,9 @@ def main() -> None:
                 r = timed(runners[name], model, wl)
                 res.setdefault(name, r)
                 times[name].append(r.seconds)
-                print(f"  {name:13s} {r.seconds:7.2f} s  {wl.useful_tokens / r.seconds:8,.0f} tok/s  "
+                cpu = r.extra.get("cpu_timed")
+                cpu = "" if cpu is None else f"  cpu {cpu:6.2f} s ({cpu / r.seconds:.2f} cores)"
+                print(f"  {name:13s} {r.seconds:7.2f} s  {wl.useful_tokens / r.seconds:8,.0f} tok/s{cpu}  "
                       f"load {os.getloadavg()[0]:.2f}", flush=True)
         for name, ts in times.items():  # NOTE: the median round's time (the upper median of an even count)
             res[name].seconds = sorted(ts)[len(ts) // 2]

@@ -4,7 +4,9 @@
 
 IN.json: {"model": save_pretrained dir, "dtype": "float32" | "bfloat16", "threads": int,
 "prompts": [[ids]], "max_new": [int], "warmup": [[ids]]}. OUT.json: {"seconds": wall time of the
-timed `generate`, "outputs": [[generated ids]], "init_seconds": engine start-up}. Greedy, EOS ignored,
+timed `generate`, "outputs": [[generated ids]], "init_seconds": engine start-up, "cpu_seconds": CPU time of this
+process and all its children (vLLM's engine-core and worker processes) during the timed `generate`, when psutil is
+importable}. Greedy, EOS ignored,
 no tokenizer, each request with its own max_tokens; the engine and its compile warm-up are built
 before the clock starts, and one small warm-up batch runs first.
 
@@ -49,11 +51,31 @@ def main() -> None:
         return [list(o.outputs[0].token_ids) for o in outs]
 
     run(job["warmup"], [8] * len(job["warmup"]))
+    c0 = tree_cpu_seconds()
     t0 = time.perf_counter()
     outputs = run(job["prompts"], job["max_new"])
     seconds = time.perf_counter() - t0
+    cpu = None if c0 is None else tree_cpu_seconds() - c0
     with open(dst, "w") as f:
-        json.dump({"seconds": seconds, "outputs": outputs, "init_seconds": init}, f)
+        json.dump({"seconds": seconds, "outputs": outputs, "init_seconds": init, "cpu_seconds": cpu}, f)
+
+
+def tree_cpu_seconds() -> float | None:
+    """User + system CPU seconds of this process and its live descendants (vLLM runs its engine core and its
+    worker in processes of their own, so "threads" bounds the worker's OpenMP threads, not the cores used)."""
+    try:
+        import psutil  # noqa: PLC0415
+    except ImportError:
+        return None
+    me = psutil.Process()
+    total = 0.0
+    for p in [me, *me.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 if __name__ == "__main__":

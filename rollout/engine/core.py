@@ -19,6 +19,7 @@ from rollout.attention.backends import select as select_backend
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.async_steps import AsyncSteps
 from rollout.engine.cache_plan import engine_cache_stats, plan_engine_cache
+from rollout.engine.heap import frozen_heap
 from rollout.engine.routed_experts import request_routes, start_recording
 from rollout.engine.speculation import Speculator
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
@@ -335,15 +336,19 @@ class EngineCore:
             self.pipeline.settle()
 
     def step(self) -> list[Request]:
-        """One engine step. Returns the requests with news (final, or a new token when streaming)."""
-        if self.pipeline is not None:
-            return self.pipeline.step()
-        if self.scheduler.waiting:
-            self._check_weights()
-        out = self.scheduler.schedule()
-        if not out:
-            return self._unstick()
-        return self.run_step(out)
+        """One engine step. Returns the requests with news (final, or a new token when streaming).
+
+        The heap that exists when it starts is frozen for it (`rollout.engine.heap`): no full garbage collection
+        walks the trainer's objects in the middle of a step."""
+        with frozen_heap:
+            if self.pipeline is not None:
+                return self.pipeline.step()
+            if self.scheduler.waiting:
+                self._check_weights()
+            out = self.scheduler.schedule()
+            if not out:
+                return self._unstick()
+            return self.run_step(out)
 
     def run_step(self, out: SchedulerOutput) -> list[Request]:
         """Run, sample and update one scheduled step, synchronously."""
