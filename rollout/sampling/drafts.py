@@ -50,6 +50,8 @@ class SuffixIndex:
         # NOTE: n-1 -> n-gram -> positions p (ascending) with tokens[p - n : p] == n-gram
         self.maps: list[dict[tuple[int, ...], list[int]]] = [{} for _ in range(max_n)]
         self.upto = 1  # NOTE: next position p whose preceding n-grams are not indexed yet
+        self.pairs: set[tuple[int, int]] = set()  # NOTE: the 2-grams followed by a token (`has_pair`)
+        self.pairs_upto = 2
 
     def update(self) -> None:
         """Index the n-grams that gained a following token since the last call."""
@@ -64,6 +66,15 @@ class SuffixIndex:
                     if len(at) > 2 * POSITIONS:
                         del at[:-POSITIONS]
         self.upto = max(self.upto, len(toks))
+
+    def has_pair(self, pair: tuple[int, int]) -> bool:
+        """Whether `pair` was followed by a token: the check before a lookup, ~20x cheaper a token to keep than
+        the n-gram maps, so a row whose text does not repeat never builds them."""
+        toks, pairs = self.tokens, self.pairs
+        for p in range(self.pairs_upto, len(toks)):
+            pairs.add((toks[p - 2], toks[p - 1]))
+        self.pairs_upto = max(self.pairs_upto, len(toks))
+        return pair in pairs
 
     def positions(self, gram: tuple[int, ...]) -> list[int]:
         """Where `gram` was followed by a token (ascending; the latest `POSITIONS` or a few more)."""
@@ -137,12 +148,16 @@ class Drafter:
         no suffix of 2+ tokens -- `max_n` 1: 1 -- occurs in a source, or the first token's estimate is below
         `min_prob`)."""
         index = self.track(request, max_n)
-        index.update()
         toks = request.token_ids
         prompt = tuple(request.prompt_ids)
         others = list(itertools.islice((i for rid, i in self.groups.get(prompt, {}).items()
                                         if rid != request.request_id), MAX_SIBLINGS))
         others += self.history.get(prompt, ())
+        if max_n >= MIN_NGRAM >= 2 and len(toks) >= 2:  # NOTE: no source has the last 2 tokens: no draft
+            pair = (toks[-2], toks[-1])
+            if not index.has_pair(pair) and not any(other.has_pair(pair) for other in others):
+                return [], []
+        index.update()
         for other in others:
             other.update()
         for n in range(min(max_n, index.max_n, len(toks)), min(MIN_NGRAM, max_n) - 1, -1):

@@ -133,3 +133,24 @@ def test_a_descheduled_step_moves_the_estimates_by_a_bounded_step():
     c0, c1 = cost.c0, cost.c1
     cost.observe_spec(4, 16, 0.8)
     assert cost.c0 + cost.c1 * 16 * cost.share(4) < 1.3 * (c0 + c1 * 16 * cost.share(4))
+
+
+def test_text_that_does_not_repeat_builds_no_ngram_maps_and_drafts_as_before():
+    """The 2-gram check before a lookup (`SuffixIndex.has_pair`): a row whose last two tokens occur in no source
+    costs a set, not the n-gram maps; a row whose text repeats drafts exactly what the maps give."""
+    import random
+
+    rng = random.Random(0)
+    d = Drafter()
+    fresh = req("a", [9], [rng.randrange(10, 10_000) for _ in range(200)])  # NOTE: no 2-gram twice (almost surely)
+    assert d.draft(fresh, 4, max_n=4) == ([], [])
+    assert all(not m for m in d.track(fresh).maps)  # NOTE: nothing indexed
+    d.track(fresh).update()  # NOTE: the maps say the same: no 2-gram of the row is followed twice
+    assert d.draft(fresh, 4, max_n=4) == ([], [])
+    text = [rng.choice([1, 2, 3, 4]) for _ in range(60)]
+    for n in (2, 3, 4):
+        a, b = Drafter(), Drafter()
+        r = req("b", [9], text)
+        b.track(r, n).update()  # NOTE: maps built first: the lookup path without the check's early return
+        assert a.draft(r, 6, max_n=n) == b.draft(req("b", [9], text), 6, max_n=n)
+        assert a.draft(r, 6, max_n=n)[0]  # NOTE: it does draft
