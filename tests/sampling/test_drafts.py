@@ -154,3 +154,13 @@ def test_text_that_does_not_repeat_builds_no_ngram_maps_and_drafts_as_before():
         b.track(r, n).update()  # NOTE: maps built first: the lookup path without the check's early return
         assert a.draft(r, 6, max_n=n) == b.draft(req("b", [9], text), 6, max_n=n)
         assert a.draft(r, 6, max_n=n)[0]  # NOTE: it does draft
+
+
+def test_a_pair_seen_only_in_a_sibling_or_a_finished_rollout_still_drafts():
+    d = Drafter()
+    done = req("old", [9, 9], [1, 2, 8, 0])
+    d.track(done)
+    d.finish(done, keep=True)
+    assert d.draft(req("live", [9, 9], [5, 1, 2]), 2, max_n=2)[0] == [8, 0]  # NOTE: (1, 2) is new to the row
+    d.track(req("sib", [7], [3, 4, 6]))
+    assert d.draft(req("b", [7], [3, 4]), 1, max_n=2)[0] == [6]
