@@ -35,6 +35,7 @@ import torch
 
 from rollout.requests import Request, RequestStatus
 from rollout.sampling.drafts import DEFAULT_NGRAM, Drafter
+from rollout.sampling.sampler import row_argmax
 from rollout.sampling.speculative import ACCEPTANCE, Rule
 from rollout.scheduling.stages import ScheduledRequest, SchedulerOutput
 
@@ -334,10 +335,20 @@ class Speculator:
         whole = None
         if all(r.sampling.greedy and not r.sampling.uses_processors for r in rows):
             # NOTE: greedy rows without logits processors: a position's token, logprob, top-k and mask depend on its
-            # own logits only, so one sampler call over every position gives what a call per position would
-            per = [r for r, d in zip(rows, drafts, strict=True) for _ in range(1 + len(d))]
-            whole = core.sampler(logits, [r.sampling for r in per], [r.request_id for r in per], mode, requests=per,
-                                 top_mode=cfg.logprobs_mode)
+            # own logits only, and its token is the row's argmax (the sampler's own `row_argmax`): the argmax of
+            # every position says which are emitted, and one sampler call over those gives what a call per position
+            # would (the log-softmax of the positions after a rejected draft is never computed)
+            tokens = row_argmax(logits).tolist()
+            at = []  # NOTE: the emitted positions, row after row
+            for i, d in enumerate(drafts):
+                n = 0
+                while n < len(d) and tokens[first[i] + n] == d[n]:
+                    n += 1
+                first[i], at = len(at), at + list(range(first[i], first[i] + n + 1))
+            per = [rows[i] for i, d in enumerate(drafts) for _ in range(
+                (first[i + 1] if i + 1 < len(rows) else len(at)) - first[i])]
+            whole = core.sampler(logits[at], [r.sampling for r in per], [r.request_id for r in per], mode,
+                                 requests=per, top_mode=cfg.logprobs_mode)
         j = 0
         while active:
             reqs = [rows[i] for i in active]
