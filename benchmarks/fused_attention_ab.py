@@ -23,7 +23,7 @@ from common import greedy_config, make_model, rl_workload, rollout_version  # no
 
 from rollout import ContinuousBatchingConfig  # noqa: E402
 from rollout.engine.core import EngineCore  # noqa: E402
-from rollout.kernels import fused_layers, linear  # noqa: E402
+from rollout.kernels import fused_decoder, fused_layers, linear  # noqa: E402
 from rollout.kernels.fused_layers import KERNEL_ATTR  # noqa: E402
 
 
@@ -52,14 +52,15 @@ def main() -> None:
 
     (fused, fused_reqs), (plain, plain_reqs) = engine(), engine()
     dropped = 0
-    for m in plain.view.modules():
-        if KERNEL_ATTR in vars(m) and type(m).__name__.endswith(("Attention", "RotaryEmbedding")):
+    for m in plain.view.modules():  # NOTE: the fused decoder layers and stack call the fused attention: dropped too
+        if KERNEL_ATTR in vars(m) and (type(m).__name__.endswith(("Attention", "RotaryEmbedding"))
+                                       or fused_decoder.variant(m)):
             vars(m).pop("forward")
             delattr(m, KERNEL_ATTR)
             dropped += 1
     one_by_one = lambda x, modules: [m(x) for m in modules]  # noqa: E731 - the gated MLP's calls before the change
     print(f"rollout: {rollout_version()}\n{a.model}, {len(wl.prompts)} rows (G={a.group}), prompts {a.prompt_len}, "
-          f"{a.threads} threads; B: {dropped} attention / rotary modules on their class forward", flush=True)
+          f"{a.threads} threads; B: {dropped} attention / rotary / decoder modules on their class forward", flush=True)
     times = {"fused": [], "class": []}
     for i in range(a.steps + 10):  # NOTE: the first 10 steps (prefill, first decodes) untimed
         for name, core, fn in (("fused", fused, linear.linears), ("class", plain, one_by_one)):

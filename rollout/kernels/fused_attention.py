@@ -35,7 +35,7 @@ from rollout.kernels import cpu_kernels
 from rollout.kernels.fused_layers import KERNEL_ATTR, code_key, enabled, is_llama_rms_norm, plain_inputs
 from rollout.kernels.linear import linears
 
-# NOTE: sha1 of the reference forwards' source (`_source_key`): transformers 5.23 (past_key_values) and 5.24
+# NOTE: sha1 of the reference forwards' source (`source_key`): transformers 5.23 (past_key_values) and 5.24
 # (`cache`, behind deprecate_kwarg); the forward below was checked against each (tests/kernels/test_fused_attention.py)
 KNOWN_SOURCES = {
     "llama": {"9ec290e693aa2519", "bcb1c27cdcf3820f"},
@@ -48,7 +48,7 @@ STATIC_ROPE_TYPES = ("default", "linear", "yarn", "llama3")  # NOTE: inv_freq an
 MIN_TABLE = 256
 
 
-def _source_key(fn) -> str | None:
+def source_key(fn) -> str | None:
     try:
         return hashlib.sha1(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))).encode()).hexdigest()[:16]
     except (OSError, TypeError):  # NOTE: no source (a frozen install): not fused
@@ -67,7 +67,7 @@ def references() -> dict[str, tuple]:
             "mistral": MistralAttention.forward, "rotary": modeling_llama.LlamaRotaryEmbedding.forward}
     helpers = (code_key(inspect.unwrap(modeling_llama.apply_rotary_pos_emb)), code_key(modeling_llama.rotate_half))
     return {name: (code_key(inspect.unwrap(fn)), helpers) for name, fn in refs.items()
-            if _source_key(fn) in KNOWN_SOURCES[name]}
+            if source_key(fn) in KNOWN_SOURCES[name]}
 
 
 def attention_variant(module: torch.nn.Module) -> str | None:
@@ -94,7 +94,7 @@ def attention_variant(module: torch.nn.Module) -> str | None:
 
 
 @functools.cache
-def _module_globals(cls: type) -> dict:
+def module_globals(cls: type) -> dict:
     """The globals of `cls.forward`'s module (its `ALL_ATTENTION_FUNCTIONS`, `eager_attention_forward`)."""
     return inspect.unwrap(cls.forward).__globals__
 
@@ -108,7 +108,7 @@ def is_static_rotary(module: torch.nn.Module) -> bool:
         and isinstance(getattr(module, "inv_freq", None), torch.Tensor)
 
 
-def _attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
+def attention_forward(self, hidden_states, position_embeddings=None, attention_mask=None, cache=None,
                        past_key_values=None, **kwargs):
     if cache is None and past_key_values is None and position_embeddings is not None and not self.training \
             and plain_inputs(hidden_states):
@@ -133,7 +133,7 @@ def _fused_attention(self, x, position_embeddings, attention_mask, kwargs):
         except RuntimeError:
             return None
     q, k, v = linears(x, (self.q_proj, self.k_proj, self.v_proj))
-    variant, glb = self._rollout_variant, _module_globals(type(self))
+    variant, glb = self._rollout_variant, module_globals(type(self))
     if variant == "qwen3":
         qn, kn = self.q_norm, self.k_norm
         qw, kw, qe, ke = qn.weight, kn.weight, float(qn.variance_epsilon), float(kn.variance_epsilon)
@@ -215,7 +215,7 @@ def use_fused_attention(view: torch.nn.Module) -> int:
             kernel = cpu_kernels.qk_norm_rope()
             if kernel is None:
                 return n
-        module.forward = types.MethodType(_attention_forward, module)
+        module.forward = types.MethodType(attention_forward, module)
         module._rollout_variant = variant
         setattr(module, KERNEL_ATTR, kernel)
         n += 1

@@ -71,13 +71,13 @@ def plain_inputs(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
         and not torch.is_autocast_enabled("cpu")
 
 
-def _norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     if plain_inputs(x, self.weight):
         return self._rollout_fused(x, self.weight, float(self.variance_epsilon))
     return type(self).forward(self, x)
 
 
-def _mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+def mlp_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     gate, up = linears(x, (self.gate_proj, self.up_proj))
     if plain_inputs(gate) and up.dtype is torch.float32:
         return self.down_proj(self._rollout_fused(gate, up))
@@ -106,9 +106,9 @@ def use_fused_layers(view: torch.nn.Module) -> int:
         if norm is None or silu_mul is None:
             return 0
         if is_llama_rms_norm(module):
-            module.forward, kernel = types.MethodType(_norm_forward, module), norm
+            module.forward, kernel = types.MethodType(norm_forward, module), norm
         else:
-            module.forward, kernel = types.MethodType(_mlp_forward, module), silu_mul
+            module.forward, kernel = types.MethodType(mlp_forward, module), silu_mul
         setattr(module, KERNEL_ATTR, kernel)
         n += 1
     return n

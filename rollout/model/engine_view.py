@@ -16,6 +16,7 @@ import torch
 
 from rollout.attention.interface import ATTN_NAME, register
 from rollout.kernels.fused_attention import use_fused_attention
+from rollout.kernels.fused_decoder import use_fused_decoder_layers, use_fused_decoder_models
 from rollout.kernels.fused_layers import use_fused_layers
 from rollout.kernels.linear import drop_packed, use_onednn_linears
 
@@ -35,6 +36,8 @@ def make_engine_view(model: torch.nn.Module) -> torch.nn.Module:
     use_onednn_linears(view)
     use_fused_layers(view)
     use_fused_attention(view)
+    use_fused_decoder_layers(view)  # NOTE: after the two above: a layer is fused where its four children are
+    use_fused_decoder_models(view)
     try:
         view.set_attn_implementation(ATTN_NAME)
     except Exception as e:  # pragma: no cover - depends on the architecture
