@@ -1,0 +1,100 @@
+"""How far suffix drafts can take a tail at most (issue 60): the text's own limit, before any verification cost.
+
+A tail lasts as long as its slowest row. This generates the tail of `benchmarks/speculation.py` (the same workload
+and seeds: `--rows` rows x `--tokens` greedy tokens after `--prompt-len`-token prompts, `--prompt-kind`) with the
+plain engine, then replays each row's text through `rollout.sampling.drafts.Drafter` as the speculator would
+call it (the row's own tokens as its source: these rows have no siblings and no earlier rollouts), with
+**free verification**: every drafted token checked, up to `--k` a step, no cost model. Reported per row:
+
+  steps      steps the row would take with every draft verified for free (the plain engine takes `--tokens`)
+  kept       drafted tokens kept / drafted
+  next-hit   the share of positions whose next token is the one that followed the longest earlier match of the
+             context (any length up to 32, the row's own text): what any drafter reading this text could hope for
+  distinct   distinct ids among the generated tokens
+
+and per seed the bound on the tail's speedup, `--tokens` / the slowest row's steps: no lossless suffix drafter
+over this text, at any verification cost, does better than that on this tail.
+
+    python benchmarks/draft_bound.py --model 100m --init 0.025 --prompt-kind partial --seeds 722,723
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from types import SimpleNamespace
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import speculation  # noqa: E402
+import torch  # noqa: E402
+from common import machine_info, make_model, step_to_end  # noqa: E402
+
+from rollout.sampling.drafts import DEFAULT_NGRAM, Drafter  # noqa: E402
+
+
+def free_verify(prompt: list[int], gen: list[int], k: int) -> tuple[int, int, int]:
+    """(steps, drafted, kept) of one row replayed with every draft verified for free."""
+    t = steps = drafted = kept = 0
+    drafter = Drafter()
+    while t < len(gen):
+        row = SimpleNamespace(request_id="row", prompt_ids=prompt, token_ids=prompt + gen[:t], generated=gen[:t])
+        toks, _ = drafter.draft(row, min(k, len(gen) - t - 1), DEFAULT_NGRAM, 0.0)
+        drafter.own.clear()  # NOTE: the row's tokens list is rebuilt each step: index it afresh
+        drafter.groups.clear()
+        n = 0
+        while n < len(toks) and toks[n] == gen[t + n]:
+            n += 1
+        drafted, kept, t, steps = drafted + len(toks), kept + n, t + 1 + n, steps + 1
+    return steps, drafted, kept
+
+
+def next_hit(prompt: list[int], gen: list[int], longest: int = 32) -> float:
+    """Share of generated positions whose token followed the latest longest earlier match of its context."""
+    ctx, hits = prompt + gen, 0
+    for t in range(len(prompt), len(ctx)):
+        for n in range(min(longest, t - 1), 0, -1):
+            suffix = ctx[t - n : t]
+            follow = next((ctx[p] for p in range(t - 1, n - 1, -1) if ctx[p - n : p] == suffix), None)
+            if follow is not None:
+                hits += follow == ctx[t]
+                break
+    return hits / len(gen)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="5m")
+    ap.add_argument("--init", type=float, default=0.02)
+    ap.add_argument("--prompt-kind", choices=("random", "partial"), default="random")
+    ap.add_argument("--seeds", default="102,103,104")
+    ap.add_argument("--rows", type=int, default=4)
+    ap.add_argument("--tokens", type=int, default=400)
+    ap.add_argument("--prompt-len", type=int, default=200)
+    ap.add_argument("--k", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model = make_model(a.model, initializer_range=a.init)
+    print(machine_info())
+    print(f"model {a.model} (initializer_range {a.init}), prompts {a.prompt_kind}, {a.rows} rows x {a.tokens} tokens, "
+          f"k={a.k}, free verification", flush=True)
+    core = speculation.engine(model, 0, 0.0)
+    args = SimpleNamespace(prompt_kind=a.prompt_kind, tail_rows=a.rows, tail_tokens=a.tokens, prompt_len=a.prompt_len)
+    for seed in (int(s) for s in a.seeds.split(",")):
+        wl = speculation.workload("tail", args, model.config.vocab_size, seed)
+        reqs = [core.make_request(p, request_id=f"s{seed}_{i}", max_new_tokens=n)
+                for i, (p, n) in enumerate(zip(wl.prompts, wl.max_new, strict=True))]
+        step_to_end(core, reqs)
+        worst = 0
+        for i, (p, r) in enumerate(zip(wl.prompts, reqs, strict=True)):
+            steps, drafted, kept = free_verify(list(p), list(r.generated), a.k)
+            worst = max(worst, steps)
+            print(f"  seed {seed} row {i}: steps {steps}, kept {kept} / {drafted} ({kept / max(1, drafted):.0%}), "
+                  f"next-hit {next_hit(list(p), list(r.generated)):.0%}, distinct {len(set(r.generated))}", flush=True)
+        print(f"seed {seed}: slowest row {worst} steps: the tail's bound {a.tokens / worst:.2f}x", flush=True)
+
+
+if __name__ == "__main__":
+    main()
