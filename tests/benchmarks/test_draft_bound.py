@@ -32,6 +32,6 @@ def test_the_bound_counts_a_break_in_the_loop():
     assert steps > free_verify(prompt, [1, 2, 3, 4] * 10 + [1], k=4)[0]  # NOTE: the break costs steps
     # NOTE: the 5 and the tokens just after it are not foreseen (30 of 41; counting every match as a hit: 37)
     assert 0.65 < next_hit(prompt, text) < 0.8
-    one = [1, 2, 3, 4] * 5 + [1, 2, 5, 6, 7, 8]  # NOTE: one token a step: the draft after (1, 2) says 3, the text says 5
+    one = [1, 2, 3, 4] * 5 + [1, 2, 5, 6, 7, 8]  # NOTE: a token a step: after (1, 2) the draft says 3, the text 5
     steps, drafted, kept = free_verify(prompt, one, k=1)
     assert drafted == kept + 1 and kept == len(one) - steps
