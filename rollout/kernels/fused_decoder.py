@@ -136,13 +136,17 @@ def use_fused_decoder_layers(view: torch.nn.Module) -> int:
         if children is None:
             continue
         module._rollout_children = children
-        module._rollout_hooks = GLOBAL_HOOKS + tuple(
-            d for c in children for d in (c._forward_hooks, c._forward_pre_hooks, c._backward_hooks,
-                                          c._backward_pre_hooks))
+        module._rollout_hooks = _hook_dicts(children)
         module.forward = types.MethodType(_layer_forward, module)
         setattr(module, KERNEL_ATTR, "decoder layer")
         n += 1
     return n
+
+
+def _hook_dicts(modules) -> tuple:
+    """The global hook dicts and `modules`' own: while any of them is non-empty, a call takes the class forward."""
+    return GLOBAL_HOOKS + tuple(d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks,
+                                                              m._backward_hooks, m._backward_pre_hooks))
 
 
 def _model_forward(self, input_ids=None, *args, **kwargs):
@@ -190,9 +194,7 @@ def use_fused_decoder_models(view: torch.nn.Module) -> int:
                 for m in layers):
             continue
         module._rollout_variant = variant(module)
-        module._rollout_hooks = GLOBAL_HOOKS + tuple(
-            d for m in layers for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                                        m._backward_pre_hooks))
+        module._rollout_hooks = _hook_dicts(layers)
         module.forward = types.MethodType(_model_forward, module)
         setattr(module, KERNEL_ATTR, "decoder stack")
         n += 1
