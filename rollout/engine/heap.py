@@ -12,6 +12,10 @@ now may become cyclic garbage later, and a frozen object is never collected. So 
 - `gc.unfreeze()` when it ends hands them back to the oldest generation (O(1)); cyclic garbage among them is
   freed by the next full collection, outside the step. Objects still die by reference count while frozen.
 
+A full collection that walks the whole heap still comes, about as often as before (CPython starts one when the
+objects promoted since the last exceed a quarter of the heap it counted then), but outside the steps: between them
+(rarely: little is allocated there) or in the trainer's own code after `generate` returns.
+
 Steps on several threads (engines of a pool, a server's loop beside a caller) share one freeze, counted: the heap
 is handed back when the last step ends. A freeze the program holds itself (`gc.get_freeze_count() > 0` when no step
 is running) is left alone, neither added to nor undone; with the collector disabled nothing is done.
