@@ -295,7 +295,10 @@ def test_completions_answer_areal_and_tinker_requests(server):
     lp = r.json()["choices"][0]["logprobs"]
     ref = areal["response"]["choices"][0]["logprobs"]
     assert set(lp) == set(ref)
-    assert all(t.startswith("token_id:") for t in lp["tokens"]) and len(lp["tokens"]) == 6
+    assert all(t.startswith("token_id:") for t in lp["tokens"])
+    # NOTE: sampled at temperature 1 with EOS honoured, as AReaL sends it: 6 tokens, or fewer ending on a stop
+    choice = r.json()["choices"][0]
+    assert len(lp["tokens"]) == 6 or (len(lp["tokens"]) < 6 and choice["finish_reason"] == "stop"), choice
     assert list(lp["top_logprobs"][0]) == [lp["tokens"][0]]
     r = call(server, "POST", "/v1/completions", {"prompt": PROMPT, "max_tokens": 4, "logprobs": True, "n": 2,
                                                  "seed": 3, "prompt_logprobs": 1})
