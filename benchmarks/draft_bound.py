@@ -13,7 +13,10 @@ call it (the row's own tokens as its source: these rows have no siblings and no 
   distinct   distinct ids among the generated tokens
 
 and per seed the bound on the tail's speedup, `--tokens` / the slowest row's steps: no lossless suffix drafter
-over this text, at any verification cost, does better than that on this tail.
+over this text, at any verification cost, does better than that on this tail. With `--price C`, also the tail's
+speedup if each drafted token cost C of a step (lockstep: a step costs 1 + C x the tokens drafted in it), for drafts
+cut at k tokens and at estimates below a floor (`--ks`, `--min-probs`): what drafting could win at that price,
+before the speculative step's own overhead.
 
     python benchmarks/draft_bound.py --model 100m --init 0.025 --prompt-kind partial --seeds 722,723
 """
@@ -34,20 +37,35 @@ from common import machine_info, make_model, step_to_end  # noqa: E402
 from rollout.sampling.drafts import DEFAULT_NGRAM, Drafter  # noqa: E402
 
 
-def free_verify(prompt: list[int], gen: list[int], k: int) -> tuple[int, int, int]:
-    """(steps, drafted, kept) of one row replayed with every draft verified for free."""
-    t = steps = drafted = kept = 0
+def replay(prompt: list[int], gen: list[int], k: int, min_prob: float = 0.0) -> list[tuple[int, int]]:
+    """(drafted, kept) of each step of one row replayed with every draft verified for free; drafts stop at `k`
+    tokens or where the drafter's estimate falls below `min_prob` (as the speculator's cost model cuts them)."""
+    t, out = 0, []
     drafter = Drafter()
     while t < len(gen):
         row = SimpleNamespace(request_id="row", prompt_ids=prompt, token_ids=prompt + gen[:t], generated=gen[:t])
-        toks, _ = drafter.draft(row, min(k, len(gen) - t - 1), DEFAULT_NGRAM, 0.0)
+        toks, _ = drafter.draft(row, min(k, len(gen) - t - 1), DEFAULT_NGRAM, min_prob)
         drafter.own.clear()  # NOTE: the row's tokens list is rebuilt each step: index it afresh
         drafter.groups.clear()
         n = 0
         while n < len(toks) and toks[n] == gen[t + n]:
             n += 1
-        drafted, kept, t, steps = drafted + len(toks), kept + n, t + 1 + n, steps + 1
-    return steps, drafted, kept
+        out.append((len(toks), n))
+        t += 1 + n
+    return out
+
+
+def free_verify(prompt: list[int], gen: list[int], k: int) -> tuple[int, int, int]:
+    """(steps, drafted, kept) of one row replayed with every draft verified for free."""
+    steps = replay(prompt, gen, k)
+    return len(steps), sum(d for d, _ in steps), sum(n for _, n in steps)
+
+
+def priced(rows: list[list[tuple[int, int]]], tokens: int, price: float) -> float:
+    """The tail's speedup when a step costs 1 + `price` x the tokens drafted in it (all rows), lockstep: `tokens`
+    plain steps against the replayed ones."""
+    cost = sum(1 + price * sum(r[j][0] for r in rows if j < len(r)) for j in range(max(map(len, rows))))
+    return tokens / cost
 
 
 def next_hit(prompt: list[int], gen: list[int], longest: int = 32) -> float:
@@ -74,6 +92,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=200)
     ap.add_argument("--k", type=int, default=8)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--price", type=float, default=0.0,
+                    help="also print the tail's speedup when each drafted token costs this share of a step (e.g. 0.03: "
+                         "a 4-row 5M step on this CPU), for every --ks x --min-probs")
+    ap.add_argument("--ks", default="2,4,8")
+    ap.add_argument("--min-probs", default="0,0.4,0.5")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     model = make_model(a.model, initializer_range=a.init)
@@ -94,6 +117,12 @@ def main() -> None:
             print(f"  seed {seed} row {i}: steps {steps}, kept {kept} / {drafted} ({kept / max(1, drafted):.0%}), "
                   f"next-hit {next_hit(list(p), list(r.generated)):.0%}, distinct {len(set(r.generated))}", flush=True)
         print(f"seed {seed}: slowest row {worst} steps: the tail's bound {a.tokens / worst:.2f}x", flush=True)
+        if a.price:
+            rows = [(list(p), list(r.generated)) for p, r in zip(wl.prompts, reqs, strict=True)]
+            for k in (int(x) for x in a.ks.split(",")):
+                line = [f"{priced([replay(p, g, k, m) for p, g in rows], a.tokens, a.price):.2f}x at p >= {m}"
+                        for m in (float(x) for x in a.min_probs.split(","))]
+                print(f"  priced {a.price} a drafted token, k={k}: " + ", ".join(line), flush=True)
 
 
 if __name__ == "__main__":

@@ -35,3 +35,16 @@ def test_the_bound_counts_a_break_in_the_loop():
     one = [1, 2, 3, 4] * 5 + [1, 2, 5, 6, 7, 8]  # NOTE: a token a step: after (1, 2) the draft says 3, the text 5
     steps, drafted, kept = free_verify(prompt, one, k=1)
     assert drafted == kept + 1 and kept == len(one) - steps
+
+
+def test_the_price_of_drafted_tokens():
+    from draft_bound import priced, replay
+
+    prompt, loop = [7, 8, 9], [1, 2, 3, 4] * 25
+    rows = [replay(prompt, loop, 8)]
+    assert priced(rows, len(loop), 0.0) == len(loop) / len(rows[0])  # NOTE: free: tokens / steps
+    assert priced(rows, len(loop), 0.03) < priced(rows, len(loop), 0.0)
+    steps = len(rows[0])
+    drafted = sum(d for d, _ in rows[0])
+    assert priced(rows, len(loop), 0.03) == len(loop) / (steps + 0.03 * drafted)  # NOTE: one row: its own steps
+    assert replay(prompt, loop, 8, min_prob=0.99) == [(0, 0)] * len(loop)  # NOTE: no estimate reaches 0.99 early
