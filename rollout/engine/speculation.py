@@ -339,14 +339,16 @@ class Speculator:
             # every position says which are emitted, and one sampler call over those gives what a call per position
             # would (the log-softmax of the positions after a rejected draft is never computed)
             tokens = row_argmax(logits).tolist()
-            at = []  # NOTE: the emitted positions, row after row
+            at: list[int] = []  # NOTE: the emitted positions, row after row
+            counts = []  # NOTE: each row's emitted positions: its kept drafts and the token after them
             for i, d in enumerate(drafts):
                 n = 0
                 while n < len(d) and tokens[first[i] + n] == d[n]:
                     n += 1
-                first[i], at = len(at), at + list(range(first[i], first[i] + n + 1))
-            per = [rows[i] for i, d in enumerate(drafts) for _ in range(
-                (first[i + 1] if i + 1 < len(rows) else len(at)) - first[i])]
+                at.extend(range(first[i], first[i] + n + 1))
+                counts.append(n + 1)
+            first = list(itertools.accumulate([0, *counts[:-1]]))  # NOTE: each row's first position in `at`
+            per = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
             whole = core.sampler(logits[at], [r.sampling for r in per], [r.request_id for r in per], mode,
                                  requests=per, top_mode=cfg.logprobs_mode)
         j = 0

@@ -153,14 +153,15 @@ class Drafter:
         others = list(itertools.islice((i for rid, i in self.groups.get(prompt, {}).items()
                                         if rid != request.request_id), MAX_SIBLINGS))
         others += self.history.get(prompt, ())
-        if max_n >= MIN_NGRAM >= 2 and len(toks) >= 2:  # NOTE: no source has the last 2 tokens: no draft
+        shortest = min(MIN_NGRAM, max_n)
+        if shortest >= 2 and len(toks) >= 2:  # NOTE: every suffix tried ends with the last 2 tokens: none, no draft
             pair = (toks[-2], toks[-1])
             if not index.has_pair(pair) and not any(other.has_pair(pair) for other in others):
                 return [], []
         index.update()
         for other in others:
             other.update()
-        for n in range(min(max_n, index.max_n, len(toks)), min(MIN_NGRAM, max_n) - 1, -1):
+        for n in range(min(max_n, index.max_n, len(toks)), shortest - 1, -1):
             gram = tuple(toks[-n:])
             own = index.positions(gram)
             sources = [(toks, own)]
