@@ -86,24 +86,34 @@ def walk(sources: list[tuple[list[int], list[int]]], periodic: list[int] | None,
     """The most frequent continuation of the occurrences `sources` ((tokens, positions following the suffix) per
     source) and each token's probability estimate; `periodic` (positions in the row's own tokens, the first
     source) continue past its end with the draft itself. Stops at `k` tokens or below `min_prob`."""
-    # NOTE: one entry per occurrence: (tokens, position, own) -- filtered to the path as it is chosen
-    occ = [(toks, p, periodic is not None and i == 0) for i, (toks, ps) in enumerate(sources) for p in reversed(ps)]
+    # NOTE: occurrences with the same next k tokens walk alike: each distinct continuation once, with its count,
+    # in the order first seen (ties go to the token seen first: the row's own latest). A continuation cut short by
+    # its source's end stops there, unless it is the row's own (periodic): it then goes on with the draft.
+    paths: dict[tuple[tuple[int, ...], bool], int] = {}
+    total = 0
+    for i, (toks, ps) in enumerate(sources):
+        own, end = periodic is not None and i == 0, len(toks)
+        for p in reversed(ps):
+            key = (tuple(toks[p : p + k]), own and p + k > end)
+            paths[key] = paths.get(key, 0) + 1
+        total += len(ps)
+    live = [(cont, loops, n) for (cont, loops), n in paths.items()]
     draft: list[int] = []
     probs: list[float] = []
-    root = len(occ) + SMOOTHING
+    root = total + SMOOTHING
     for d in range(k):
         counts: dict[int, int] = {}
-        step = []  # NOTE: (occurrence, the token after it at depth d) where there is one
-        for o in occ:
-            toks, q = o[0], o[1] + d
-            if q < len(toks):
-                t = toks[q]
-            elif o[2]:
-                t = draft[q - len(toks)]
+        step = []  # NOTE: (path, the token it has at depth d) where it has one
+        for path in live:
+            cont = path[0]
+            if d < len(cont):
+                t = cont[d]
+            elif path[1]:
+                t = draft[d - len(cont)]
             else:
                 continue
-            counts[t] = counts.get(t, 0) + 1
-            step.append((o, t))
+            counts[t] = counts.get(t, 0) + path[2]
+            step.append((path, t))
         if not counts:
             break
         best = max(counts, key=counts.__getitem__)  # NOTE: ties: the token seen first (the row's own latest)
@@ -112,7 +122,7 @@ def walk(sources: list[tuple[list[int], list[int]]], periodic: list[int] | None,
             break
         draft.append(best)
         probs.append(prob)
-        occ = [o for o, t in step if t == best]
+        live = [path for path, t in step if t == best]
     return draft, probs
 
 

@@ -6,13 +6,14 @@ reads (few rows, a big model or a GPU, likely drafts) and not in a wide batch of
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
 
 from rollout.engine.speculation import Calibration, StepCost, prior
 from rollout.requests import RequestStatus
-from rollout.sampling.drafts import Drafter
+from rollout.sampling.drafts import SMOOTHING, Drafter, walk
 
 
 def req(rid: str, prompt: list[int], generated: list[int] = ()):
@@ -164,3 +165,44 @@ def test_a_pair_seen_only_in_a_sibling_or_a_finished_rollout_still_drafts():
     assert d.draft(req("live", [9, 9], [5, 1, 2]), 2, max_n=2)[0] == [8, 0]  # NOTE: (1, 2) is new to the row
     d.track(req("sib", [7], [3, 4, 6]))
     assert d.draft(req("b", [7], [3, 4]), 1, max_n=2)[0] == [6]
+
+
+def _walk_each_occurrence(sources, periodic, k, min_prob):
+    """The walk one occurrence at a time (the definition `walk` groups by continuation)."""
+    occ = [(toks, p, periodic is not None and i == 0) for i, (toks, ps) in enumerate(sources) for p in reversed(ps)]
+    draft, probs, root = [], [], len(occ) + SMOOTHING
+    for d in range(k):
+        counts, step = {}, []
+        for o in occ:
+            q = o[1] + d
+            if q < len(o[0]):
+                t = o[0][q]
+            elif o[2]:
+                t = draft[q - len(o[0])]
+            else:
+                continue
+            counts[t] = counts.get(t, 0) + 1
+            step.append((o, t))
+        if not counts:
+            break
+        best = max(counts, key=counts.__getitem__)
+        if counts[best] / root < min_prob:
+            break
+        draft.append(best)
+        probs.append(counts[best] / root)
+        occ = [o for o, t in step if t == best]
+    return draft, probs
+
+
+def test_walk_equals_the_walk_over_each_occurrence():
+    rng = random.Random(7)
+    for trial in range(400):
+        alphabet = rng.randint(2, 6)
+        sources = []
+        for s in range(rng.randint(1, 4)):
+            toks = [rng.randrange(alphabet) for _ in range(rng.randint(3, 60))]
+            ps = sorted(rng.sample(range(1, len(toks)), rng.randint(1, min(len(toks) - 1, 20))))
+            sources.append((toks, ps))
+        periodic = sources[0][1] if trial % 2 else None
+        k, min_prob = rng.randint(1, 10), rng.choice((0.0, 0.1, 0.3))
+        assert walk(sources, periodic, k, min_prob) == _walk_each_occurrence(sources, periodic, k, min_prob), trial
