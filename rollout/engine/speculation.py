@@ -260,6 +260,9 @@ class Speculator:
     def step(self, out: SchedulerOutput) -> list[Request] | None:
         """Run a decode-only step speculatively; None (nothing done) when it would not pay or nothing drafts."""
         core = self.core
+        if not self.k and not any(s.request.sampling.prompt_lookup_num_tokens for s in out.scheduled):
+            self.last = None  # NOTE: nothing here can draft (no engine k, no request's prompt lookup): a plain step
+            return None
         now = time.perf_counter()
         self._time(now)
         self.steps += 1
