@@ -130,6 +130,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="5m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--tail-rows", type=int, default=4)
     ap.add_argument("--tail-tokens", type=int, default=400)
@@ -152,9 +153,9 @@ def main() -> None:
                          "itself; 0.02 (transformers' default) repeats in part at 5M and loops at 100M")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = make_model(args.model, initializer_range=args.init)
+    model = make_model(args.model, dtype=args.dtype, initializer_range=args.init)
     print(machine_info())
-    print(f"model {args.model} (initializer_range {args.init}), {args.threads} threads, k={args.k}, "
+    print(f"model {args.model} {args.dtype} (initializer_range {args.init}), {args.threads} threads, k={args.k}, "
           f"prompts {args.prompt_kind}, "
           f"temperature {args.temperature}, seeds {args.seed}..{args.seed + args.repeats - 1}", flush=True)
     cores = {0: engine(model, 0, args.temperature), args.k: engine(model, args.k, args.temperature)}
