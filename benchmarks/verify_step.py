@@ -13,17 +13,24 @@ makes it: one call over every position):
                small-M kernel up to `rollout.kernels.linear.SMALL_ROWS` tokens
 
 Reported per (model, B, k): the median of each variant's wall and CPU times (ms; at 1 thread the CPU time is the
-measure a shared box disturbs least), its ratio to plain's, and the load average.
+measure a shared box disturbs least), its ratio to plain's, and the load average. `--split` then runs plain and
+verify again under cProfile and prints where a step's time goes by kernel (attention: the paged kernel; linears:
+the small-M kernel, oneDNN and MKL calls; the other C++ kernels; the rest: Python and torch glue), per step and, for
+verify, per drafted token above plain (cProfile slows the Python, so the rest reads high; the kernels' own times
+do not move).
 The steps write their K/V past each row's computed tokens and change no request, so the same state is timed
 again and again (the draft tokens are random).
 
     python benchmarks/verify_step.py --model 100m --rows 4 --ks 2,4,8 --rounds 20
+    python benchmarks/verify_step.py --model 5m --rows 4 --ks 1,4,8 --prompt-len 600 --split
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import random
 import statistics
 import sys
@@ -84,6 +91,33 @@ def timed_step(core: EngineCore, drafts: list[list[int]] | None) -> tuple[float,
     return time.perf_counter() - t0, time.process_time() - c0
 
 
+KERNELS = {"attention": ("cascade_decode_attention", "paged_decode_attention", "decode_attention"),
+           "linears": ("small_linear", "small_linears", "_C._nn.linear", "_linear_pointwise")}
+
+
+def split(core: EngineCore, drafts: list[list[int]] | None, rounds: int) -> dict[str, float]:
+    """Seconds a step by kernel family (`KERNELS`, then every other C++ builtin, then the rest), over `rounds`
+    profiled steps."""
+    for _ in range(3):  # NOTE: the variant's first calls (another route's threads and caches) outside the profile
+        timed_step(core, drafts)
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    for _ in range(rounds):
+        timed_step(core, drafts)
+    prof.disable()
+    total = time.perf_counter() - t0
+    out = dict.fromkeys([*KERNELS, "other kernels"], 0.0)
+    for (_, _, name), (_, _, tottime, _, _) in ((key, value[:5]) for key, value in pstats.Stats(prof).stats.items()):
+        fam = next((f for f, keys in KERNELS.items() if any(k in name for k in keys)), None)
+        if fam is not None:
+            out[fam] += tottime
+        elif "rollout_cpu" in name:
+            out["other kernels"] += tottime
+    out["rest"] = total - sum(out.values())
+    return {k: v / rounds for k, v in out.items()}
+
+
 def set_path(values: dict) -> dict:
     old = {"VERIFY_MAX_TOKENS": cpu_backend.VERIFY_MAX_TOKENS, "SMALL_ROWS": linear.SMALL_ROWS}
     cpu_backend.VERIFY_MAX_TOKENS = values["VERIFY_MAX_TOKENS"]
@@ -102,6 +136,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--small-rows", type=int, default=0, help="also time verify with this SMALL_ROWS")
+    ap.add_argument("--split", action="store_true", help="then where the time goes, by kernel (cProfile)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = make_model(args.model, initializer_range=args.init)
@@ -139,6 +174,15 @@ def main() -> None:
             m, c = med(name, 0), med(name, 1)
             line.append(f"{name} {m * 1e3:.1f} ms ({m / base:.2f}x; cpu {c * 1e3:.1f}, {c / base_cpu:.2f}x)")
         print("; ".join(line) + f"; load {load()}", flush=True)
+        if args.split:
+            split(core, None, args.rounds)  # NOTE: once to settle the threads after the timed rounds' other routes
+            base = split(core, None, args.rounds)
+            print(f"  B={rows} plain, us a step: " + ", ".join(f"{n} {v * 1e6:.0f}" for n, v in base.items()))
+            for k in ks:
+                drafts = [[rng.randrange(1, 100) for _ in range(k)] for _ in range(rows)]
+                got = split(core, drafts, args.rounds)
+                print(f"  B={rows} verify k={k}, us a step (a drafted token): " + ", ".join(
+                    f"{n} {v * 1e6:.0f} ({(v - base[n]) * 1e6 / (rows * k):+.1f})" for n, v in got.items()), flush=True)
 
 
 if __name__ == "__main__":
