@@ -199,7 +199,7 @@ def test_walk_equals_the_walk_over_each_occurrence():
     for trial in range(400):
         alphabet = rng.randint(2, 6)
         sources = []
-        for s in range(rng.randint(1, 4)):
+        for _ in range(rng.randint(1, 4)):
             toks = [rng.randrange(alphabet) for _ in range(rng.randint(3, 60))]
             ps = sorted(rng.sample(range(1, len(toks)), rng.randint(1, min(len(toks) - 1, 20))))
             sources.append((toks, ps))
