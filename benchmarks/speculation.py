@@ -122,12 +122,17 @@ def workload(name: str, args, vocab: int, seed: int) -> Workload:
     raise SystemExit(f"unknown workload {name!r}")
 
 
+def part(a: list[int], b: list[int]) -> int | None:
+    """The first token where `a` and `b` differ (None: none within the shorter)."""
+    return next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+
+
 @torch.inference_mode()
 def parted(model, wl: Workload, plain: list[list[int]], spec: list[list[int]]) -> None:
     """Where each differing row's speculative and plain tokens part, and the model's own top two logits there
     (a teacher-forced forward over the plain row): a tie, or a gap of a rounding step, is numerics, not a bug."""
     for i, (a, b) in enumerate(zip(plain, spec, strict=True)):
-        at = next((j for j, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        at = part(a, b)
         if at is None:
             continue
         logits = model(torch.tensor([wl.prompts[i] + a[:at]])).logits[0, -1].float()

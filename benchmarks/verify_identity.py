@@ -7,7 +7,7 @@ log-sum-exp; a plain step reads each row in one pass. The two round differently,
 greedy rows can part. This runs the same 4-row tails (random prompts, `--init 0.02`) in bf16 through a plain and a
 speculative engine twice: as shipped (cascade), and with the backend's kernel swapped for the one-pass paged kernel
 (`cpu_kernels.paged_decode_attention`, no cascade) in both engines; it prints where each row's tokens part (None:
-identical) and the speculative engine's seconds of attention a verifying step (cProfile's time in the kernel).
+identical) and the speculative run's seconds in the attention kernel (cProfile's time in it).
 
     python benchmarks/verify_identity.py --model 5m --seeds 102,103
 """
@@ -24,8 +24,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
-from common import machine_info, make_model  # noqa: E402
-from speculation import engine  # noqa: E402
+from common import machine_info, make_model, step_to_end  # noqa: E402
+from speculation import engine, part  # noqa: E402
 
 from rollout.kernels import cpu_kernels  # noqa: E402
 
@@ -43,10 +43,7 @@ def one_pass(core) -> None:
 
 def run(core, prompts: list[list[int]], tokens: int, tag: str) -> list[list[int]]:
     reqs = [core.make_request(p, request_id=f"{tag}_{i}", max_new_tokens=tokens) for i, p in enumerate(prompts)]
-    for r in reqs:
-        core.add(r)
-    while core.has_work():
-        core.step()
+    step_to_end(core, reqs)
     return [r.generated for r in reqs]
 
 
@@ -84,8 +81,7 @@ def main() -> None:
             prof.disable()
             attn = sum(v[2] for (_, _, name), v in pstats.Stats(prof).stats.items()
                        if "decode_attention" in name and "built-in" in name)
-            parts = [next((j for j, (x, y) in enumerate(zip(u, w, strict=False)) if x != y), None)
-                     for u, w in zip(a, b, strict=True)]
+            parts = [part(u, w) for u, w in zip(a, b, strict=True)]
             drafted = spec.cache_stats()["spec_draft_tokens"] - drafted
             print(f"{mode:8s} seed {seed}: rows part at {parts}; attention in the speculative run "
                   f"{attn * 1e3:.0f} ms ({drafted} tokens drafted)", flush=True)

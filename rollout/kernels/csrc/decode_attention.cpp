@@ -557,8 +557,8 @@ void attend_any(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_
 // loop with a runtime count (the shared pages of a cascade group); anything else takes `attend_any`.
 // From this many query heads on one set of keys (a cascade group's shared pages, a verifying row's tokens), the heads
 // are the vector lanes (`attend_many_avx512`); below, the head dim is. 9, not 16: the counts between them (5-7 rows
-// of a 5M group, 3-5 of a 100M one, 4-7-token drafts) took the runtime-count loop at 0.67-0.83x the speed
-// (`benchmarks/decode_kernel_ab.py --group 3 .. 7`, Intel Xeon, AVX-512, 2 threads); the specialised counts
+// of a 5M group, 3-5 of a 100M one, 4-7-token drafts) took the runtime-count loop at 0.67-0.85x the speed
+// (`benchmarks/decode_kernel_ab.py --group 3 .. 7`, two runs, Intel Xeon, AVX-512, 2 threads); the specialised counts
 // (1-4, 6-8 heads) keep theirs.
 constexpr int64_t MANY_HEADS = 9;
 
