@@ -327,57 +327,84 @@ class Speculator:
     def _verify(self, rows: list[Request], drafts: list[list[int]], logits) -> tuple[list[int], list[str | None]]:
         """Sample position after position, appending what each row emits; returns (tokens each row emitted, why
         each stopped: None while it goes on)."""
-        core, cfg = self.core, self.core.config
-        mode = cfg.logprobs_mode if cfg.return_logprobs else None
-        first = list(itertools.accumulate([0, *[1 + len(d) for d in drafts[:-1]]]))
+        core = self.core
+        first = list(itertools.accumulate([0, *[1 + len(d) for d in drafts[:-1]]]))  # NOTE: each row's positions
         emitted = [0] * len(rows)
         reasons: list[str | None] = [None] * len(rows)
+        taken = [0] * len(rows)  # NOTE: each row's drafted tokens kept
+        if all(r.sampling.greedy and not r.sampling.uses_processors for r in rows):
+            accepted = self._verify_greedy(rows, drafts, logits, first, emitted, reasons, taken)
+        else:
+            accepted = self._verify_positions(rows, drafts, logits, first, emitted, reasons, taken)
+        for req, d, est, n in zip(rows, drafts, self.estimates, taken, strict=True):
+            if d:
+                self.calibration.record(req.request_id, sum(est[: len(d)]), n)
+        core.stats["spec_draft_tokens"] += sum(len(d) for d in drafts)
+        core.stats["spec_accepted_tokens"] += accepted
+        return emitted, reasons
+
+    def _verify_greedy(self, rows, drafts, logits, first, emitted, reasons, taken) -> int:
+        """`_verify` for greedy rows without logits processors: a position's token, logprob, top-k and mask depend on
+        its own logits only, and its token is the row's argmax (the sampler's own `row_argmax`): the argmax of
+        every position says which are emitted, and one sampler call over those gives what a call per position
+        would (the log-softmax of the positions after a rejected draft is never computed). Returns the drafted
+        tokens kept."""
+        core, cfg = self.core, self.core.config
+        tokens = row_argmax(logits).tolist()
+        at: list[int] = []  # NOTE: the emitted positions, row after row
+        counts = []  # NOTE: each row's emitted positions: its kept drafts and the token after them
+        for i, d in enumerate(drafts):
+            n = 0
+            while n < len(d) and tokens[first[i] + n] == d[n]:
+                n += 1
+            at.extend(range(first[i], first[i] + n + 1))
+            counts.append(n + 1)
+        per = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
+        mode = cfg.logprobs_mode if cfg.return_logprobs else None
+        whole = core.sampler(logits[at], [r.sampling for r in per], [r.request_id for r in per], mode,
+                             requests=per, top_mode=cfg.logprobs_mode)
+        logprobs, tops, masks = whole.logprobs, whole.top, whole.masks
+        version, accepted, p = core.policy_version, 0, 0
+        for i, (req, c) in enumerate(zip(rows, counts, strict=True)):
+            for q in range(p, p + c):  # NOTE: the row's kept drafts (c - 1 of them), then the token after them
+                if tops is not None:
+                    req.top.append(tops[q])
+                if masks is not None:
+                    req.masks.append(masks[q])
+                reason = req.append_token(whole.tokens[q], None if logprobs is None else logprobs[q], version)
+                emitted[i] += 1
+                if q < p + c - 1:
+                    accepted += 1
+                    taken[i] += 1
+                if reason is not None:
+                    reasons[i] = reason
+                    break
+            p += c
+        return accepted
+
+    def _verify_positions(self, rows, drafts, logits, first, emitted, reasons, taken) -> int:
+        """`_verify` position after position (sampled rows, logits processors: a position's draw depends on the
+        tokens kept before it), the acceptance rule at each. Returns the drafted tokens kept."""
+        core, cfg = self.core, self.core.config
+        mode = cfg.logprobs_mode if cfg.return_logprobs else None
         active = list(range(len(rows)))
         accepted = 0
-        taken = [0] * len(rows)
-        whole = None
-        if all(r.sampling.greedy and not r.sampling.uses_processors for r in rows):
-            # NOTE: greedy rows without logits processors: a position's token, logprob, top-k and mask depend on its
-            # own logits only, and its token is the row's argmax (the sampler's own `row_argmax`): the argmax of
-            # every position says which are emitted, and one sampler call over those gives what a call per position
-            # would (the log-softmax of the positions after a rejected draft is never computed)
-            tokens = row_argmax(logits).tolist()
-            at: list[int] = []  # NOTE: the emitted positions, row after row
-            counts = []  # NOTE: each row's emitted positions: its kept drafts and the token after them
-            for i, d in enumerate(drafts):
-                n = 0
-                while n < len(d) and tokens[first[i] + n] == d[n]:
-                    n += 1
-                at.extend(range(first[i], first[i] + n + 1))
-                counts.append(n + 1)
-            first = list(itertools.accumulate([0, *counts[:-1]]))  # NOTE: each row's first position in `at`
-            per = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
-            whole = core.sampler(logits[at], [r.sampling for r in per], [r.request_id for r in per], mode,
-                                 requests=per, top_mode=cfg.logprobs_mode)
         j = 0
         while active:
             reqs = [rows[i] for i in active]
             proposed = [drafts[i][j] if j < len(drafts[i]) else None for i in active]
-            if whole is not None:
-                at_rows = [first[i] + j for i in active]
-                tokens = [whole.tokens[p] for p in at_rows]
-                logprobs = [None] * len(reqs) if whole.logprobs is None else [whole.logprobs[p] for p in at_rows]
-                tops = [None] * len(reqs) if whole.top is None else [whole.top[p] for p in at_rows]
-                masks = [None] * len(reqs) if whole.masks is None else [whole.masks[p] for p in at_rows]
-                kept = [d is not None and t == d for t, d in zip(tokens, proposed, strict=True)]
-            else:
-                at = logits[[first[i] + j for i in active]]  # [A, V]
+            at = logits[[first[i] + j for i in active]]  # [A, V]
 
-                def sample(sub: list[int], reqs=reqs, at=at):
-                    rs = [reqs[s] for s in sub]
-                    return core.sampler(at[sub], [r.sampling for r in rs], [r.request_id for r in rs], mode,
-                                        requests=rs, top_mode=cfg.logprobs_mode)
+            def sample(sub: list[int], reqs=reqs, at=at):
+                rs = [reqs[s] for s in sub]
+                return core.sampler(at[sub], [r.sampling for r in rs], [r.request_id for r in rs], mode,
+                                    requests=rs, top_mode=cfg.logprobs_mode)
 
-                result, kept = self.rule(sample, proposed, [r.sampling.greedy for r in reqs])
-                tokens = result.tokens
-                logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
-                tops = [None] * len(reqs) if result.top is None else result.top
-                masks = [None] * len(reqs) if result.masks is None else result.masks
+            result, kept = self.rule(sample, proposed, [r.sampling.greedy for r in reqs])
+            tokens = result.tokens
+            logprobs = [None] * len(reqs) if result.logprobs is None else result.logprobs
+            tops = [None] * len(reqs) if result.top is None else result.top
+            masks = [None] * len(reqs) if result.masks is None else result.masks
             still = []
             for a, i in enumerate(active):
                 req = rows[i]
@@ -395,9 +422,4 @@ class Speculator:
                     still.append(i)
             active = still
             j += 1
-        for req, d, est, n in zip(rows, drafts, self.estimates, taken, strict=True):
-            if d:
-                self.calibration.record(req.request_id, sum(est[: len(d)]), n)
-        core.stats["spec_draft_tokens"] += sum(len(d) for d in drafts)
-        core.stats["spec_accepted_tokens"] += accepted
-        return emitted, reasons
+        return accepted

@@ -74,6 +74,37 @@ def test_greedy_tokens_and_logprobs_equal_without_speculation(arch):
     assert stats["free_blocks"] == stats["num_blocks"]  # NOTE: rejected drafts' pages came back
 
 
+def test_greedy_top_logprobs_equal_without_speculation():
+    """Top-k logprobs of greedy rows (the verification's one sampler call over the kept positions) are the plain
+    step's, token for token, where drafts are kept."""
+    model = make_model("llama")
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)]
+    base, _ = run(model, prompts, config(), top_logprobs=3)
+    _, core = run(model, prompts, config(**SPEC), top_logprobs=3)
+    spec, core = run(model, prompts, config(**SPEC), core=core, top_logprobs=3)  # NOTE: history drafts: kept
+    assert core.cache_stats()["spec_accepted_tokens"] > 0
+    for a, b in zip(base, spec, strict=True):
+        x, y = a.to_output(), b.to_output()
+        assert b.generated == a.generated and len(y.top_ids) == len(x.top_ids) == MAX_NEW
+        assert y.top_ids == x.top_ids
+        assert (torch.tensor(y.top_logprobs) - torch.tensor(x.top_logprobs)).abs().max() < 5e-5
+
+
+def test_a_kept_draft_that_is_eos_ends_the_row_there():
+    """A drafted token kept by verification that is the row's EOS ends the row at it, as a plain step would: no
+    kept draft after it is appended."""
+    model = make_model("llama")
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)]
+    full, core = run(model, prompts, config(**SPEC))  # NOTE: the history the second run drafts from
+    eos = [next(t for j, t in enumerate(r.generated) if j >= 6 and t not in r.generated[:j]) for r in full]
+    base, _ = run(model, prompts, config(), eos_token_ids=[[e] for e in eos])
+    spec, core = run(model, prompts, config(**SPEC), core=core, eos_token_ids=[[e] for e in eos])
+    assert core.cache_stats()["spec_accepted_tokens"] > 0
+    for a, b, e in zip(base, spec, eos, strict=True):
+        assert b.generated == a.generated and b.generated[-1] == e and len(b.generated) < MAX_NEW
+        assert b.finish_reason == a.finish_reason == "stop" and len(b.logprobs) == len(b.generated)
+
+
 def test_float64_logprobs_within_1e5():
     """With rounding out of the way (fp64), the speculative logprobs are the plain step's to 1e-5."""
     model = make_model("llama", dtype=torch.float64)

@@ -27,7 +27,8 @@ def test_most_frequent_continuation_not_the_latest():
     toks, probs = Drafter().draft(r, 3, max_n=2)
     assert toks[0] == 3 and probs[0] == pytest.approx(3 / 5)
     assert probs == sorted(probs, reverse=True)  # NOTE: a path's share only falls along the draft
-    assert toks[1] in (7, 8, 6) and probs[1] == pytest.approx(1 / 5)  # NOTE: each continuation seen once
+    # NOTE: each continuation seen once: one of the 3 occurrences on the path, smoothed again at this depth
+    assert toks[1] in (7, 8, 6) and probs[1] == pytest.approx(3 / 5 * 1 / (3 + SMOOTHING))
 
 
 def test_the_longest_suffix_decides():
@@ -41,7 +42,11 @@ def test_a_loop_continues_past_the_rows_end():
     r = req("a", [9], [5, 6, 7, 5, 6, 7, 5, 6])
     toks, probs = Drafter().draft(r, 7, max_n=4)
     assert toks == [7, 5, 6, 7, 5, 6, 7]
-    assert all(p == pytest.approx(probs[0]) for p in probs)  # NOTE: no occurrence leaves a loop's path
+    # NOTE: no occurrence leaves a loop's path, but each token is a guess of its own: the estimate falls by the
+    # same factor at every depth (the suffix (6, 7, 5, 6) occurred once: 1/2 a token)
+    assert probs == pytest.approx([(1 / (1 + SMOOTHING)) ** (d + 1) for d in range(7)])
+    toks, probs = Drafter().draft(req("a", [9], [5, 6, 7] * 4 + [5, 6]), 2, max_n=2)
+    assert toks == [7, 5] and probs == pytest.approx([4 / 5, (4 / 5) ** 2])  # NOTE: (5, 6) seen 4 times
 
 
 def test_siblings_and_finished_rollouts_are_counted():
@@ -53,7 +58,7 @@ def test_siblings_and_finished_rollouts_are_counted():
         d.finish(done, keep=True)
     live = req("live", prompt, [1, 2, 3, 1, 2])  # NOTE: its own text says 3 once
     toks, probs = d.draft(live, 2, max_n=2)
-    assert toks == [8, 0] and probs[0] == pytest.approx(3 / 5)
+    assert toks == [8, 0] and probs == pytest.approx([3 / 5, 3 / 5 * 3 / (3 + SMOOTHING)])
     sibling = req("sib", prompt, [1, 2, 8, 1, 2, 8, 1, 2])
     d.track(sibling)
     toks, probs = d.draft(live, 1, max_n=2)
@@ -66,8 +71,9 @@ def test_min_prob_and_no_match():
     r = req("a", [9], [1, 2, 3, 7, 1, 2, 4, 7, 1, 2])
     d = Drafter()
     assert d.draft(r, 3, max_n=2, min_prob=0.5) == ([], [])  # NOTE: 3 and 4 each 1/3
-    # NOTE: a tie goes to the latest occurrence; its one path keeps its share (1/3) as it goes on
-    assert d.draft(r, 3, max_n=2, min_prob=0.3) == ([4, 7, 1], [1 / 3] * 3)
+    # NOTE: a tie goes to the latest occurrence; its one path is a guess at each token (1/3, then 1/2 of that)
+    assert d.draft(r, 3, max_n=2, min_prob=0.1) == ([4, 7], [1 / 3, 1 / 6])
+    assert d.draft(r, 3, max_n=2, min_prob=0.0) == ([4, 7, 1], [1 / 3, 1 / 6, 1 / 12])
     assert Drafter().draft(req("b", [9], [1, 2, 3, 4]), 3, max_n=4) == ([], [])
 
 
@@ -170,7 +176,7 @@ def test_a_pair_seen_only_in_a_sibling_or_a_finished_rollout_still_drafts():
 def _walk_each_occurrence(sources, periodic, k, min_prob):
     """The walk one occurrence at a time (the definition `walk` groups by continuation)."""
     occ = [(toks, p, periodic is not None and i == 0) for i, (toks, ps) in enumerate(sources) for p in reversed(ps)]
-    draft, probs, root = [], [], len(occ) + SMOOTHING
+    draft, probs, prob = [], [], 1.0
     for d in range(k):
         counts, step = {}, []
         for o in occ:
@@ -186,10 +192,11 @@ def _walk_each_occurrence(sources, periodic, k, min_prob):
         if not counts:
             break
         best = max(counts, key=counts.__getitem__)
-        if counts[best] / root < min_prob:
+        prob *= counts[best] / (len(occ) + SMOOTHING)  # NOTE: the share of the occurrences still on the path
+        if prob < min_prob:
             break
         draft.append(best)
-        probs.append(counts[best] / root)
+        probs.append(prob)
         occ = [o for o, t in step if t == best]
     return draft, probs
 
