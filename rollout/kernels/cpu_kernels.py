@@ -375,6 +375,14 @@ def argmax_rows():
     return None if module is None else module.argmax_rows
 
 
+def greedy_verify():
+    """`greedy_verify(logits [P, V] fp32 CPU, lens, drafts, logprobs)` -> [2 P] floats: a greedy speculative step's
+    verification in one call -- each row's argmax position after position until its draft is rejected, and each
+    emitted position's log-softmax (rollout/kernels/csrc/argmax.cpp) -- or None."""
+    module = load()
+    return None if module is None else module.greedy_verify
+
+
 def write_kv():
     """`write_kv(k_cache, v_cache, slots, key, value)`: key/value [Hkv, T, D] into the caches [Hkv, S, D] at `slots`
     (the caches' dtype; rollout/kernels/csrc/kv_write.cpp), or None."""

@@ -71,3 +71,41 @@ def test_greedy_sampler_tokens_equal_torch_argmax():
     out = Sampler(torch.device("cpu"), seed=0)(logits, params, [f"r{i}" for i in range(6)], None)
     assert out.tokens == logits.argmax(dim=-1).tolist()
     assert out.tokens[2] == 10
+
+
+def _greedy_verify_reference(x: torch.Tensor, lens: list[int], drafts: list[int]) -> list[float]:
+    """What `greedy_verify` returns, by definition: torch's argmax and log_softmax, position after position."""
+    am, lp = x.argmax(dim=-1).tolist(), torch.log_softmax(x.double(), dim=-1)
+    out, p, d0 = [-1.0, 0.0] * x.shape[0], 0, 0
+    for n in lens:
+        for j in range(n):
+            out[2 * (p + j)], out[2 * (p + j) + 1] = float(am[p + j]), float(lp[p + j, am[p + j]])
+            if j == n - 1 or drafts[d0 + j] != am[p + j]:
+                break
+        p, d0 = p + n, d0 + n - 1
+    return out
+
+
+@pytest.mark.parametrize("V", [1, 5, 16, 17, 100, 4096, 32768 + 5])
+def test_greedy_verify_stops_at_the_first_rejected_draft(V):
+    """Each row's argmax position after position (torch's, index for index) until its drafted token differs, the
+    emitted positions' log-softmax at the argmax within float rounding of torch's (large and small logits, ties),
+    the positions after a row's stop (-1, 0)."""
+    kernel = cpu_kernels.greedy_verify()
+    g = torch.Generator().manual_seed(V)
+    for trial in range(20):
+        lens = torch.randint(1, 10, (1 + trial % 5,), generator=g).tolist()
+        x = torch.randn(sum(lens), V, generator=g) * [0.1, 1.0, 30.0, 300.0][trial % 4]
+        if trial % 5 == 4:
+            x = torch.randint(-2, 2, x.shape, generator=g).float()  # ties of the max
+        am = x.argmax(dim=-1).tolist()
+        drafts, p = [], 0
+        for n in lens:  # NOTE: drafts mostly right: rows stop anywhere, or run to their end
+            drafts += [am[p + j] if torch.rand(1, generator=g) < 0.8 else (am[p + j] + 1) % V for j in range(n - 1)]
+            p += n
+        got, want = kernel(x, lens, drafts, True), _greedy_verify_reference(x, lens, drafts)
+        assert got[0::2] == want[0::2], trial
+        assert max(abs(a - b) / max(1.0, abs(b)) for a, b in zip(got[1::2], want[1::2], strict=True)) < 1e-6, trial
+        assert kernel(x, lens, drafts, False)[0::2] == want[0::2]
+    with pytest.raises(RuntimeError, match="lens sum"):
+        kernel(torch.zeros(3, V), [2], [0], True)

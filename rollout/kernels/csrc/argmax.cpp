@@ -10,6 +10,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <vector>
 
 namespace {
 
@@ -73,6 +74,90 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   // NOTE: rows split across threads only past ~64K floats a thread (waking the team costs more than less)
   at::parallel_for(0, R, std::max<int64_t>(1, 65536 / V), [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) op[r] = row_argmax(xp + r * V, V);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------------
+// Greedy verification of a speculative step in one call: each row's positions [its last token, its drafted
+// tokens], in order, their argmax (`row_argmax`, index for index torch's) compared with the draft; a row stops at
+// the first position whose argmax is not its drafted token (that argmax is the row's own next token) or after
+// its last position. The emitted positions' log-softmax at their argmax, -log(sum(exp(x - max))), with the sum
+// in fp32 lanes (a Cephes-style exp: ~1e-7 relative, as torch's vectorised exp) reduced in fp64: the log-softmax a
+// plain step's sampler reports, to float rounding. Positions after a row's stop are neither argmaxed nor summed.
+
+namespace {
+
+#if defined(__AVX512F__)
+// exp of x <= 0 (x - max): 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its
+// degree-6 Taylor-like polynomial (Cephes expf's coefficients); below -87.3 the result is 0 (scalef underflows).
+inline __m512 exp_nonpositive(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(-87.3f);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lo);
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
+}
+#endif
+
+// log-softmax of x at its maximum `best`: -log(sum_i exp(x_i - best))
+double logprob_at_max(const float* x, int64_t V, float best) {
+  double sum = 0.0;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 vbest = _mm512_set1_ps(best);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= V; i += 16) acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), vbest)));
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < V; ++i) sum += std::exp(static_cast<double>(x[i]) - best);
+  return -std::log(sum);
+}
+
+}  // namespace
+
+// logits: [P, V] fp32 CPU, the rows' positions one after another; lens: [R], 1 + each row's draft length
+// (sum = P); drafts: the drafts one after another (sum = P - R). Returns [2 P]: for each position its argmax and
+// that argmax's log-softmax (with `logprobs`; else 0), or (-1, 0) where the row stopped before it.
+std::vector<double> greedy_verify(const at::Tensor& logits, const std::vector<int64_t>& lens,
+                                  const std::vector<int64_t>& drafts, bool logprobs) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.device().is_cpu(),
+              "greedy_verify: logits is [P, V] fp32 CPU");
+  const auto xc = logits.contiguous();
+  const int64_t P = xc.size(0), V = xc.size(1), R = static_cast<int64_t>(lens.size());
+  TORCH_CHECK(V >= 1 && V < (int64_t{1} << 31), "greedy_verify: 1 <= V < 2^31");
+  std::vector<int64_t> first(R + 1, 0), dfirst(R + 1, 0);
+  for (int64_t r = 0; r < R; ++r) {
+    TORCH_CHECK(lens[r] >= 1, "greedy_verify: every row runs at least its last token");
+    first[r + 1] = first[r] + lens[r];
+    dfirst[r + 1] = dfirst[r] + lens[r] - 1;
+  }
+  TORCH_CHECK(first[R] == P && dfirst[R] == static_cast<int64_t>(drafts.size()),
+              "greedy_verify: lens sum to the logits' rows and the drafts' length");
+  std::vector<double> out(2 * P, 0.0);
+  for (int64_t p = 0; p < P; ++p) out[2 * p] = -1.0;
+  const float* xp = xc.data_ptr<float>();
+  at::parallel_for(0, R, std::max<int64_t>(1, 65536 / V), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t j = 0; j < lens[r]; ++j) {
+        const int64_t p = first[r] + j;
+        const float* x = xp + p * V;
+        const int64_t t = row_argmax(x, V);
+        out[2 * p] = static_cast<double>(t);
+        if (logprobs) out[2 * p + 1] = logprob_at_max(x, V, x[t]);
+        if (j == lens[r] - 1 || drafts[dfirst[r] + j] != t) break;  // NOTE: a rejected draft, or the last position
+      }
+    }
   });
   return out;
 }

@@ -44,3 +44,5 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 
 // argmax.cpp
 at::Tensor argmax_rows(const at::Tensor& x);
+std::vector<double> greedy_verify(const at::Tensor& logits, const std::vector<int64_t>& lens,
+                                  const std::vector<int64_t>& drafts, bool logprobs);

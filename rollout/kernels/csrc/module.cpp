@@ -36,4 +36,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up for fp32 CPU tensors (the gated MLP's activation)", release());
   m.def("argmax_rows", &argmax_rows, "each row's argmax of a fp32 [R, V] CPU tensor, as torch's argmax(dim=-1)",
         release());
+  m.def("greedy_verify", &greedy_verify,
+        "a greedy speculative step's verification: each row's argmax position after position until a draft is "
+        "rejected, and each emitted position's log-softmax", py::arg("logits"), py::arg("lens"), py::arg("drafts"),
+        py::arg("logprobs"), release());
 }
