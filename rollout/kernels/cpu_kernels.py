@@ -51,7 +51,7 @@ logger = logging.getLogger("rollout")
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp",
            CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp", CSRC / "argmax.cpp")
-HEADERS = (CSRC / "kernels.h",)
+HEADERS = (CSRC / "kernels.h", CSRC / "vec_exp.h")
 # NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
 # build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
 CFLAGS = ("-O3", "-march=native", "-fopenmp")

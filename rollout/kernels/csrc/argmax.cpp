@@ -12,6 +12,8 @@
 #include <cmath>
 #include <vector>
 
+#include "vec_exp.h"
+
 namespace {
 
 int64_t first_nan(const float* x, int64_t V) {
@@ -83,32 +85,10 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 // tokens], in order, their argmax (`row_argmax`, index for index torch's) compared with the draft; a row stops at
 // the first position whose argmax is not its drafted token (that argmax is the row's own next token) or after
 // its last position. The emitted positions' log-softmax at their argmax, -log(sum(exp(x - max))), with the sum
-// in fp32 lanes (a Cephes-style exp: ~1e-7 relative, as torch's vectorised exp) reduced in fp64: the log-softmax a
-// plain step's sampler reports, to float rounding. Positions after a row's stop are neither argmaxed nor summed.
+// in fp32 lanes (`exp512`, vec_exp.h) reduced in fp64: the log-softmax a plain step's sampler reports, to float
+// rounding. Positions after a row's stop are neither argmaxed nor summed.
 
 namespace {
-
-#if defined(__AVX512F__)
-// exp of x <= 0 (x - max): 2^n * e^r, n = round(x / ln 2), r = x - n ln 2 in [-ln2/2, ln2/2], e^r by its
-// degree-6 Taylor-like polynomial (Cephes expf's coefficients); below -87.3 the result is 0 (scalef underflows).
-inline __m512 exp_nonpositive(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(-87.3f);
-  const __mmask16 tiny = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  x = _mm512_max_ps(x, lo);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), _mm512_scalef_ps(p, n));
-}
-#endif
 
 // log-softmax of x at its maximum `best`: -log(sum_i exp(x_i - best))
 double logprob_at_max(const float* x, int64_t V, float best) {
@@ -117,7 +97,7 @@ double logprob_at_max(const float* x, int64_t V, float best) {
 #if defined(__AVX512F__)
   const __m512 vbest = _mm512_set1_ps(best);
   __m512 acc = _mm512_setzero_ps();
-  for (; i + 16 <= V; i += 16) acc = _mm512_add_ps(acc, exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(x + i), vbest)));
+  for (; i + 16 <= V; i += 16) acc = _mm512_add_ps(acc, exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), vbest)));
   sum = _mm512_reduce_add_ps(acc);
 #endif
   for (; i < V; ++i) sum += std::exp(static_cast<double>(x[i]) - best);
