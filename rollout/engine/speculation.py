@@ -348,8 +348,9 @@ class Speculator:
         """`_verify` for greedy rows without logits processors: a position's token, logprob, top-k and mask depend on
         its own logits only, and its token is the row's argmax (the sampler's own `row_argmax`): the argmax of
         every position says which are emitted, and one sampler call over those gives what a call per position
-        would (the log-softmax of the positions after a rejected draft is never computed). Returns the drafted
-        tokens kept."""
+        would (the log-softmax of the positions after a rejected draft is never computed); with rollout's kernel
+        (fp32 CPU logits) and no row asking for top-k logprobs or masks, `_verify_kernel` does it in one call.
+        Returns the drafted tokens kept."""
         core, cfg = self.core, self.core.config
         kernel = cpu_kernels.greedy_verify() if logits.is_cpu and logits.dtype is torch.float32 else None
         if kernel is not None and not any(r.top_logprobs or r.sampling.return_sampling_mask for r in rows):
