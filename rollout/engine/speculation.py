@@ -391,8 +391,8 @@ class Speculator:
         """`_verify_greedy` in one C++ call (`cpu_kernels.greedy_verify`: each row's argmax position after position
         until a draft is rejected, and the emitted positions' log-softmax at their argmax, as the sampler's
         `log_distribution` gives a greedy row, to float rounding): one op instead of the argmax, the gather and the
-        sampler's half dozen (each 3-5x slower right after a forward than back to back: ~200 us a 4-row step at
-        5M). Rows with top-k logprobs or sampling masks take `_verify_greedy`'s sampler call."""
+        sampler's half dozen (each 3-5x slower right after a forward than back to back: a 4-row 5M step's
+        verification 279 -> 79 us). Rows with top-k logprobs or sampling masks take `_verify_greedy`'s sampler call."""
         core = self.core
         want = core.config.return_logprobs
         out = kernel(logits, [1 + len(d) for d in drafts], [t for d in drafts for t in d], want)
