@@ -346,29 +346,43 @@ class Speculator:
 
     def _verify_greedy(self, rows, drafts, logits, first, emitted, reasons, taken) -> int:
         """`_verify` for greedy rows without logits processors: a position's token, logprob, top-k and mask depend on
-        its own logits only, and its token is the row's argmax (the sampler's own `row_argmax`): the argmax of
-        every position says which are emitted, and one sampler call over those gives what a call per position
-        would (the log-softmax of the positions after a rejected draft is never computed); with rollout's kernel
-        (fp32 CPU logits) and no row asking for top-k logprobs or masks, `_verify_kernel` does it in one call.
-        Returns the drafted tokens kept."""
+        its own logits only, and its token is the row's argmax, so each row emits its positions up to the first
+        whose argmax is not its drafted token (that argmax included) and nothing after it is sampled. With
+        rollout's kernel (fp32 CPU logits) and no row asking for top-k logprobs or masks, one C++ call
+        (`cpu_kernels.greedy_verify`) gives those positions' argmax and log-softmax (the sampler's, to float
+        rounding), instead of the argmax of every position, the gather and the sampler's half dozen ops (each 3-5x
+        slower right after a forward than back to back: a 4-row 5M step's verification 279 -> 79 us); otherwise
+        the argmax of every position (the sampler's own `row_argmax`) says which are emitted, and one sampler call
+        over those gives what a call per position would. Returns the drafted tokens kept."""
         core, cfg = self.core, self.core.config
+        lens = [1 + len(d) for d in drafts]
         kernel = cpu_kernels.greedy_verify() if logits.is_cpu and logits.dtype is torch.float32 else None
         if kernel is not None and not any(r.top_logprobs or r.sampling.return_sampling_mask for r in rows):
-            return self._verify_kernel(kernel, rows, drafts, logits, emitted, reasons, taken)
-        tokens = row_argmax(logits).tolist()
-        at: list[int] = []  # NOTE: the emitted positions, row after row
-        counts = []  # NOTE: each row's emitted positions: its kept drafts and the token after them
-        for i, d in enumerate(drafts):
-            n = 0
-            while n < len(d) and tokens[first[i] + n] == d[n]:
-                n += 1
-            at.extend(range(first[i], first[i] + n + 1))
-            counts.append(n + 1)
-        per = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
-        mode = cfg.logprobs_mode if cfg.return_logprobs else None
-        whole = core.sampler(logits[at], [r.sampling for r in per], [r.request_id for r in per], mode,
-                             requests=per, top_mode=cfg.logprobs_mode)
-        logprobs, tops, masks = whole.logprobs, whole.top, whole.masks
+            out = kernel(logits, lens, [t for d in drafts for t in d], cfg.return_logprobs)
+            at, counts = [], []
+            for f, n in zip(first, lens, strict=True):
+                c = 1
+                while c < n and out[2 * (f + c)] >= 0:  # NOTE: -1 past its row's stop
+                    c += 1
+                at.extend(range(2 * f, 2 * (f + c), 2))  # NOTE: where in `out` the emitted positions are
+                counts.append(c)
+            tokens = [int(out[q]) for q in at]
+            logprobs = [out[q + 1] for q in at] if cfg.return_logprobs else None
+            tops = masks = None
+        else:
+            argmax = row_argmax(logits).tolist()
+            at, counts = [], []
+            for f, d in zip(first, drafts, strict=True):
+                n = 0
+                while n < len(d) and argmax[f + n] == d[n]:
+                    n += 1
+                at.extend(range(f, f + n + 1))
+                counts.append(n + 1)
+            per = [r for r, c in zip(rows, counts, strict=True) for _ in range(c)]
+            mode = cfg.logprobs_mode if cfg.return_logprobs else None
+            whole = core.sampler(logits[at], [r.sampling for r in per], [r.request_id for r in per], mode,
+                                 requests=per, top_mode=cfg.logprobs_mode)
+            tokens, logprobs, tops, masks = whole.tokens, whole.logprobs, whole.top, whole.masks
         version, accepted, p = core.policy_version, 0, 0
         for i, (req, c) in enumerate(zip(rows, counts, strict=True)):
             for q in range(p, p + c):  # NOTE: the row's kept drafts (c - 1 of them), then the token after them
@@ -376,7 +390,7 @@ class Speculator:
                     req.top.append(tops[q])
                 if masks is not None:
                     req.masks.append(masks[q])
-                reason = req.append_token(whole.tokens[q], None if logprobs is None else logprobs[q], version)
+                reason = req.append_token(tokens[q], None if logprobs is None else logprobs[q], version)
                 emitted[i] += 1
                 if q < p + c - 1:
                     accepted += 1
@@ -385,33 +399,6 @@ class Speculator:
                     reasons[i] = reason
                     break
             p += c
-        return accepted
-
-    def _verify_kernel(self, kernel, rows, drafts, logits, emitted, reasons, taken) -> int:
-        """`_verify_greedy` in one C++ call (`cpu_kernels.greedy_verify`: each row's argmax position after position
-        until a draft is rejected, and the emitted positions' log-softmax at their argmax, as the sampler's
-        `log_distribution` gives a greedy row, to float rounding): one op instead of the argmax, the gather and the
-        sampler's half dozen (each 3-5x slower right after a forward than back to back: a 4-row 5M step's
-        verification 279 -> 79 us). Rows with top-k logprobs or sampling masks take `_verify_greedy`'s sampler call."""
-        core = self.core
-        want = core.config.return_logprobs
-        out = kernel(logits, [1 + len(d) for d in drafts], [t for d in drafts for t in d], want)
-        version, accepted, p = core.policy_version, 0, 0
-        for i, (req, d) in enumerate(zip(rows, drafts, strict=True)):
-            for j in range(len(d) + 1):
-                token = int(out[2 * (p + j)])
-                reason = req.append_token(token, out[2 * (p + j) + 1] if want else None, version)
-                emitted[i] += 1
-                kept = j < len(d) and token == d[j]
-                if kept:
-                    accepted += 1
-                    taken[i] += 1
-                if reason is not None:
-                    reasons[i] = reason
-                    break
-                if not kept:
-                    break
-            p += len(d) + 1
         return accepted
 
     def _verify_positions(self, rows, drafts, logits, first, emitted, reasons, taken) -> int:

@@ -13,11 +13,6 @@
 
 #include "vec_exp.h"
 
-namespace {
-
-
-}  // namespace
-
 // gate, up: same shape, fp32 CPU -> silu(gate) * up
 at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up) {
   TORCH_CHECK(gate.scalar_type() == at::kFloat && up.scalar_type() == at::kFloat && gate.device().is_cpu() &&
