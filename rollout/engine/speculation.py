@@ -49,7 +49,12 @@ MARGIN = 0.15
 DECAY = 0.9  # NOTE: weight of the older measurements at each new one (the cost fit, the plain step's time)
 RELAX = 0.02  # NOTE: the share of the prior mixed back into the fit at each plain step
 PRIOR_SUMS = (2.0, 1.0, 3.0, 1.0, 2.0)  # NOTE: the fit's (weight, x, y, xx, xy) of the prior's points (0, 1), (1, 2)
-IDLE_MAX = 8  # NOTE: a row whose suffix matched nowhere skips drafting for 1, 2, 4 .. this many steps
+# NOTE: a row whose suffix matched nowhere skips drafting for 1, 2, 4 .. this many steps, times its step's rows / 8
+# past 8 rows: the idle rows' lookups cost ~1 row's a step whatever the width (32 rows of text that never repeats:
+# 32 lookups every 8th step were ~1% of a 5M step)
+IDLE_MAX = 8
+IDLE_ROWS = 8
+NO_DRAFT: tuple[list[int], list[float]] = ([], [])  # NOTE: shared, never mutated
 CALIBRATION_DECAY = 0.7  # NOTE: a row's acceptance record fades by this much at each of its drafted steps
 # NOTE: the prior's machine: a CPU streams ~20 GB/s of weights and runs ~100 GFLOP/s a thread in fp32; a CUDA
 # device ~2 TB/s and ~300 TFLOP/s; the host spends ~1.5 ms / ~4 ms a step and ~30 us a row around the forward
@@ -210,19 +215,21 @@ class Speculator:
         self.calibration.rows.pop(request.request_id, None)
         self.idle.pop(request.request_id, None)
 
-    def _draft(self, req: Request, min_prob: float) -> tuple[list[int], list[float]]:
-        p = req.sampling
-        k = min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
+    def _draft(self, req: Request, min_prob: float, rows: int) -> tuple[list[int], list[float]]:
         rid = req.request_id
         idle = self.idle.get(rid)
-        if k <= 0 or req.routes is not None or (idle is not None and idle[0] > self.steps):
-            return [], []
+        if idle is not None and idle[0] > self.steps:
+            return NO_DRAFT
+        p = req.sampling
+        k = min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
+        if k <= 0 or req.routes is not None:
+            return NO_DRAFT
         scale = self.calibration.scale(rid)
         toks, probs = self.drafter.draft(req, k, p.max_matching_ngram_size or DEFAULT_NGRAM, min_prob / scale)
         if toks:
             self.idle.pop(rid, None)
         else:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up when it drafts)
-            spell = 1 if idle is None else min(IDLE_MAX, 2 * idle[1])
+            spell = 1 if idle is None else min(IDLE_MAX * max(1, rows // IDLE_ROWS), 2 * idle[1])
             self.idle[rid] = (self.steps + spell, spell)
         return toks, [min(1.0, q * scale) for q in probs]
 
@@ -245,13 +252,13 @@ class Speculator:
         if self.max_rows is not None:
             if len(rows) > self.max_rows:
                 return None
-            proposed = [self._draft(r, 0.0) for r in rows]
+            proposed = [self._draft(r, 0.0, len(rows)) for r in rows]
             self.estimates = [p for _, p in proposed]
             return [t for t, _ in proposed]
         floor = self.cost.min_prob(len(rows))
         if floor >= 1.0:
             return None
-        proposed = [self._draft(r, floor) for r in rows]
+        proposed = [self._draft(r, floor, len(rows)) for r in rows]
         lens = self.cost.plan([p for _, p in proposed]) if any(t for t, _ in proposed) else None
         if lens is None:
             return None
@@ -271,8 +278,6 @@ class Speculator:
         plain = (now, len(rows), 0, core.stats["generated_tokens"] + len(rows), core.stats["computed_prompt_tokens"])
         if core.runner.routes is not None:
             return None
-        for req in core.scheduler.running:  # NOTE: siblings' drafts come from their live indexes
-            self.drafter.track(req)
         drafts = self._plan(rows)
         if drafts is not None:
             drafts = self._fit(rows, drafts)

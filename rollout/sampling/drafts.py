@@ -52,6 +52,7 @@ class SuffixIndex:
         self.upto = 1  # NOTE: next position p whose preceding n-grams are not indexed yet
         self.pairs: set[tuple[int, int]] = set()  # NOTE: the 2-grams followed by a token (`has_pair`)
         self.pairs_upto = 2
+        self.prompt: tuple[int, ...] = ()  # NOTE: a live request's prompt (`Drafter.track`): its group's key
 
     def update(self) -> None:
         """Index the n-grams that gained a following token since the last call."""
@@ -154,7 +155,8 @@ class Drafter:
         if index is None:
             depth = min(max(max_n or self.max_n, self.max_n), MAX_NGRAM)
             index = self.own[request.request_id] = SuffixIndex(request.token_ids, depth)
-            self.groups.setdefault(tuple(request.prompt_ids), {})[request.request_id] = index
+            index.prompt = tuple(request.prompt_ids)
+            self.groups.setdefault(index.prompt, {})[request.request_id] = index
         return index
 
     def draft(self, request, k: int, max_n: int, min_prob: float = 0.0) -> tuple[list[int], list[float]]:
@@ -162,10 +164,10 @@ class Drafter:
         no suffix of 2+ tokens -- `max_n` 1: 1 -- occurs in a source, or the first token's estimate is below
         `min_prob`)."""
         index = self.track(request, max_n)
-        toks = request.token_ids
-        prompt = tuple(request.prompt_ids)
-        others = list(itertools.islice((i for rid, i in self.groups.get(prompt, {}).items()
-                                        if rid != request.request_id), MAX_SIBLINGS))
+        toks, prompt = request.token_ids, index.prompt
+        group = self.groups[prompt]
+        others = list(itertools.islice((i for i in group.values() if i is not index), MAX_SIBLINGS)) \
+            if len(group) > 1 else []
         others += self.history.get(prompt, ())
         shortest = min(MIN_NGRAM, max_n)
         if shortest >= 2 and len(toks) >= 2:  # NOTE: every suffix tried ends with the last 2 tokens: none, no draft
