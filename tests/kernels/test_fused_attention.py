@@ -71,14 +71,15 @@ def test_qk_norm_rope_names_bad_inputs():
 @needs_many
 def test_small_linears_are_each_small_linear_bit_for_bit_across_weights_and_bias():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(11, 96, generator=g)
     ws = [torch.randn(n, 96, generator=g) for n in (96, 33, 16, 250)]
     bs = [None, torch.randn(33, generator=g), None, torch.randn(250, generator=g)]
     panels = [cpu_kernels.pack_panels()(w) for w in ws]
-    ys = many(x, panels, bs, [w.shape[0] for w in ws])
-    for y, p, b, w in zip(ys, panels, bs, ws, strict=True):
-        assert torch.equal(y, cpu_kernels.small_linear()(x, p, b, w.shape[0]))
-        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
+    for m in (11, 36):  # NOTE: panels one by one; pairs of panels (33 columns: a pair and a partial panel alone)
+        x = torch.randn(m, 96, generator=g)
+        ys = many(x, panels, bs, [w.shape[0] for w in ws])
+        for y, p, b, w in zip(ys, panels, bs, ws, strict=True):
+            assert torch.equal(y, cpu_kernels.small_linear()(x, p, b, w.shape[0]))
+            torch.testing.assert_close(y, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-4)
     with pytest.raises(RuntimeError, match=r"panels\[1\]"):
         many(x, [panels[0], panels[0]], [None, None], [96, 33])
 

@@ -35,7 +35,7 @@ def test_small_linear_matches_f_linear_across_tile_edges(n, k):
     w, b = torch.randn(n, k, generator=g), torch.randn(n, generator=g)
     panels = cpu_kernels.pack_panels()(w)
     assert panels.shape == ((n + 15) // 16, k, 16)
-    for m in (1, 2, 15, 16, 17, 31, 32, 33):
+    for m in (1, 2, 15, 16, 17, 28, 29, 31, 32, 33, 36, 43, 48):  # NOTE: above 16 rows, tiles of two panels
         x = torch.randn(m, k, generator=g)
         for bias in (None, b):
             got = small(x, panels, bias, n)
@@ -51,10 +51,12 @@ def test_small_linear_rows_do_not_depend_on_the_batch_around_them():
     g = torch.Generator().manual_seed(3)
     w = torch.randn(100, 96, generator=g)
     panels = cpu_kernels.pack_panels()(w)
-    x = torch.randn(29, 96, generator=g)
-    full = small(x, panels, None, 100)
-    for i in (0, 15, 16, 28):  # NOTE: alone, in a 16-row tile and in the remainder tile of the batch
-        assert torch.equal(small(x[i:i + 1], panels, None, 100)[0], full[i])
+    x = torch.randn(45, 96, generator=g)
+    for m in (13, 29, 45):  # NOTE: one 16-row pass; 2 and 4 tiles of two panels (100 columns: 7 panels, the last
+        full = small(x[:m], panels, None, 100)  # one alone and partial)
+        for i in (0, 12, 15, 16, 28, 44):  # NOTE: alone, in a 16-row tile, in the remainder tile, in a pair's tiles
+            if i < m:
+                assert torch.equal(small(x[i:i + 1], panels, None, 100)[0], full[i]), (m, i)
 
 
 @needs_small

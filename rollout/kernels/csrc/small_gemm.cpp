@@ -1,4 +1,4 @@
-// Small-M fp32 linear for decode steps on a CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= ~32 rows.
+// Small-M fp32 linear for decode steps on a CPU: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), M <= ~48 rows.
 //
 // A decode step multiplies a few rows by every weight of the model, so it reads the weights from memory
 // once per step and does little arithmetic per byte. oneDNN's packed linears read and compute in turn:
@@ -11,6 +11,12 @@
 // panel zero-padded), so a panel is one contiguous stream and each k step loads one 16-wide vector of it.
 // The rows of x are transposed once per call to [K][M] so that the 16 broadcasts of a k step read one cache
 // line. A tile is 16 rows x 16 columns: 16 accumulators, one weight load and 16 broadcast FMAs per k.
+//
+// Above MB rows (a verifying step's 4 x (1 + 8) tokens, a 17-48-row decode batch) a tile is up to MB2 rows x 2
+// panels instead: 2 weight loads and R broadcasts feed 2R FMAs a k step (1 + R loads for R FMAs in one panel),
+// the rows split evenly over the fewest tiles (36 rows: 3 x 12, not 16 + 16 + 4), each pair of panels a unit of
+// the threads' work. Up to MB rows every panel is still read once, by one tile (where the weights stream from
+// memory, a second pass over them is what costs).
 //
 // Each output element is one fp32 dot product accumulated in k order, independent of M and of how the
 // rows are tiled (the same bits for a row whatever the batch around it). It differs from F.linear by float
@@ -27,6 +33,7 @@ namespace {
 
 constexpr int64_t NB = 16;                // output columns per panel (one AVX-512 vector)
 constexpr int MB = 16;                    // rows per tile
+constexpr int MB2 = 14;                   // most rows per two-panel tile (28 accumulators, 2 weights, 1 broadcast)
 constexpr int64_t PREFETCH_FLOATS = 4096; // 16 KB ahead of the weights being read (measured: 8-16 KB best)
 // NOTE: the prefetch fills L2, not L1 (_MM_HINT_T1): on the 2-core EPYC of benchmarks/, 16 rows of the 100M
 // model's linears took 16.4-17.9 ms against 21.8-22.0 ms with _MM_HINT_T0 (decode_linears.py, interleaved);
@@ -69,6 +76,72 @@ void panel(const float* xt, int64_t M, const float* wp, int64_t K, const float* 
 #undef ROLLOUT_TAIL
     default: break;
   }
+}
+
+// R rows x two adjacent panels (columns n0 .. n0 + 32, the second maybe partial): each element's dot product
+// accumulated in k order from its bias, as `tile` does, so the same bits
+template <int R>
+inline void tile2(const float* __restrict xt, int64_t M, const float* __restrict wp, int64_t K,
+                  const float* __restrict bias, float* __restrict y, int64_t N, int64_t n0, bool prefetch) {
+  __m512 a0[R], a1[R];
+  const int64_t n1 = n0 + NB;
+  const __mmask16 keep1 = N - n1 >= NB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n1)) - 1);
+  const __m512 b0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
+  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(keep1, bias + n1) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    a0[r] = b0;
+    a1[r] = b1;
+  }
+  const float* wq = wp + K * NB;  // NOTE: the next panel ([P][K][16]: panels are contiguous)
+  for (int64_t k = 0; k < K; ++k) {
+    if (prefetch) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + k * NB + PREFETCH_FLOATS), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(wq + k * NB + PREFETCH_FLOATS), _MM_HINT_T1);
+    }
+    const __m512 w0 = _mm512_loadu_ps(wp + k * NB);
+    const __m512 w1 = _mm512_loadu_ps(wq + k * NB);
+    const float* xk = xt + k * M;
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xk[r]);
+      a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
+      a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(y + r * N + n0, a0[r]);
+    _mm512_mask_storeu_ps(y + r * N + n1, keep1, a1[r]);
+  }
+}
+
+// the M rows of xt against two adjacent panels, in the fewest tiles of at most MB2 rows, rows split evenly
+void pair(const float* xt, int64_t M, const float* wp, int64_t K, const float* bias, float* y, int64_t N,
+          int64_t n0) {
+  const int64_t tiles = (M + MB2 - 1) / MB2, base = M / tiles, extra = M % tiles;
+  bool prefetch = true;  // NOTE: the first tile streams the panels from memory; later tiles find them in L2
+  for (int64_t t = 0, m = 0; t < tiles; ++t, prefetch = false) {
+    const int64_t R = base + (t < extra ? 1 : 0);
+    switch (R) {
+#define ROLLOUT_PAIR(R) \
+      case R: tile2<R>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch); break;
+      ROLLOUT_PAIR(1) ROLLOUT_PAIR(2) ROLLOUT_PAIR(3) ROLLOUT_PAIR(4) ROLLOUT_PAIR(5) ROLLOUT_PAIR(6) ROLLOUT_PAIR(7)
+      ROLLOUT_PAIR(8) ROLLOUT_PAIR(9) ROLLOUT_PAIR(10) ROLLOUT_PAIR(11) ROLLOUT_PAIR(12) ROLLOUT_PAIR(13)
+      ROLLOUT_PAIR(14)
+#undef ROLLOUT_PAIR
+      default: break;
+    }
+    m += R;
+  }
+}
+
+// a unit of the threads' work: panel p alone, or panels p and p + 1 (above MB rows, where a panel has a next one)
+inline void unit(const float* xt, int64_t M, const float* wp, int64_t K, const float* bias, float* y, int64_t N,
+                 int64_t P, int64_t u, bool pairs) {
+  const int64_t p = pairs ? 2 * u : u;
+  if (pairs && p + 1 < P) pair(xt, M, wp + p * K * NB, K, bias, y, N, p * NB);
+  else panel(xt, M, wp + p * K * NB, K, bias, y, N, p * NB);
 }
 
 // x [M, K] as [K, M], transposed by hand (ATen's strided copy costs more than the loop at decode sizes), so that a
@@ -127,8 +200,9 @@ at::Tensor small_linear(const at::Tensor& x, const at::Tensor& panels, const c10
   const float* wp = panels.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   // NOTE: contiguous runs of panels per thread: each thread's weights are one sequential stream
-  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) panel(xp, M, wp + p * K * NB, K, bp, yp, N, p * NB);
+  const bool pairs = M > MB;
+  at::parallel_for(0, pairs ? (P + 1) / 2 : P, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) unit(xp, M, wp, K, bp, yp, N, P, u, pairs);
   });
 #endif
   return y;
@@ -148,7 +222,8 @@ std::vector<at::Tensor> small_linears(const at::Tensor& x, const std::vector<at:
   const int64_t M = x.size(0), K = x.size(1);
   std::vector<const float*> wps(W), bps(W, nullptr);
   std::vector<float*> yps(W);
-  std::vector<int64_t> first(W + 1, 0);  // NOTE: weight i's panels are [first[i], first[i + 1]) of the whole run
+  const bool pairs = M > MB;
+  std::vector<int64_t> first(W + 1, 0);  // NOTE: weight i's units are [first[i], first[i + 1]) of the whole run
   std::vector<at::Tensor> ys;
   ys.reserve(W);
   for (size_t i = 0; i < W; ++i) {
@@ -166,18 +241,17 @@ std::vector<at::Tensor> small_linears(const at::Tensor& x, const std::vector<at:
     ys.push_back(at::empty({M, N}, x.options()));
     wps[i] = p.data_ptr<float>();
     yps[i] = ys.back().data_ptr<float>();
-    first[i + 1] = first[i] + p.size(0);
+    first[i + 1] = first[i] + (pairs ? (p.size(0) + 1) / 2 : p.size(0));
   }
   if (M == 0) return ys;
 #if defined(__AVX512F__)
   const std::vector<float> xt = transposed(x);
   const float* xp = xt.data();
-  at::parallel_for(0, first[W], 1, [&](int64_t p0, int64_t p1) {
-    size_t i = std::upper_bound(first.begin(), first.end(), p0) - first.begin() - 1;
-    for (int64_t p = p0; p < p1; ++p) {
-      while (p >= first[i + 1]) ++i;
-      const int64_t local = p - first[i];
-      panel(xp, M, wps[i] + local * K * NB, K, bps[i], yps[i], Ns[i], local * NB);
+  at::parallel_for(0, first[W], 1, [&](int64_t u0, int64_t u1) {
+    size_t i = std::upper_bound(first.begin(), first.end(), u0) - first.begin() - 1;
+    for (int64_t u = u0; u < u1; ++u) {
+      while (u >= first[i + 1]) ++i;
+      unit(xp, M, wps[i], K, bps[i], yps[i], Ns[i], panels[i].size(0), u - first[i], pairs);
     }
   });
 #endif
