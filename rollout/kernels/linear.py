@@ -88,7 +88,9 @@ def onednn_dtypes() -> tuple[torch.dtype, ...]:
 # model's 84 layer linears + head at 2 threads, oneDNN -> ours: 1 row 11.8 -> 8.7 ms, 16 rows 14.9 -> 10.5,
 # 32 rows 22.2 -> 17.4, 64 rows 35.5 -> 33.0, 512 rows 258 -> 377; `benchmarks/decode_linears.py`). 48, not 32: a
 # speculative step verifies 4 rows x (1 + 8) tokens = 36 (issue 60; at 1 thread on a loaded box, ours / oneDNN
-# 1.08x at 36 rows, 1.10x at 48, 0.95x at 64; the 100M verifying step 104 vs 110 ms CPU, `benchmarks/verify_step.py`)
+# 1.08x at 36 rows, 1.10x at 48, 0.95x at 64; the 100M verifying step 104 vs 110 ms CPU, `benchmarks/verify_step.py`).
+# With two-panel tiles above 16 rows (issue 60, seventh session), ours / oneDNN 1.05-1.09x at 36 rows and 0.98-1.04x
+# at 48 on the 100M linears at 2 threads (`logs/decode_linears/100m_two_panel_tiles_*`)
 SMALL_ROWS = 48
 # NOTE: the batch size oneDNN lays a packed weight out for; decode steps run 1-256 rows and prompt chunks
 # more, and one layout serves every size (measured: packed for 16 or 64 rows, the same speed at 1-64).
