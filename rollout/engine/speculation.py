@@ -203,6 +203,7 @@ class Speculator:
         self.cost = StepCost(*prior(params, dtype.itemsize, core.device.type, torch.get_num_threads()))
         self.calibration = Calibration()
         self.steps = 0  # NOTE: steps seen (the clock of the rows' idle spells)
+        self.width = 0  # NOTE: rows of the step being planned (idle spells grow with it past `IDLE_ROWS`)
         self.idle: dict[str, tuple[int, int]] = {}  # NOTE: request id -> (step it drafts again, its spell's length)
         self.estimates: list[list[float]] = []  # NOTE: per row of the step planned, its drafted tokens' estimates
         # NOTE: the step in flight: (perf_counter at its start, rows, drafted tokens run, generated_tokens
@@ -215,7 +216,7 @@ class Speculator:
         self.calibration.rows.pop(request.request_id, None)
         self.idle.pop(request.request_id, None)
 
-    def _draft(self, req: Request, min_prob: float, rows: int) -> tuple[list[int], list[float]]:
+    def _draft(self, req: Request, min_prob: float) -> tuple[list[int], list[float]]:
         rid = req.request_id
         idle = self.idle.get(rid)
         if idle is not None and idle[0] > self.steps:
@@ -229,7 +230,7 @@ class Speculator:
         if toks:
             self.idle.pop(rid, None)
         else:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up when it drafts)
-            spell = 1 if idle is None else min(IDLE_MAX * max(1, rows // IDLE_ROWS), 2 * idle[1])
+            spell = 1 if idle is None else min(IDLE_MAX * max(1, self.width // IDLE_ROWS), 2 * idle[1])
             self.idle[rid] = (self.steps + spell, spell)
         return toks, [min(1.0, q * scale) for q in probs]
 
@@ -249,16 +250,17 @@ class Speculator:
 
     def _plan(self, rows: list[Request]) -> list[list[int]] | None:
         """Each row's draft, cut to what the cost model keeps (or every draft under `max_rows`); None: plain."""
+        self.width = len(rows)
         if self.max_rows is not None:
             if len(rows) > self.max_rows:
                 return None
-            proposed = [self._draft(r, 0.0, len(rows)) for r in rows]
+            proposed = [self._draft(r, 0.0) for r in rows]
             self.estimates = [p for _, p in proposed]
             return [t for t, _ in proposed]
         floor = self.cost.min_prob(len(rows))
         if floor >= 1.0:
             return None
-        proposed = [self._draft(r, floor, len(rows)) for r in rows]
+        proposed = [self._draft(r, floor) for r in rows]
         lens = self.cost.plan([p for _, p in proposed]) if any(t for t, _ in proposed) else None
         if lens is None:
             return None
