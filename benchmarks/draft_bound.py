@@ -16,15 +16,22 @@ and per seed the bound on the tail's speedup, `--tokens` / the slowest row's ste
 over this text, at any verification cost, does better than that on this tail. With `--price C`, also the tail's
 speedup if each drafted token cost C of a step (lockstep: a step costs 1 + C x the tokens drafted in it), for drafts
 cut at k tokens and at estimates below a floor (`--ks`, `--min-probs`): what drafting could win at that price,
-before the speculative step's own overhead.
+before the speculative step's own overhead. With `--overhead F` too, the speculator's own planning
+(`planned`): the rows in lockstep through `Speculator._plan` itself (its drafter, idle spells, per-row
+calibration and `StepCost.plan`, with the fit fixed at a drafted token = C of a step and a speculative step's own
+cost F), a step costing 1, or 1 + F + C x the tokens it verifies: the tail's speedup the engine would reach if
+those were the step's true costs (on this box the online fit settles near C = 0.028, F = 0.05-0.10 at 4 rows of
+the 5M model) -- the quick way to judge a drafter or planning change before an engine run.
 
     python benchmarks/draft_bound.py --model 100m --init 0.025 --prompt-kind partial --seeds 722,723
+    python benchmarks/draft_bound.py --seeds 600,601,602,603 --price 0.028 --overhead 0.05 --ks 8 --min-probs 0
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 from types import SimpleNamespace
 
@@ -68,6 +75,44 @@ def priced(rows: list[list[tuple[int, int]]], tokens: int, price: float) -> floa
     return tokens / cost
 
 
+def planned(rows: list[tuple[list[int], list[int]]], price: float, overhead: float, k: int) -> tuple[float, int, int]:
+    """(the tail's speedup, tokens drafted, tokens kept) with the speculator's own planning over `rows` ((prompt,
+    greedy text) each, in lockstep): `Speculator._plan` on request-like rows, its cost model's fit fixed (a drafted
+    token `price` of a plain step, a speculative step's own cost `overhead`), each row's calibration recorded as
+    `Speculator._verify` does. A step costs 1, or 1 + `overhead` + `price` x the tokens it verifies."""
+    from rollout.engine.speculation import Calibration, Speculator, StepCost
+
+    spec = object.__new__(Speculator)  # NOTE: its planning state only: no engine, no model
+    spec.k, spec.max_rows, spec.drafter, spec.calibration = k, None, Drafter(), Calibration()
+    spec.steps, spec.width, spec.idle, spec.estimates = 0, 0, {}, []
+    spec.cost = StepCost(1.0, 0.0)
+    spec.cost.share = lambda _rows: price
+    spec.cost.c0, spec.cost.c1 = 1.0 + overhead, 1.0
+    sampling = SimpleNamespace(prompt_lookup_num_tokens=None, max_matching_ngram_size=None)
+    reqs = [SimpleNamespace(request_id=f"row{i}", prompt_ids=list(p), token_ids=list(p), generated=[], routes=None,
+                            max_new_tokens=len(g), sampling=sampling) for i, (p, g) in enumerate(rows)]
+    cost, drafted, kept = 0.0, 0, 0
+    while live := [i for i, r in enumerate(reqs) if len(r.generated) < len(rows[i][1])]:
+        spec.steps += 1
+        drafts = spec._plan([reqs[i] for i in live])
+        n = sum(map(len, drafts)) if drafts is not None else 0
+        cost += 1.0 + (overhead + price * n if n else 0.0)
+        drafted += n
+        for j, i in enumerate(live):
+            req, gen = reqs[i], rows[i][1]
+            d, at = (drafts[j], len(req.generated)) if n else ([], len(req.generated))
+            m = 0
+            while m < len(d) and at + m < len(gen) - 1 and d[m] == gen[at + m]:
+                m += 1
+            if d:
+                spec.calibration.record(req.request_id, sum(spec.estimates[j][: len(d)]), m)
+            new = gen[at : at + m + 1]
+            req.token_ids += new  # NOTE: in place: the drafter's index reads this list
+            req.generated += new
+            kept += m
+    return max(len(g) for _, g in rows) / cost, drafted, kept
+
+
 def next_hit(prompt: list[int], gen: list[int], longest: int = 32) -> float:
     """Share of generated positions whose token followed the latest longest earlier match of its context."""
     ctx, hits = prompt + gen, 0
@@ -95,6 +140,9 @@ def main() -> None:
     ap.add_argument("--price", type=float, default=0.0,
                     help="also print the tail's speedup when each drafted token costs this share of a step (e.g. 0.03: "
                          "a 4-row 5M step on this CPU), for every --ks x --min-probs")
+    ap.add_argument("--overhead", type=float, default=None,
+                    help="with --price: also the speedup with the speculator's own planning, a speculative step "
+                         "costing 1 + this + price x its drafted tokens (e.g. 0.05)")
     ap.add_argument("--ks", default="2,4,8")
     ap.add_argument("--min-probs", default="0,0.4,0.5")
     a = ap.parse_args()
@@ -105,6 +153,7 @@ def main() -> None:
           f"k={a.k}, free verification", flush=True)
     core = speculation.engine(model, 0, 0.0)
     args = SimpleNamespace(prompt_kind=a.prompt_kind, tail_rows=a.rows, tail_tokens=a.tokens, prompt_len=a.prompt_len)
+    plans = []
     for seed in (int(s) for s in a.seeds.split(",")):
         wl = speculation.workload("tail", args, model.config.vocab_size, seed)
         reqs = [core.make_request(p, request_id=f"s{seed}_{i}", max_new_tokens=n)
@@ -123,6 +172,13 @@ def main() -> None:
                 line = [f"{priced([replay(p, g, k, m) for p, g in rows], a.tokens, a.price):.2f}x at p >= {m}"
                         for m in (float(x) for x in a.min_probs.split(","))]
                 print(f"  priced {a.price} a drafted token, k={k}: " + ", ".join(line), flush=True)
+                if a.overhead is not None:
+                    x, drafted, kept = planned(rows, a.price, a.overhead, k)
+                    plans.append(x)
+                    print(f"  planned as the speculator plans (price {a.price}, overhead {a.overhead}), k={k}: "
+                          f"{x:.2f}x, kept {kept} / {drafted} ({kept / max(1, drafted):.0%})", flush=True)
+    if plans:
+        print(f"planned: median of {len(plans)} {statistics.median(plans):.2f}x (min {min(plans):.2f}x)")
 
 
 if __name__ == "__main__":

@@ -48,3 +48,20 @@ def test_the_price_of_drafted_tokens():
     drafted = sum(d for d, _ in rows[0])
     assert priced(rows, len(loop), 0.03) == len(loop) / (steps + 0.03 * drafted)  # NOTE: one row: its own steps
     assert replay(prompt, loop, 8, min_prob=0.99) == [(0, 0)] * len(loop)  # NOTE: no estimate reaches 0.99 early
+
+
+def test_the_speculators_own_planning_replayed():
+    from draft_bound import planned
+
+    prompt, loop = [7, 8, 9], [1, 2, 3, 4] * 25
+    x, drafted, kept = planned([(prompt, loop), (prompt, loop)], 0.01, 0.05, 8)
+    assert x > 1.5 and 0 < kept <= drafted  # NOTE: a loop is drafted, verified and kept
+    assert planned([(prompt, loop)], 0.01, 0.5, 8)[0] < planned([(prompt, loop)], 0.01, 0.0, 8)[0]  # NOTE: its cost
+    rng = random.Random(1)
+    fresh = rng.sample(range(10, 100_000), 120)
+    assert planned([(prompt, fresh), (prompt, fresh[::-1])], 0.01, 0.05, 8) == (1.0, 0, 0)  # NOTE: nothing repeats
+    text = [1, 2, 3, 4] * 5 + [5] + [1, 2, 3, 4] * 5  # NOTE: the 5 is a break: a draft there fails
+    x, drafted, kept = planned([(prompt, text)], 0.0, 0.0, 4)
+    assert 0 < kept < drafted and x == len(text) / (len(text) - kept)  # NOTE: free: one row's tokens / its steps
+    # NOTE: dearer drafted tokens: the cost model verifies fewer of them
+    assert planned([(prompt, loop)], 0.2, 0.05, 8)[1] < planned([(prompt, loop)], 0.01, 0.05, 8)[1]
