@@ -17,7 +17,7 @@ over this text, at any verification cost, does better than that on this tail. Wi
 speedup if each drafted token cost C of a step (lockstep: a step costs 1 + C x the tokens drafted in it), for drafts
 cut at k tokens and at estimates below a floor (`--ks`, `--min-probs`): what drafting could win at that price,
 before the speculative step's own overhead. With `--overhead F` too, the speculator's own planning
-(`planned`): the rows in lockstep through `Speculator._plan` itself (its drafter, idle spells, per-row
+(`planned`): the rows in lockstep through `Speculator.plan` itself (its drafter, idle spells, per-row
 calibration and `StepCost.plan`, with the fit fixed at a drafted token = C of a step and a speculative step's own
 cost F), a step costing 1, or 1 + F + C x the tokens it verifies: the tail's speedup the engine would reach if
 those were the step's true costs (on this box the online fit settles near C = 0.028, F = 0.05-0.10 at 4 rows of
@@ -77,7 +77,7 @@ def priced(rows: list[list[tuple[int, int]]], tokens: int, price: float) -> floa
 
 def planned(rows: list[tuple[list[int], list[int]]], price: float, overhead: float, k: int) -> tuple[float, int, int]:
     """(the tail's speedup, tokens drafted, tokens kept) with the speculator's own planning over `rows` ((prompt,
-    greedy text) each, in lockstep): `Speculator._plan` on request-like rows, its cost model's fit fixed (a drafted
+    greedy text) each, in lockstep): `Speculator.plan` on request-like rows, its cost model's fit fixed (a drafted
     token `price` of a plain step, a speculative step's own cost `overhead`), each row's calibration recorded as
     `Speculator._verify` does. A step costs 1, or 1 + `overhead` + `price` x the tokens it verifies."""
     from rollout.engine.speculation import Calibration, Speculator, StepCost
@@ -94,7 +94,7 @@ def planned(rows: list[tuple[list[int], list[int]]], price: float, overhead: flo
     cost, drafted, kept = 0.0, 0, 0
     while live := [i for i, r in enumerate(reqs) if len(r.generated) < len(rows[i][1])]:
         spec.steps += 1
-        drafts = spec._plan([reqs[i] for i in live])
+        drafts = spec.plan([reqs[i] for i in live])
         n = sum(map(len, drafts)) if drafts is not None else 0
         cost += 1.0 + (overhead + price * n if n else 0.0)
         drafted += n

@@ -248,7 +248,7 @@ class Speculator:
         else:
             self.cost.observe_plain(rows, now - start)
 
-    def _plan(self, rows: list[Request]) -> list[list[int]] | None:
+    def plan(self, rows: list[Request]) -> list[list[int]] | None:
         """Each row's draft, cut to what the cost model keeps (or every draft under `max_rows`); None: plain."""
         self.width = len(rows)
         if self.max_rows is not None:
@@ -280,7 +280,7 @@ class Speculator:
         plain = (now, len(rows), 0, core.stats["generated_tokens"] + len(rows), core.stats["computed_prompt_tokens"])
         if core.runner.routes is not None:
             return None
-        drafts = self._plan(rows)
+        drafts = self.plan(rows)
         if drafts is not None:
             drafts = self._fit(rows, drafts)
         if drafts is None or not any(drafts):
