@@ -41,23 +41,46 @@ constexpr int64_t PREFETCH_FLOATS = 4096; // 16 KB ahead of the weights being re
 // 18.3-20.0 ms; no software prefetch 22.5 ms
 
 #if defined(__AVX512F__)
-template <int R>
+// the columns of panel n (n0 + n x 16 ..) that exist: all 16, or the first N - that of a partial last panel
+inline __mmask16 columns(int64_t N, int64_t n) {
+  return N - n >= NB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n)) - 1);
+}
+
+// R rows x NP adjacent panels (columns n0 .. n0 + 16 NP, the last maybe partial): R x NP accumulators, NP weight
+// loads and R broadcasts a k step. Each element is one dot product accumulated in k order from its bias, whatever
+// R and NP, so a row's outputs are the same bits however the rows and panels are tiled.
+template <int R, int NP>
 inline void tile(const float* __restrict xt, int64_t M, const float* __restrict wp, int64_t K,
                  const float* __restrict bias, float* __restrict y, int64_t N, int64_t n0, bool prefetch) {
-  __m512 acc[R];
-  const __mmask16 keep = N - n0 >= NB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n0)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(keep, bias + n0) : _mm512_setzero_ps();
+  __m512 acc[NP][R];
+  __mmask16 keep[NP];
+#pragma GCC unroll 2
+  for (int j = 0; j < NP; ++j) {
+    keep[j] = columns(N, n0 + j * NB);
+    const __m512 b = bias ? _mm512_maskz_loadu_ps(keep[j], bias + n0 + j * NB) : _mm512_setzero_ps();
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) acc[r] = b0;
+    for (int r = 0; r < R; ++r) acc[j][r] = b;
+  }
   for (int64_t k = 0; k < K; ++k) {
-    if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wp + k * NB + PREFETCH_FLOATS), _MM_HINT_T1);
-    const __m512 w = _mm512_loadu_ps(wp + k * NB);
+    __m512 w[NP];
+#pragma GCC unroll 2
+    for (int j = 0; j < NP; ++j) {  // NOTE: panel j is K x 16 floats after panel j - 1 ([P][K][16])
+      const float* wj = wp + j * K * NB + k * NB;
+      if (prefetch) _mm_prefetch(reinterpret_cast<const char*>(wj + PREFETCH_FLOATS), _MM_HINT_T1);
+      w[j] = _mm512_loadu_ps(wj);
+    }
     const float* xk = xt + k * M;
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(xk[r]), w, acc[r]);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xk[r]);
+#pragma GCC unroll 2
+      for (int j = 0; j < NP; ++j) acc[j][r] = _mm512_fmadd_ps(xv, w[j], acc[j][r]);
+    }
   }
+#pragma GCC unroll 2
+  for (int j = 0; j < NP; ++j)
 #pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n0, keep, acc[r]);
+    for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * N + n0 + j * NB, keep[j], acc[j][r]);
 }
 
 // the M rows of xt ([K, M]) against one panel; tiles of MB rows, then the remainder
@@ -65,54 +88,16 @@ void panel(const float* xt, int64_t M, const float* wp, int64_t K, const float* 
            int64_t n0) {
   int64_t m = 0;
   bool prefetch = true;  // NOTE: the first tile streams the panel from memory; later tiles find it in L1/L2
-  for (; m + MB <= M; m += MB, prefetch = false) tile<MB>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch);
+  for (; m + MB <= M; m += MB, prefetch = false) tile<MB, 1>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch);
   switch (M - m) {
     case 0: break;
 #define ROLLOUT_TAIL(R) \
-    case R: tile<R>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch); break;
+    case R: tile<R, 1>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch); break;
     ROLLOUT_TAIL(1) ROLLOUT_TAIL(2) ROLLOUT_TAIL(3) ROLLOUT_TAIL(4) ROLLOUT_TAIL(5) ROLLOUT_TAIL(6)
     ROLLOUT_TAIL(7) ROLLOUT_TAIL(8) ROLLOUT_TAIL(9) ROLLOUT_TAIL(10) ROLLOUT_TAIL(11) ROLLOUT_TAIL(12)
     ROLLOUT_TAIL(13) ROLLOUT_TAIL(14) ROLLOUT_TAIL(15)
 #undef ROLLOUT_TAIL
     default: break;
-  }
-}
-
-// R rows x two adjacent panels (columns n0 .. n0 + 32, the second maybe partial): each element's dot product
-// accumulated in k order from its bias, as `tile` does, so the same bits
-template <int R>
-inline void tile2(const float* __restrict xt, int64_t M, const float* __restrict wp, int64_t K,
-                  const float* __restrict bias, float* __restrict y, int64_t N, int64_t n0, bool prefetch) {
-  __m512 a0[R], a1[R];
-  const int64_t n1 = n0 + NB;
-  const __mmask16 keep1 = N - n1 >= NB ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << (N - n1)) - 1);
-  const __m512 b0 = bias ? _mm512_loadu_ps(bias + n0) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(keep1, bias + n1) : _mm512_setzero_ps();
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    a0[r] = b0;
-    a1[r] = b1;
-  }
-  const float* wq = wp + K * NB;  // NOTE: the next panel ([P][K][16]: panels are contiguous)
-  for (int64_t k = 0; k < K; ++k) {
-    if (prefetch) {
-      _mm_prefetch(reinterpret_cast<const char*>(wp + k * NB + PREFETCH_FLOATS), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(wq + k * NB + PREFETCH_FLOATS), _MM_HINT_T1);
-    }
-    const __m512 w0 = _mm512_loadu_ps(wp + k * NB);
-    const __m512 w1 = _mm512_loadu_ps(wq + k * NB);
-    const float* xk = xt + k * M;
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_set1_ps(xk[r]);
-      a0[r] = _mm512_fmadd_ps(xv, w0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xv, w1, a1[r]);
-    }
-  }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(y + r * N + n0, a0[r]);
-    _mm512_mask_storeu_ps(y + r * N + n1, keep1, a1[r]);
   }
 }
 
@@ -125,7 +110,7 @@ void pair(const float* xt, int64_t M, const float* wp, int64_t K, const float* b
     const int64_t R = base + (t < extra ? 1 : 0);
     switch (R) {
 #define ROLLOUT_PAIR(R) \
-      case R: tile2<R>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch); break;
+      case R: tile<R, 2>(xt + m, M, wp, K, bias, y + m * N, N, n0, prefetch); break;
       ROLLOUT_PAIR(1) ROLLOUT_PAIR(2) ROLLOUT_PAIR(3) ROLLOUT_PAIR(4) ROLLOUT_PAIR(5) ROLLOUT_PAIR(6) ROLLOUT_PAIR(7)
       ROLLOUT_PAIR(8) ROLLOUT_PAIR(9) ROLLOUT_PAIR(10) ROLLOUT_PAIR(11) ROLLOUT_PAIR(12) ROLLOUT_PAIR(13)
       ROLLOUT_PAIR(14)
