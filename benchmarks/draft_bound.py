@@ -78,8 +78,9 @@ def priced(rows: list[list[tuple[int, int]]], tokens: int, price: float) -> floa
 def planned(rows: list[tuple[list[int], list[int]]], price: float, overhead: float, k: int) -> tuple[float, int, int]:
     """(the tail's speedup, tokens drafted, tokens kept) with the speculator's own planning over `rows` ((prompt,
     greedy text) each, in lockstep): `Speculator.plan` on request-like rows, its cost model's fit fixed (a drafted
-    token `price` of a plain step, a speculative step's own cost `overhead`), each row's calibration recorded as
-    `Speculator._verify` does. A step costs 1, or 1 + `overhead` + `price` x the tokens it verifies."""
+    token `price` of a plain step, a speculative step's own cost `overhead`), each row's calibration recorded by
+    `Speculator.calibrate`, as a verifying step does. A step costs 1, or 1 + `overhead` + `price` x the tokens it
+    verifies."""
     from rollout.engine.speculation import Calibration, Speculator, StepCost
 
     spec = object.__new__(Speculator)  # NOTE: its planning state only: no engine, no model
@@ -98,18 +99,21 @@ def planned(rows: list[tuple[list[int], list[int]]], price: float, overhead: flo
         n = sum(map(len, drafts)) if drafts is not None else 0
         cost += 1.0 + (overhead + price * n if n else 0.0)
         drafted += n
-        for j, i in enumerate(live):
+        if not n:
+            drafts = [[] for _ in live]
+        taken = []
+        for i, d in zip(live, drafts, strict=True):
             req, gen = reqs[i], rows[i][1]
-            d, at = (drafts[j], len(req.generated)) if n else ([], len(req.generated))
-            m = 0
+            at, m = len(req.generated), 0
             while m < len(d) and at + m < len(gen) - 1 and d[m] == gen[at + m]:
                 m += 1
-            if d:
-                spec.calibration.record(req.request_id, sum(spec.estimates[j][: len(d)]), m)
             new = gen[at : at + m + 1]
             req.token_ids += new  # NOTE: in place: the drafter's index reads this list
             req.generated += new
-            kept += m
+            taken.append(m)
+        if n:
+            spec.calibrate([reqs[i] for i in live], drafts, taken)
+        kept += sum(taken)
     return max(len(g) for _, g in rows) / cost, drafted, kept
 
 

@@ -336,22 +336,28 @@ class Speculator:
         """Sample position after position, appending what each row emits; returns (tokens each row emitted, why
         each stopped: None while it goes on)."""
         core = self.core
-        first = list(itertools.accumulate([0, *[1 + len(d) for d in drafts[:-1]]]))  # NOTE: each row's positions
+        lens = [1 + len(d) for d in drafts]  # NOTE: each row's positions: its last token, then its draft
+        first = list(itertools.accumulate([0, *lens[:-1]]))
         emitted = [0] * len(rows)
         reasons: list[str | None] = [None] * len(rows)
         taken = [0] * len(rows)  # NOTE: each row's drafted tokens kept
         if all(r.sampling.greedy and not r.sampling.uses_processors for r in rows):
-            accepted = self._verify_greedy(rows, drafts, logits, first, emitted, reasons, taken)
+            accepted = self._verify_greedy(rows, drafts, logits, first, lens, emitted, reasons, taken)
         else:
             accepted = self._verify_positions(rows, drafts, logits, first, emitted, reasons, taken)
-        for req, d, est, n in zip(rows, drafts, self.estimates, taken, strict=True):
-            if d:
-                self.calibration.record(req.request_id, sum(est[: len(d)]), n)
+        self.calibrate(rows, drafts, taken)
         core.stats["spec_draft_tokens"] += sum(len(d) for d in drafts)
         core.stats["spec_accepted_tokens"] += accepted
         return emitted, reasons
 
-    def _verify_greedy(self, rows, drafts, logits, first, emitted, reasons, taken) -> int:
+    def calibrate(self, rows: list[Request], drafts: list[list[int]], taken: list[int]) -> None:
+        """Record, for each row that drafted, what `plan` estimated its draft would keep (`self.estimates`, summed
+        over the tokens drafted) against the drafted tokens it kept: its calibration for the next plans."""
+        for req, d, est, n in zip(rows, drafts, self.estimates, taken, strict=True):
+            if d:
+                self.calibration.record(req.request_id, sum(est[: len(d)]), n)
+
+    def _verify_greedy(self, rows, drafts, logits, first, lens, emitted, reasons, taken) -> int:
         """`_verify` for greedy rows without logits processors: a position's token, logprob, top-k and mask depend on
         its own logits only, and its token is the row's argmax, so each row emits its positions up to the first
         whose argmax is not its drafted token (that argmax included) and nothing after it is sampled. With
@@ -362,7 +368,6 @@ class Speculator:
         the argmax of every position (the sampler's own `row_argmax`) says which are emitted, and one sampler call
         over those gives what a call per position would. Returns the drafted tokens kept."""
         core, cfg = self.core, self.core.config
-        lens = [1 + len(d) for d in drafts]
         kernel = cpu_kernels.greedy_verify() if logits.is_cpu and logits.dtype is torch.float32 else None
         if kernel is not None and not any(r.top_logprobs or r.sampling.return_sampling_mask for r in rows):
             out = kernel(logits, lens, [t for d in drafts for t in d], cfg.return_logprobs)
