@@ -420,6 +420,7 @@ class ContinuousBatchingManager:
             commands, stop_mode, stepping = core.tp.exchange(commands, stop_mode, stepping, core, self._outbox)
         if not commands and not stepping and stop_mode is None:
             return False, True
+        self.step_lock.make_way()  # NOTE: an update (or a sleep, a config change) waiting for the lock goes first
         with self.step_lock.stepping():
             news = self._inbox.apply(core, commands)
             if stop_mode == "hard":

@@ -11,6 +11,9 @@ hand-off one row off, and a weight update that skips the settle, each make the o
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 from support.device_queue import DelayedQueue
@@ -257,3 +260,43 @@ def test_an_overlapped_step_reads_the_device_once_for_the_previous_step(model, s
         assert found[0][1].startswith("engine/async_steps.py"), reads.found
     if static:
         assert core.runner.static.steps > 3
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("make_way", [True, False], ids=["rounds_make_way", "rounds_do_not"])
+def test_a_waiting_holder_gets_the_lock_at_the_next_round(make_way):
+    """An update waits in `with lock:` while the engine thread runs rounds back to back: with `make_way()` before
+    each round it gets the lock within a round or two of asking. Without it the round thread releases and takes the
+    lock again before the woken waiter runs, and the waiter sits through many rounds (the in-flight update test saw
+    ~90 steps), which the `rounds_do_not` case shows on this lock (it would pass if the lock were fair)."""
+    lock, rounds, stop = StepLock(), [0], threading.Event()
+
+    def engine_thread():
+        while not stop.is_set():
+            if make_way:
+                lock.make_way()
+            with lock.stepping():
+                end = time.perf_counter() + 0.001  # NOTE: a step that holds the GIL, as Python glue does
+                while time.perf_counter() < end:
+                    pass
+                rounds[0] += 1
+
+    t = threading.Thread(target=engine_thread, daemon=True)
+    t.start()
+    waited = []
+    try:
+        for _ in range(30):
+            start = rounds[0]
+            with lock:
+                waited.append(rounds[0] - start)
+            if not make_way and waited[-1] > 2:
+                break  # NOTE: starved once: the case is made
+            time.sleep(0.002)
+    finally:
+        stop.set()
+        t.join(10)
+    assert not t.is_alive()
+    if make_way:
+        assert max(waited) <= 2, waited
+    else:
+        assert max(waited) > 2, waited

@@ -92,7 +92,9 @@ def test_nested_and_threaded_holders_share_one_freeze():
         assert frozen > 0
         with heap.frozen_heap:
             assert heap.holders() == 2
-        assert gc.get_freeze_count() == frozen  # NOTE: the inner exit does not hand the heap back
+        # NOTE: the inner exit does not hand the heap back (`gc.unfreeze()` would empty the permanent generation); not
+        # `== frozen`: a frozen object may die by refcount meanwhile, and CI once saw the count grow by 2 in here
+        assert gc.get_freeze_count() > frozen // 2
         inside, go = threading.Event(), threading.Event()
 
         def other():
