@@ -50,7 +50,7 @@ logger = logging.getLogger("rollout")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp",
-           CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp", CSRC / "argmax.cpp")
+           CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp", CSRC / "argmax.cpp", CSRC / "suffix_drafts.cpp")
 HEADERS = (CSRC / "kernels.h", CSRC / "vec_exp.h")
 # NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
 # build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
@@ -215,7 +215,9 @@ def build(timeout: float | None = None):
         return module
 
 
-KERNELS = "decode attention, small-batch linears, RMSNorm, RoPE, SiLU-and-mul, KV writes, greedy argmax"
+KERNELS = (
+    "decode attention, small-batch linears, RMSNorm, RoPE, SiLU-and-mul, KV writes, greedy argmax, suffix drafts"
+)
 
 
 def why_off(error: BaseException) -> str:
@@ -381,6 +383,13 @@ def greedy_verify():
     emitted position's log-softmax (rollout/kernels/csrc/argmax.cpp) -- or None."""
     module = load()
     return None if module is None else module.greedy_verify
+
+
+def suffix_drafts():
+    """The C++ suffix drafter (`SuffixIndexNative`, `suffix_draft`: rollout/kernels/csrc/suffix_drafts.cpp, the same
+    drafts and estimates as `rollout.sampling.drafts`) when the kernels are loaded already, else None: drafting never
+    starts a build (an engine on a GPU, which loads no CPU kernels, drafts in Python)."""
+    return STATE.get("module") if enabled() else None
 
 
 def write_kv():

@@ -16,7 +16,9 @@ tokens or where the estimate falls below the caller's `min_prob` (the speculator
 The row's own match running into its end continues with the draft itself (a loop repeats).
 
 Drafts only choose which tokens the verifying forward tries; they never change what is sampled
-(`rollout.sampling.speculative`). Pure Python: no torch.
+(`rollout.sampling.speculative`). No torch. Where rollout's C++ CPU kernels are loaded (an engine on a CPU), the
+indexes and the lookup run in C++ (`rollout/kernels/csrc/suffix_drafts.cpp`: `NativeIndex`), the same drafts and
+estimates bit for bit (tests/sampling/test_drafts.py); this module is their reference and the fallback.
 """
 
 from __future__ import annotations
@@ -82,6 +84,24 @@ class SuffixIndex:
         return self.maps[len(gram) - 1].get(gram, ())
 
 
+class NativeIndex:
+    """A `SuffixIndex` kept in C++ (`cpu_kernels.suffix_drafts()`): the same n-grams, positions and pairs over a
+    copy of `tokens`, brought up to date at each lookup (`sync`: the last token copied and the new ones)."""
+
+    __slots__ = ("max_n", "native", "prompt", "tokens")
+
+    def __init__(self, tokens: list[int], max_n: int, module) -> None:
+        self.tokens = tokens
+        self.max_n = max_n
+        self.native = module.SuffixIndexNative(max_n)
+        self.prompt: tuple[int, ...] = ()
+
+    def sync(self):
+        start = max(0, min(self.native.size(), len(self.tokens)) - 1)
+        self.native.sync(start, self.tokens[start:])
+        return self.native
+
+
 def walk(sources: list[tuple[list[int], list[int]]], periodic: list[int] | None, k: int,
          min_prob: float) -> tuple[list[int], list[float]]:
     """The most frequent continuation of the occurrences `sources` ((tokens, positions following the suffix) per
@@ -142,19 +162,34 @@ class Drafter:
         max_n: the deepest index of siblings tracked before drafting and of finished rollouts.
     """
 
-    def __init__(self, history_tokens: int = HISTORY_TOKENS, max_n: int = DEFAULT_NGRAM) -> None:
+    def __init__(self, history_tokens: int = HISTORY_TOKENS, max_n: int = DEFAULT_NGRAM,
+                 native: bool | None = None) -> None:
         self.max_n = max_n
         self.own: dict[str, SuffixIndex] = {}  # request id -> index of its tokens
         self.groups: dict[tuple[int, ...], dict[str, SuffixIndex]] = {}  # prompt -> live requests' indexes
         self.history: OrderedDict[tuple[int, ...], list[SuffixIndex]] = OrderedDict()  # prompt -> finished ones
         self.history_tokens, self.kept_tokens = history_tokens, 0
+        # NOTE: the C++ indexes (`NativeIndex`), chosen at the first index made and kept: None decides then (the
+        # kernels loaded or not), True / False ask (True without the kernels: Python, as None)
+        self.native: object | None = None
+        self._native_wanted = native
+        self._decided = False
+
+    def _index(self, tokens: list[int], max_n: int):
+        if not self._decided:
+            self._decided = True
+            if self._native_wanted is not False:
+                from rollout.kernels import cpu_kernels  # noqa: PLC0415 - only where a drafter drafts
+
+                self.native = cpu_kernels.suffix_drafts() if self._native_wanted is None else cpu_kernels.load()
+        return SuffixIndex(tokens, max_n) if self.native is None else NativeIndex(tokens, max_n, self.native)
 
     def track(self, request, max_n: int | None = None) -> SuffixIndex:
         """The live index of `request` (created, unfilled, on first sight; n-grams up to `max_n`)."""
         index = self.own.get(request.request_id)
         if index is None:
             depth = min(max(max_n or self.max_n, self.max_n), MAX_NGRAM)
-            index = self.own[request.request_id] = SuffixIndex(request.token_ids, depth)
+            index = self.own[request.request_id] = self._index(request.token_ids, depth)
             index.prompt = tuple(request.prompt_ids)
             self.groups.setdefault(index.prompt, {})[request.request_id] = index
         return index
@@ -168,8 +203,13 @@ class Drafter:
         group = self.groups[prompt]
         others = list(itertools.islice((i for i in group.values() if i is not index), MAX_SIBLINGS)) \
             if len(group) > 1 else []
-        others += self.history.get(prompt, ())
+        done = self.history.get(prompt, ())
         shortest = min(MIN_NGRAM, max_n)
+        if self.native is not None:  # NOTE: the live indexes brought up to date; a finished rollout's was at its filing
+            live = [index.sync(), *(o.sync() for o in others)]
+            return self.native.suffix_draft(live[0], live[1:] + [o.native for o in done], k, max_n, shortest,
+                                            min_prob)
+        others += done
         if shortest >= 2 and len(toks) >= 2:  # NOTE: every suffix tried ends with the last 2 tokens: none, no draft
             pair = (toks[-2], toks[-1])
             if not index.has_pair(pair) and not any(other.has_pair(pair) for other in others):
@@ -199,7 +239,9 @@ class Drafter:
         if not keep or self.history_tokens <= 0 or not request.generated:
             return
         done = self.history.setdefault(prompt, [])
-        done.append(SuffixIndex(list(request.token_ids), self.max_n))  # NOTE: indexed at its first lookup
+        done.append(index := self._index(list(request.token_ids), self.max_n))  # NOTE: indexed at its first lookup
+        if isinstance(index, NativeIndex):
+            index.sync()  # NOTE: its tokens are final: copied once
         self.kept_tokens += len(request.token_ids)
         if len(done) > HISTORY_PER_PROMPT:
             self.kept_tokens -= len(done.pop(0).tokens)

@@ -12,8 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from rollout.engine.speculation import Calibration, StepCost, prior
+from rollout.kernels import cpu_kernels
 from rollout.requests import RequestStatus
-from rollout.sampling.drafts import SMOOTHING, Drafter, walk
+from rollout.sampling.drafts import MAX_NGRAM, SMOOTHING, Drafter, NativeIndex, walk
 
 
 def req(rid: str, prompt: list[int], generated: list[int] = ()):
@@ -148,7 +149,7 @@ def test_text_that_does_not_repeat_builds_no_ngram_maps_and_drafts_as_before():
     import random
 
     rng = random.Random(0)
-    d = Drafter()
+    d = Drafter(native=False)  # NOTE: the Python indexes' own state is read
     fresh = req("a", [9], [rng.randrange(10, 10_000) for _ in range(200)])  # NOTE: no 2-gram twice (almost surely)
     assert d.draft(fresh, 4, max_n=4) == ([], [])
     assert all(not m for m in d.track(fresh).maps)  # NOTE: nothing indexed
@@ -156,7 +157,7 @@ def test_text_that_does_not_repeat_builds_no_ngram_maps_and_drafts_as_before():
     assert d.draft(fresh, 4, max_n=4) == ([], [])
     text = [rng.choice([1, 2, 3, 4]) for _ in range(60)]
     for n in (2, 3, 4):
-        a, b = Drafter(), Drafter()
+        a, b = Drafter(native=False), Drafter(native=False)
         r = req("b", [9], text)
         b.track(r, n).update()  # NOTE: maps built first: the lookup path without the check's early return
         assert a.draft(r, 6, max_n=n) == b.draft(req("b", [9], text), 6, max_n=n)
@@ -213,3 +214,53 @@ def test_walk_equals_the_walk_over_each_occurrence():
         periodic = sources[0][1] if trial % 2 else None
         k, min_prob = rng.randint(1, 10), rng.choice((0.0, 0.1, 0.3))
         assert walk(sources, periodic, k, min_prob) == _walk_each_occurrence(sources, periodic, k, min_prob), trial
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="rollout's CPU kernels unavailable here (no compiler)")
+def test_the_native_drafter_drafts_what_the_python_one_does():
+    """The C++ indexes and lookup (`NativeIndex`, rollout/kernels/csrc/suffix_drafts.cpp) against this module's Python
+    ones on random growing rows of small alphabets (text that repeats): live siblings, finished rollouts filed and
+    dropped (a small history), every suffix length 1-8, k 1-12, a `min_prob` cut, a last token written over: the
+    same drafts and the same estimates, float for float, at every step."""
+    rng, live = random.Random(11), 0
+    for trial in range(40):
+        py, cc = Drafter(history_tokens=600, native=False), Drafter(history_tokens=600, native=True)
+        alphabet = rng.randint(2, 9)
+        prompts = [[rng.randrange(alphabet) for _ in range(rng.randint(2, 30))] for _ in range(3)]
+        rows: dict[str, tuple] = {}
+        drafted = 0
+        for step in range(150):
+            if len(rows) < 5 and rng.random() < 0.2:  # NOTE: a new row; its prompt maybe a sibling's
+                prompt = rng.choice(prompts)
+                rid = f"t{trial}r{step}"
+                rows[rid] = (req(rid, prompt), req(rid, prompt))
+            if not rows:
+                continue
+            rid = rng.choice(sorted(rows))
+            a, b = rows[rid]
+            if rng.random() < 0.1 and a.generated:  # NOTE: finished: filed under its prompt (or dropped)
+                keep = rng.random() < 0.8
+                py.finish(a, keep)
+                cc.finish(b, keep)
+                del rows[rid]
+                continue
+            if rng.random() < 0.1 and a.generated:  # NOTE: the last token, which a draft may have read, written over
+                t = rng.randrange(alphabet)
+                a.token_ids[-1] = b.token_ids[-1] = a.generated[-1] = b.generated[-1] = t
+            for _ in range(rng.randint(0 if a.generated else 1, 3)):
+                t = rng.randrange(alphabet) if rng.random() < 0.7 else (a.token_ids[-rng.randint(1, 6)]
+                                                                        if len(a.token_ids) > 6 else 0)
+                for r in (a, b):
+                    r.token_ids.append(t)
+                    r.generated.append(t)
+            k, max_n = rng.randint(1, 12), rng.randint(1, MAX_NGRAM)
+            min_prob = rng.choice((0.0, 0.0, 0.05, 0.2))
+            want = py.draft(a, k, max_n, min_prob)
+            got = cc.draft(b, k, max_n, min_prob)
+            assert got == want, (trial, step, k, max_n, min_prob)
+            drafted += bool(want[0])
+        assert drafted > 10, trial  # NOTE: the rows did repeat: drafts were compared, not only empty ones
+        assert all(isinstance(cc.track(b), NativeIndex) and not isinstance(py.track(a), NativeIndex)
+                   for a, b in rows.values())  # NOTE: the two drafters did differ
+        live += len(rows)
+    assert live > 0

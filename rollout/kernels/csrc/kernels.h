@@ -46,3 +46,6 @@ at::Tensor silu_mul(const at::Tensor& gate, const at::Tensor& up);
 at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<double> greedy_verify(const at::Tensor& logits, const std::vector<int64_t>& lens,
                                   const std::vector<int64_t>& drafts, bool logprobs);
+
+// suffix_drafts.cpp
+void bind_suffix_drafts(pybind11::module& m);

@@ -40,4 +40,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a greedy speculative step's verification: each row's argmax position after position until a draft is "
         "rejected, and each emitted position's log-softmax", py::arg("logits"), py::arg("lens"), py::arg("drafts"),
         py::arg("logprobs"), release());
+  bind_suffix_drafts(m);
 }
