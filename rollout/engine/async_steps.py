@@ -228,9 +228,10 @@ class StepLock:
     lands after every step queued so far has run, as in the synchronous engine.
 
     A lock is not fair: the engine thread releases it at the end of a round and takes it again for the next one
-    before a thread woken by the release has run, so a waiter could sit through any number of rounds (an in-flight
-    update seen landing after ~90 tiny-model steps on a loaded box). So a round first `make_way()`s: while another
-    thread waits in `with lock:` it lets that thread in, and the update lands between the next two steps."""
+    before a thread woken by the release has run, so a waiter can sit through any number of rounds (a probe with
+    1 ms rounds that hold the GIL: waits of 1-1299 rounds; CI once saw an in-flight update land only after a
+    request's ~90 remaining tiny-model steps). So a round first `make_way()`s: while another thread waits in
+    `with lock:` it lets that thread in, and the update lands between the next two steps."""
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
