@@ -124,7 +124,8 @@ class EngineCore:
         )
         self.runner = ModelRunner(self.view, self.cache, self.windows, backend=self.backend,
                                   compiled=varlen_compile(config, self.device), static=static)
-        sampler = Sampler(self.device, seed_stream=resolve_seed_stream(config.seed_stream, self.device))
+        sampler = Sampler(self.device, seed_stream=resolve_seed_stream(config.seed_stream, self.device),
+                          exact_logprobs=config.batch_invariant)
         self.sampler = sampler if self.tp is None else AgreedSampler(sampler, self.tp)
         self.set_generation_config(generation_config)
         self.vocab_size = model.get_input_embeddings().num_embeddings

@@ -52,10 +52,14 @@ class Sampler:
         seed_stream: how seeded rows draw, "generator" or "counter" (see the module docstring).
     """
 
-    def __init__(self, device: torch.device, seed: int | None = None, seed_stream: str = "generator") -> None:
+    def __init__(self, device: torch.device, seed: int | None = None, seed_stream: str = "generator",
+                 exact_logprobs: bool = False) -> None:
         if seed_stream not in ("generator", "counter"):
             raise ValueError(f"seed_stream must be 'generator' or 'counter', got {seed_stream!r}")
         self.device = device
+        # NOTE: True: every logprob through torch's log_softmax (bitwise a trainer's, batch-invariant engines); False:
+        # a greedy step's logprobs on a CPU may come from `cpu_kernels.greedy_verify` (float rounding apart)
+        self.exact_logprobs = exact_logprobs
         self.seed_stream = seed_stream
         # NOTE: counter stream without the requests' histories: draws made so far per request (as a generator's)
         self._draws: dict[str, int] = {}
@@ -103,6 +107,10 @@ class Sampler:
             if uses:
                 self.processors.update(requests, tokens)
             return SamplerOutput(tokens.tolist(), None)
+        if not s_rows and not uses and not wants and not masked and not self.exact_logprobs:
+            fast = greedy_logprobs(raw)  # NOTE: greedy with logprobs (an RL engine's default) in one kernel call
+            if fast is not None:
+                return fast
         tokens = torch.empty(raw.shape[0], dtype=torch.long, device=raw.device)  # [R]
         g_rows = [i for i, p in enumerate(params) if p.greedy]
         if g_rows:
@@ -228,6 +236,21 @@ def support(tokens: torch.Tensor, warped: torch.Tensor | None, s_rows: list[int]
         else:
             out[i] = torch.isfinite(warped[j]).nonzero()[:, 0].tolist()  # NOTE: sorted ascending
     return out
+
+
+def greedy_logprobs(raw: torch.Tensor) -> SamplerOutput | None:
+    """Each row's argmax and its raw logprob (a greedy row's logprob in both modes: `log_distribution`) in one call
+    of `cpu_kernels.greedy_verify` for fp32 CPU logits (its argmax is `row_argmax`'s, index for index; its
+    log-softmax torch's to float rounding: within 1.5e-7, tests/kernels/test_argmax.py), instead of an argmax, a
+    log_softmax over every row, a gather and a read (each op 3-5x slower right after a forward: ~150 us of a 4-row 5M
+    step); None elsewhere."""
+    if raw.dtype is not torch.float32 or not raw.is_cpu or raw.dim() != 2 or raw.shape[1] == 0:
+        return None
+    kernel = cpu_kernels.greedy_verify()
+    if kernel is None:
+        return None
+    out = kernel(raw, [1] * raw.shape[0], [], True)  # NOTE: [token, logprob] per row
+    return SamplerOutput([int(t) for t in out[0::2]], out[1::2])
 
 
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64

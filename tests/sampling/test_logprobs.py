@@ -158,3 +158,36 @@ def test_generate_batch_kwargs_apply_to_every_request():
     )
     for prompt, o in zip(prompts, out.values(), strict=True):
         check(model, (prompt, 0.7, 5, 0.9, 3), o, "processed")
+
+
+@pytest.mark.skipif(__import__("rollout.kernels.cpu_kernels", fromlist=["x"]).greedy_verify() is None,
+                    reason="rollout's CPU kernels unavailable here (no compiler)")
+def test_a_greedy_step_s_logprobs_in_one_kernel_call(monkeypatch):
+    """Greedy rows with logprobs (an RL engine's default) take `cpu_kernels.greedy_verify` on fp32 CPU logits: the
+    same tokens as torch's argmax, logprobs within float rounding of torch's log_softmax; `exact_logprobs` (what a
+    batch-invariant engine sets) keeps torch's, bit for bit; a sampled row, a processor, top-k logprobs or a mask
+    takes the full path as before."""
+    from rollout.kernels import cpu_kernels
+    from rollout.requests import SamplingParams
+    from rollout.sampling import sampler as sampler_module
+
+    calls = []
+    kernel = cpu_kernels.greedy_verify()
+    monkeypatch.setattr(cpu_kernels, "greedy_verify", lambda: lambda *a: calls.append(1) or kernel(*a))
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 300, generator=g) * 4
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # NOTE: a tie: the first index, as torch's argmax
+    want_tokens = logits.argmax(-1).tolist()
+    want = logits.log_softmax(-1).gather(1, logits.argmax(-1)[:, None])[:, 0].tolist()
+    greedy = [SamplingParams(temperature=0.0)] * 6
+    ids = [f"r{i}" for i in range(6)]
+    for mode in ("processed", "raw"):
+        fast = sampler_module.Sampler(torch.device("cpu"))(logits, greedy, ids, mode)
+        assert calls and fast.tokens == want_tokens == [int(t) for t in fast.tokens] and fast.tokens[2] == 7
+        assert fast.logprobs == pytest.approx(want, rel=2e-7, abs=1e-7)
+        calls.clear()
+        exact = sampler_module.Sampler(torch.device("cpu"), exact_logprobs=True)(logits, greedy, ids, mode)
+        assert not calls and exact.tokens == want_tokens and exact.logprobs == want  # NOTE: torch's, bit for bit
+    mixed = [SamplingParams(temperature=0.0)] * 5 + [SamplingParams(temperature=1.0, seed=3)]
+    sampler_module.Sampler(torch.device("cpu"))(logits, mixed, ids, "processed")
+    assert not calls  # NOTE: a sampled row in the step: the full path
