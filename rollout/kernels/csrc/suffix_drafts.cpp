@@ -97,12 +97,6 @@ struct SuffixIndexNative {
     const auto it = maps[n - 1].find(g);
     return it == maps[n - 1].end() ? nullptr : &it->second;
   }
-
-  std::vector<int64_t> positions(const std::vector<int64_t>& gram) const {
-    TORCH_CHECK(!gram.empty() && static_cast<int64_t>(gram.size()) <= max_n, "positions: an n-gram of 1..max_n");
-    const auto* at = find(gram.data() + gram.size(), static_cast<int64_t>(gram.size()));
-    return at == nullptr ? std::vector<int64_t>{} : *at;
-  }
 };
 
 namespace {
@@ -231,11 +225,7 @@ void bind_suffix_drafts(pybind11::module& m) {
       .def(py::init<int64_t>(), py::arg("max_n"))
       .def("sync", &SuffixIndexNative::sync, "the source's tokens from `start` on (the last copied and the new)",
            py::arg("start"), py::arg("tail"))
-      .def("size", &SuffixIndexNative::size)
-      .def("update", &SuffixIndexNative::update)
-      .def("has_pair", &SuffixIndexNative::has_pair)
-      .def("positions", &SuffixIndexNative::positions)
-      .def_readonly("max_n", &SuffixIndexNative::max_n);
+      .def("size", &SuffixIndexNative::size);
   m.def("suffix_draft", &suffix_draft, "Drafter.draft's lookup and walk over native indexes", py::arg("own"),
         py::arg("others"), py::arg("k"), py::arg("max_n"), py::arg("shortest"), py::arg("min_prob"));
 }
