@@ -25,6 +25,7 @@ from rollout.engine.speculation import Speculator
 from rollout.engine.tp import AgreedSampler, TensorParallelGroup, tp_size_of
 from rollout.invariant import mode as batch_invariant
 from rollout.kernels import cpu_kernels
+from rollout.kernels.linear import onednn_routed
 from rollout.kv.kv_cache import PagedKVCache
 from rollout.kv.offload import CpuOffloadBuffer
 from rollout.kv.page_pool import PagePool
@@ -155,8 +156,8 @@ class EngineCore:
             self.max_batch_tokens, "on" if sharing else "off", self.windows, offload_pages,
         )
         # NOTE: once per process and path: which attention runs and whether rollout's C++ kernels do (`rollout doctor`)
-        cpu_kernels.announce(cpu_kernels.status_line(self.backend.name, self.device, sum(
-            hasattr(m, "_rollout_dtypes") for m in self.view.modules())))
+        cpu_kernels.announce(cpu_kernels.status_line(self.backend.name, self.device,
+                                                       onednn_routed(self.view)))
 
     @property
     def model(self) -> torch.nn.Module:

@@ -22,6 +22,11 @@ differs from the weight's or either is not on a CPU. Vendors' vLLM
 CPU builds route their linears to oneDNN for the same reason. The results match `F.linear` to float
 rounding (not bitwise: another summation order).
 
+Smaller fp32 weights (`SMALL_WEIGHT_ELEMENTS` up to `MIN_WEIGHT_ELEMENTS`: a 5M model's q / k / v / o, SmolLM2-135M's
+k / v) run on the small-M kernel below at decode sizes only and keep torch's linear above `SMALL_ROWS` rows (no
+packed copy): inside a step MKL took 23-35 us a 4-row call of a 256 x 256 weight (9 us alone, back to back), and
+with a layer's q / k / v in one small-M call a 4-row 5M decode step ran ~7% faster.
+
 Decode steps (up to `SMALL_ROWS` fp32 rows) go further: oneDNN reads a weight and then computes on it,
 so 16 rows cost the memory time plus the FMA time. rollout's small-M kernel (`rollout/kernels/csrc/small_gemm.cpp`)
 streams the weights ahead of the FMAs on its own panel layout (a second copy, built at the first decode
@@ -51,6 +56,12 @@ logger = logging.getLogger("rollout")
 MIN_WEIGHT_ELEMENTS = 2**17
 ALWAYS_WEIGHT_ELEMENTS = 2**18
 MIN_ROWS = 8  # rows from which a weight between the two sizes runs on oneDNN
+# NOTE: from here up to MIN_WEIGHT_ELEMENTS an fp32 weight runs on the small-M kernel up to SMALL_ROWS rows and on
+# torch's linear above (issue 60, ninth session): alone, back to back, MKL and the small-M kernel tie at 36-48 rows
+# and ours wins at 1-16 (256 x 256: 9 vs 7 us at 4 rows); inside a 4-row 5M decode step MKL's calls took 23-35 us
+# (the weights and MKL's threads cold after the other kernels) and the step ran 7.4% faster routed (8 tail seeds,
+# four engines in lockstep; the speculative one 2.6%). Below it (the tests' tiny models) torch's linear stays.
+SMALL_WEIGHT_ELEMENTS = 2**15
 # NOTE: bf16 already runs on oneDNN in torch, but on the plain layout: packed, a 100M bf16 forward over
 # 3 / 16 / 64 tokens took 18.5 / 24.7 / 55.5 ms against 29.3 / 43.5 / 75.6 (same results, bit for bit).
 DTYPES = (torch.float32, torch.bfloat16)
@@ -138,7 +149,8 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
                 else panel_weight(self)
             y = self._rollout_small(x.reshape(-1, k), panels, b, self._rollout_n)
             return y.view(*x.shape[:-1], self._rollout_n)
-        return _LINEAR_POINTWISE(x, packed_weight(self), b, "none", [], "")
+        if self._rollout_onednn:
+            return _LINEAR_POINTWISE(x, packed_weight(self), b, "none", [], "")
     return F.linear(x, w, b)
 
 
@@ -217,7 +229,8 @@ def small_enabled() -> bool:
 
 
 def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -> int:
-    """Route the view's large fp32 / bf16 CPU `nn.Linear`s through oneDNN; returns how many were routed.
+    """Route the view's large fp32 / bf16 CPU `nn.Linear`s through oneDNN, and its smaller fp32 ones (from
+    `SMALL_WEIGHT_ELEMENTS`) to the small-M kernel at decode sizes; returns how many were routed.
 
     Skips modules whose `forward` is already set on the instance (accelerate's hooks, other wrappers)
     and subclasses of `nn.Linear` (quantized or adapter layers keep their own forward)."""
@@ -225,27 +238,52 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         return 0
     min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
     dtypes = onednn_dtypes()
+    small_only = min(SMALL_WEIGHT_ELEMENTS, min_elements) if small_enabled() else min_elements
     small, looked = None, False  # NOTE: the kernels are built only when a CPU weight is routed (never on a GPU)
-    n = nbytes = 0
+    n = small_n = nbytes = 0
     for module in view.modules():
         if type(module) is not torch.nn.Linear or "forward" in vars(module):
             continue
         w = module.weight
-        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() < min_elements:
+        onednn = w.numel() >= min_elements
+        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() < small_only \
+                or (not onednn and w.dtype is not torch.float32):
             continue
         if not looked:
             small, looked = (cpu_kernels.small_linear() if small_enabled() else None), True
+        if not onednn and small is None:
+            continue
         module.forward = types.MethodType(_onednn_forward, module)
         module._rollout_packed = module._rollout_panels = None
-        module._rollout_dtypes = dtypes  # NOTE: a module cast later (`.bfloat16()`) repacks only where it can
+        # NOTE: a module cast later (`.bfloat16()`) repacks only where it can; a small-only one keeps torch's linear
+        module._rollout_dtypes = dtypes if onednn else (torch.float32,)
         module._rollout_small = small if w.dtype is torch.float32 else None
-        module._rollout_always = w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
+        module._rollout_onednn = onednn  # NOTE: False: the small-M kernel up to SMALL_ROWS rows, torch's linear above
+        module._rollout_always = not onednn or w.numel() >= min(ALWAYS_WEIGHT_ELEMENTS, max(min_elements, 1))
         module._rollout_n, module._rollout_k = w.shape
-        n += 1
-        nbytes += w.numel() * w.element_size()
+        if onednn:
+            n += 1
+            nbytes += w.numel() * w.element_size()
+        else:
+            small_n += 1
     if n:
         logger.info("rollout: %d linear layers run through oneDNN on packed weight copies (%.1f MiB more, held "
                     "while the engine lives; ROLLOUT_ONEDNN_LINEARS=0 turns this off)%s", n, nbytes / 2**20,
                     "; fp32 decode rows through rollout's small-M kernel on a second copy, built at the first "
                     "decode step (ROLLOUT_SMALL_LINEARS=0 turns it off)" if small is not None else "")
-    return n
+    if small_n:
+        logger.info("rollout: %d smaller fp32 linear layers run decode rows through rollout's small-M kernel (torch's "
+                    "linear above %d rows; ROLLOUT_SMALL_LINEARS=0 turns this off)", small_n, SMALL_ROWS)
+    return n + small_n
+
+
+def small_only(module: torch.nn.Module) -> bool:
+    """Whether `module` is a smaller fp32 linear routed to the small-M kernel only (no oneDNN copy; see
+    `SMALL_WEIGHT_ELEMENTS`)."""
+    return "_rollout_onednn" in vars(module) and not module._rollout_onednn
+
+
+def onednn_routed(view: torch.nn.Module) -> int:
+    """How many of the view's linears run through oneDNN on packed copies (`use_onednn_linears`; not the smaller
+    ones routed to the small-M kernel only)."""
+    return sum(bool(getattr(m, "_rollout_onednn", False)) for m in view.modules())

@@ -35,7 +35,7 @@ import torch
 
 from rollout.attention.interface import check_kwargs, paged_attention_forward
 from rollout.kernels.fused_layers import drop_fused_layers
-from rollout.kernels.linear import packed_weight
+from rollout.kernels.linear import packed_weight, small_only
 
 logger = logging.getLogger("rollout")
 
@@ -154,7 +154,9 @@ class CompiledForward:
         self.meta = None  # NOTE: the step's AttentionMetadata, set for the length of one forward
         self.linears = []
         for module in view.modules():
-            if "_rollout_packed" in vars(module):  # NOTE: routed to oneDNN by rollout.kernels.linear
+            if small_only(module):
+                vars(module).pop("forward", None)  # NOTE: a smaller linear on the small-M kernel only: torch's, traced
+            elif "_rollout_packed" in vars(module):  # NOTE: routed to oneDNN by rollout.kernels.linear
                 module.forward = types.MethodType(_packed_forward, module)
                 module._rollout_w = None
                 self.linears.append(module)

@@ -268,7 +268,8 @@ def test_a_waiting_holder_gets_the_lock_at_the_next_round(make_way):
     """An update waits in `with lock:` while the engine thread runs rounds back to back: with `make_way()` before
     each round it gets the lock within a round or two of asking. Without it the round thread releases and takes the
     lock again before the woken waiter runs, and the waiter sits through many rounds (the in-flight update test saw
-    ~90 steps), which the `rounds_do_not` case shows on this lock (it would pass if the lock were fair)."""
+    ~90 steps), which the `rounds_do_not` case shows on this lock when the OS schedules so (it skips on a run where
+    every handover happened to be fair: CI saw one)."""
     lock, rounds, stop = StepLock(), [0], threading.Event()
 
     def engine_thread():
@@ -298,5 +299,5 @@ def test_a_waiting_holder_gets_the_lock_at_the_next_round(make_way):
     assert not t.is_alive()
     if make_way:
         assert max(waited) <= 2, waited
-    else:
-        assert max(waited) > 2, waited
+    elif max(waited) <= 2:  # NOTE: the contrast depends on the OS's scheduling: a run handed over fairly 30 times
+        pytest.skip(f"without make_way the lock happened to be handed over within 2 rounds 30 times: {waited}")

@@ -132,3 +132,33 @@ def test_the_environment_switch_turns_the_routing_off(monkeypatch):
     assert linear.use_onednn_linears(make_engine_view(make_model("qwen3")), min_elements=0) == 0
     monkeypatch.setenv("ROLLOUT_ONEDNN_LINEARS", "1")
     assert linear.use_onednn_linears(make_engine_view(make_model("qwen3")), min_elements=0) > 0
+
+
+def test_smaller_fp32_linears_run_decode_rows_on_the_small_m_kernel_only(monkeypatch):
+    """A weight from `SMALL_WEIGHT_ELEMENTS` up to `MIN_WEIGHT_ELEMENTS` (a 5M model's q / k / v / o): the small-M
+    kernel up to `SMALL_ROWS` rows, torch's own linear above, never a packed oneDNN copy; bf16, a weight below the
+    range and `ROLLOUT_SMALL_LINEARS=0` stay on torch's linear."""
+    from rollout.kernels import cpu_kernels
+
+    kernel, pack = cpu_kernels.small_linear(), cpu_kernels.pack_panels()
+    if kernel is None:
+        pytest.skip("rollout's small-M kernel is unavailable here (no AVX-512 or no build)")
+    torch.manual_seed(0)
+    holder = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 64), torch.nn.Linear(1024, 256))
+    small, tiny, large = holder
+    assert tiny.weight.numel() < linear.SMALL_WEIGHT_ELEMENTS <= small.weight.numel() < linear.MIN_WEIGHT_ELEMENTS
+    assert large.weight.numel() >= linear.MIN_WEIGHT_ELEMENTS
+    assert linear.use_onednn_linears(holder) == 2 and routed(holder) == ["0", "2"]
+    assert linear.onednn_routed(holder) == 1 and linear.small_only(small) and not linear.small_only(large)
+    with torch.inference_mode():
+        for rows in (1, 4, 36, linear.SMALL_ROWS):
+            x = torch.randn(rows, 256)
+            assert torch.equal(small(x), kernel(x, pack(small.weight), small.bias, 256)), rows
+        x = torch.randn(2, linear.SMALL_ROWS + 1, 256)  # NOTE: a prompt chunk: torch's linear, bit for bit
+        assert torch.equal(small(x), F.linear(x, small.weight, small.bias))
+        assert linear.routed_copies(small).packed is None and linear.routed_copies(small).panels is not None
+        xb = x.bfloat16()  # NOTE: cast later: torch's linear
+        assert torch.equal(small.bfloat16()(xb), F.linear(xb, small.weight, small.bias))
+    assert linear.use_onednn_linears(torch.nn.Linear(256, 256).bfloat16()) == 0
+    monkeypatch.setenv("ROLLOUT_SMALL_LINEARS", "0")
+    assert linear.use_onednn_linears(torch.nn.Linear(256, 256)) == 0

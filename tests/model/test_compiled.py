@@ -87,3 +87,27 @@ def test_compiled_engines_keep_their_own_graphs():
             assert [r.generated for r in reqs] == reference(archs[i])[1][:5], archs[i]
     for core in engines:
         assert core.runner.forward.fn is not core.runner.forward.eager, "an engine fell back to eager"
+
+
+def test_a_compiled_forward_gives_smaller_linears_torch_s_own_forward():
+    """A linear routed to the small-M kernel only (`rollout.kernels.linear.SMALL_WEIGHT_ELEMENTS`: here the q / k / v
+    / o of a 256-wide model) calls a C++ kernel dynamo cannot trace: the compiled forward gives it the class forward
+    back (traced as torch's linear) and keeps the packed oneDNN op for the larger ones."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from rollout.model.engine_view import make_engine_view
+
+    if not linear.onednn_available():
+        pytest.skip("torch has no oneDNN fp32 linear here")
+    torch.manual_seed(0)
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=768, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=128, max_position_embeddings=256)
+    view = make_engine_view(Qwen3ForCausalLM(cfg).eval())
+    attn, mlp = view.model.layers[0].self_attn, view.model.layers[0].mlp
+    small = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj]
+    if not all(linear.small_only(m) for m in small):
+        pytest.skip("rollout's small-M kernel is unavailable here: nothing is routed to it alone")
+    assert all("forward" in vars(m) for m in small)
+    forward = CompiledForward(view, None)  # NOTE: None: the eager forward, nothing compiled
+    assert not any("forward" in vars(m) for m in small)
+    assert sorted(map(id, forward.linears)) == sorted(map(id, [mlp.gate_proj, mlp.up_proj, mlp.down_proj]))
