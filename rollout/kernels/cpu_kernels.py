@@ -50,7 +50,8 @@ logger = logging.getLogger("rollout")
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "module.cpp", CSRC / "decode_attention.cpp", CSRC / "small_gemm.cpp", CSRC / "rms_norm.cpp",
-           CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp", CSRC / "argmax.cpp", CSRC / "suffix_drafts.cpp")
+           CSRC / "silu_mul.cpp", CSRC / "kv_write.cpp", CSRC / "argmax.cpp", CSRC / "suffix_drafts.cpp",
+           CSRC / "decoder_layer.cpp")
 HEADERS = (CSRC / "kernels.h", CSRC / "vec_exp.h")
 # NOTE: tuples, and copies handed to torch: its loader appends to extra_ldflags in place, which would change
 # build_name() for the rest of a process that built the kernel (the cached-build lookup then misses).
@@ -390,6 +391,13 @@ def suffix_drafts():
     drafts and estimates as `rollout.sampling.drafts`) when the kernels are loaded already, else None: drafting never
     starts a build (an engine on a GPU, which loads no CPU kernels, drafts in Python)."""
     return STATE.get("module") if enabled() else None
+
+
+def decoder_layer():
+    """`decoder_layer(...)`: one Llama-family decoder layer of decode rows, the kernels of the Python path in its
+    order (rollout/kernels/csrc/decoder_layer.cpp; `rollout.kernels.fused_decoder` calls it), or None."""
+    module = load()
+    return None if module is None or not module.small_gemm_available() else module.decoder_layer
 
 
 def write_kv():

@@ -157,15 +157,22 @@ def _onednn_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 def _small_panels(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     """The panels `module`'s own forward would hand the small-M kernel for `x` (the same checks as
     `_onednn_forward`), or None: another route, hooks, or a forward that is not ours."""
+    if not (x.dtype is torch.float32 and x.is_cpu and x.dim() and x.shape[-1] \
+            and x.shape[-1] == getattr(module, "_rollout_k", None)):
+        return None
+    return decode_panels(module, x.numel() // x.shape[-1])
+
+
+def decode_panels(module: torch.nn.Module, rows: int) -> torch.Tensor | None:
+    """The panels `module`'s own forward would hand the small-M kernel for `rows` fp32 CPU rows, or None: another
+    route (too many or too few rows, another dtype, no kernel), hooks, or a forward that is not ours."""
     fwd = vars(module).get("forward")
     if getattr(fwd, "__func__", None) is not _onednn_forward or module._forward_hooks or module._forward_pre_hooks \
             or module._rollout_small is None:
         return None
     w, b = module.weight, module.bias
-    k, numel = module._rollout_k, x.numel()
-    if not (x.dtype is torch.float32 and w.dtype is torch.float32 and x.is_cpu and w.is_cpu
-            and (b is None or b.dtype is torch.float32) and numel <= SMALL_ROWS * k
-            and (module._rollout_always or numel >= MIN_ROWS * k) and x.shape[-1] == k):
+    if not (w.dtype is torch.float32 and w.is_cpu and (b is None or b.dtype is torch.float32) and rows <= SMALL_ROWS
+            and (module._rollout_always or rows >= MIN_ROWS)):
         return None
     held = module._rollout_panels
     return held[0] if held is not None and held[1] == w._version and held[2] == w.data_ptr() else panel_weight(module)

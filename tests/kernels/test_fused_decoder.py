@@ -241,3 +241,73 @@ def test_drop_batch_invariant_mode_and_the_switch_leave_the_class_forwards(monke
     assert fused_decoder.use_fused_decoder_layers(view) == 0 and decoders(view) == []
     monkeypatch.delenv("ROLLOUT_FUSED_LAYERS")
     assert fused_decoder.use_fused_decoder_layers(view) == 2 and fused_decoder.use_fused_decoder_models(view) == 1
+
+
+def run_cfg(model, prompts, truth=None):
+    """Greedy tokens and logprobs; with `truth` (each row's tokens of a plain run), n-gram speculation with every row
+    verified against planted drafts (the true continuation, a wrong token at a position that cycles 0, 2, none)."""
+    k = 4
+    extra = dict(speculative_method="ngram", num_speculative_tokens=k) if truth else {}
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=96, return_logprobs=True,
+                                                              **extra))
+    if truth:
+        core.speculator.max_rows = 64  # NOTE: every drafted row verified, whatever the timing says
+        calls = iter(range(10**6))
+
+        def planted(req, min_prob):
+            i, n = int(req.request_id[1:]), len(req.generated)
+            draft = list(truth[i][n : n + min(k, MAX_NEW - n - 1)])
+            wrong = (0, 2, None)[(i + next(calls)) % 3]
+            if wrong is not None and wrong < len(draft):
+                draft[wrong] = (draft[wrong] + 1) % model.config.vocab_size
+            return draft, [1.0] * len(draft)
+
+        core.speculator._draft = planted
+    reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        core.step()
+    return core, [(r.generated, r.logprobs) for r in reqs]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("spec", [False, True], ids=["decode", "speculative"])
+def test_native_layers_give_the_python_path_s_bits(arch, spec, monkeypatch):
+    """Every linear on the small-M kernel (the tiny layers routed as a 5M model's are): decode steps and verifying
+    steps (planted drafts, kept whole, in part or not at all) run each layer as one `decoder_layer` call, prompt
+    chunks the Python path; tokens and logprobs the same bits as with `ROLLOUT_NATIVE_LAYERS=0`. Two requests share
+    a prompt (the cascade kernel's shared pages); prompts pass Mistral's 24-token window and the 16-token one."""
+    import rollout.kernels.linear as linear
+
+    if cpu_kernels.decoder_layer() is None:
+        pytest.skip("rollout's small-M kernel is unavailable here (no AVX-512)")
+    monkeypatch.setattr(linear, "SMALL_WEIGHT_ELEMENTS", 1)
+    model = model_of(arch)
+    prompts = random_prompts(3, 20, 60, seed=5)
+    prompts.append(list(prompts[0]))
+    calls = {"native": 0, "rows": 0}
+    kernel = cpu_kernels.decoder_layer()
+
+    def counted(x, *args):
+        calls["native"] += 1
+        calls["rows"] = max(calls["rows"], x.shape[0])
+        return kernel(x, *args)
+
+    monkeypatch.setattr(cpu_kernels, "decoder_layer", lambda: counted)
+    truth = [t for t, _ in run_cfg(model, prompts)[1]] if spec else None
+    on_core, on = run_cfg(model, prompts, truth)
+    layers = model.config.num_hidden_layers
+    assert calls["native"] >= layers * (MAX_NEW // 2 if spec else MAX_NEW - 1)
+    if spec:
+        st = on_core.cache_stats()
+        assert st["spec_draft_tokens"] > st["spec_accepted_tokens"] > 0
+        assert calls["rows"] > len(prompts)  # NOTE: verifying steps ran natively too
+    monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", "0")
+    before = calls["native"]
+    _, off = run_cfg(model, prompts, truth)
+    assert calls["native"] == before
+    for i, ((a_tokens, a_logprobs), (b_tokens, b_logprobs)) in enumerate(zip(on, off, strict=True)):
+        assert len(a_tokens) == MAX_NEW and a_tokens == b_tokens
+        assert torch.equal(torch.tensor(a_logprobs), torch.tensor(b_logprobs))
+        assert truth is None or a_tokens == truth[i]

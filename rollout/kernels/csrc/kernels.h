@@ -47,5 +47,16 @@ at::Tensor argmax_rows(const at::Tensor& x);
 std::vector<double> greedy_verify(const at::Tensor& logits, const std::vector<int64_t>& lens,
                                   const std::vector<int64_t>& drafts, bool logprobs);
 
+// decoder_layer.cpp
+at::Tensor decoder_layer(const at::Tensor& x, const at::Tensor& in_w, double in_eps, const at::Tensor& post_w,
+                         double post_eps, const std::vector<at::Tensor>& panels,
+                         const std::vector<c10::optional<at::Tensor>>& biases, const std::vector<int64_t>& ns,
+                         const c10::optional<at::Tensor>& q_norm_w, const c10::optional<at::Tensor>& k_norm_w,
+                         double q_eps, double k_eps, const at::Tensor& cos, const at::Tensor& sin, int64_t heads,
+                         int64_t kv_heads, int64_t head_dim, at::Tensor& k_cache, at::Tensor& v_cache,
+                         const at::Tensor& slots, const at::Tensor& table, const at::Tensor& row,
+                         const at::Tensor& start, const at::Tensor& end, int64_t page_size, double scale,
+                         const c10::optional<at::Tensor>& alias);
+
 // suffix_drafts.cpp
 void bind_suffix_drafts(pybind11::module& m);

@@ -40,5 +40,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "a greedy speculative step's verification: each row's argmax position after position until a draft is "
         "rejected, and each emitted position's log-softmax", py::arg("logits"), py::arg("lens"), py::arg("drafts"),
         py::arg("logprobs"), release());
+  m.def("decoder_layer", &decoder_layer,
+        "one Llama-family decoder layer of decode rows: the norms, linears, RoPE, KV write and paged attention "
+        "kernels in the Python path's order (same bits)", release());
   bind_suffix_drafts(m);
 }
