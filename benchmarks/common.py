@@ -38,6 +38,9 @@ MODEL_SPECS = {
     # ~100M params: hidden 768, 12 layers, vocab 32768 (tied head, like small Qwen3 checkpoints)
     "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
                  num_key_value_heads=4, head_dim=64, vocab_size=32768, tie_word_embeddings=True),
+    # ~135M params: SmolLM2-135M's shape (hidden 576, 30 layers, 9 heads over 3 KV heads, vocab 49152, tied head)
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 

@@ -219,6 +219,15 @@ def _native(module: torch.nn.Module, children: tuple):
             (in_norm, post_norm), qk_norms)
 
 
+def set_native_layers(view: torch.nn.Module, on: bool) -> int:
+    """Let the view's fused decoder layers run `_native_layer` (on: from their next engine forward, as at install) or
+    only their Python path (benchmarks' A/B); returns how many layers."""
+    layers = [m for m in view.modules() if "_rollout_native" in vars(m)]
+    for m in layers:
+        m._rollout_native = UNSET if on else None
+    return len(layers)
+
+
 def native_enabled() -> bool:
     """False when `ROLLOUT_NATIVE_LAYERS=0` (the fused layers then run their Python path)."""
     return os.environ.get("ROLLOUT_NATIVE_LAYERS", "1") != "0"
