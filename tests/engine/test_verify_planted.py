@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.planted import plant_drafts
 from support.tiny_models import make_model, random_prompts
 from transformers import GenerationConfig
 
@@ -23,18 +24,7 @@ def run(model, prompts, truth=None, gc=GREEDY, **request):
     core = EngineCore(model, gc, ContinuousBatchingConfig(page_size=16, num_blocks=96, return_logprobs=True,
                                                               **extra))
     if truth:
-        core.speculator.max_rows = 64  # NOTE: every drafted row verified, whatever the timing says
-        calls = iter(range(10**6))
-
-        def planted(req, min_prob):
-            i, n = int(req.request_id[1:]), len(req.generated)
-            draft = list(truth[i][n : n + min(K, MAX_NEW - n - 1)])
-            wrong = (0, 2, None, 1)[(i + next(calls)) % 4]
-            if wrong is not None and wrong < len(draft):
-                draft[wrong] = (draft[wrong] + 1) % model.config.vocab_size
-            return draft, [1.0] * len(draft)
-
-        core.speculator._draft = planted
+        plant_drafts(core, truth, K, MAX_NEW, model.config.vocab_size)
     reqs = [core.make_request(p, request_id=f"r{i}", **request) for i, p in enumerate(prompts)]
     for r in reqs:
         core.add(r)

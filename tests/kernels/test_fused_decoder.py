@@ -8,6 +8,7 @@ import copy
 
 import pytest
 import torch
+from support.planted import plant_drafts
 from support.tiny_models import COMMON, make_model, random_prompts
 from transformers import AttentionInterface, AutoModelForCausalLM, GenerationConfig, Qwen3Config
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -64,9 +65,15 @@ def counting(monkeypatch) -> dict[str, int]:
     return runs
 
 
-def run(model, prompts):
-    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=64, return_logprobs=True))
-    reqs = [core.make_request(p) for p in prompts]
+def run(model, prompts, truth=None):
+    """Greedy tokens and logprobs; with `truth` (each row's tokens of a plain run), n-gram speculation with every row
+    verified against planted drafts (`support.planted`: the true continuation, a wrong token at 0, 2 or none)."""
+    extra = dict(speculative_method="ngram", num_speculative_tokens=4) if truth else {}
+    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=96, return_logprobs=True,
+                                                              **extra))
+    if truth:
+        plant_drafts(core, truth, 4, MAX_NEW, model.config.vocab_size, wrongs=(0, 2, None))
+    reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(prompts)]
     for r in reqs:
         core.add(r)
     while core.has_work():
@@ -243,34 +250,6 @@ def test_drop_batch_invariant_mode_and_the_switch_leave_the_class_forwards(monke
     assert fused_decoder.use_fused_decoder_layers(view) == 2 and fused_decoder.use_fused_decoder_models(view) == 1
 
 
-def run_cfg(model, prompts, truth=None):
-    """Greedy tokens and logprobs; with `truth` (each row's tokens of a plain run), n-gram speculation with every row
-    verified against planted drafts (the true continuation, a wrong token at a position that cycles 0, 2, none)."""
-    k = 4
-    extra = dict(speculative_method="ngram", num_speculative_tokens=k) if truth else {}
-    core = EngineCore(model, GREEDY, ContinuousBatchingConfig(page_size=16, num_blocks=96, return_logprobs=True,
-                                                              **extra))
-    if truth:
-        core.speculator.max_rows = 64  # NOTE: every drafted row verified, whatever the timing says
-        calls = iter(range(10**6))
-
-        def planted(req, min_prob):
-            i, n = int(req.request_id[1:]), len(req.generated)
-            draft = list(truth[i][n : n + min(k, MAX_NEW - n - 1)])
-            wrong = (0, 2, None)[(i + next(calls)) % 3]
-            if wrong is not None and wrong < len(draft):
-                draft[wrong] = (draft[wrong] + 1) % model.config.vocab_size
-            return draft, [1.0] * len(draft)
-
-        core.speculator._draft = planted
-    reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(prompts)]
-    for r in reqs:
-        core.add(r)
-    while core.has_work():
-        core.step()
-    return core, [(r.generated, r.logprobs) for r in reqs]
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("spec", [False, True], ids=["decode", "speculative"])
 def test_native_layers_give_the_python_path_s_bits(arch, spec, monkeypatch):
@@ -295,8 +274,8 @@ def test_native_layers_give_the_python_path_s_bits(arch, spec, monkeypatch):
         return kernel(x, *args)
 
     monkeypatch.setattr(cpu_kernels, "decoder_layer", lambda: counted)
-    truth = [t for t, _ in run_cfg(model, prompts)[1]] if spec else None
-    on_core, on = run_cfg(model, prompts, truth)
+    truth = [t for t, _ in run(model, prompts)[1]] if spec else None
+    on_core, on = run(model, prompts, truth)
     layers = model.config.num_hidden_layers
     assert calls["native"] >= layers * (MAX_NEW // 2 if spec else MAX_NEW - 1)
     if spec:
@@ -305,7 +284,7 @@ def test_native_layers_give_the_python_path_s_bits(arch, spec, monkeypatch):
         assert calls["rows"] > len(prompts)  # NOTE: verifying steps ran natively too
     monkeypatch.setenv("ROLLOUT_NATIVE_LAYERS", "0")
     before = calls["native"]
-    _, off = run_cfg(model, prompts, truth)
+    _, off = run(model, prompts, truth)
     assert calls["native"] == before
     for i, ((a_tokens, a_logprobs), (b_tokens, b_logprobs)) in enumerate(zip(on, off, strict=True)):
         assert len(a_tokens) == MAX_NEW and a_tokens == b_tokens
