@@ -337,3 +337,36 @@ def test_a_wrong_acceptance_rule_fails_the_law(law_and_model):
     assert stats["spec_draft_tokens"] >= ROWS
     _, p = chi_square_pvalue(counts(wrong), law)
     assert p < 1e-6, p
+
+
+def test_rows_whose_text_does_not_repeat_are_looked_up_in_doubling_idle_spells():
+    """A row whose lookup found nothing waits 1, 2, 4, ... steps (at most `IDLE_MAX` x width / `IDLE_ROWS`) before
+    the next lookup, so text that never repeats costs a lookup every few steps, not every step; a row that drafts
+    again is looked up at the next step."""
+    from rollout.engine import speculation
+
+    model = make_model("qwen3")
+    core = EngineCore(model, GREEDY, config(**SPEC))
+    spec = core.speculator
+    spec.max_rows = 64
+    looked: dict[str, list[int]] = {}
+
+    def draft(req, k, n, min_prob):
+        steps = looked.setdefault(req.request_id, [])
+        steps.append(spec.steps)
+        if req.request_id == "r1" and len(steps) in (5, 6, 7):  # NOTE: r1's 5th-7th lookups find a draft
+            return [1], [1.0]
+        return [], []
+
+    spec.drafter.draft = draft
+    reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(random_prompts(2, 5, 20, seed=1))]
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        core.step()
+    assert looked["r0"][:5] == [looked["r0"][0] + d for d in (0, 1, 3, 7, 15)]  # NOTE: spells of 1, 2, 4, 8
+    gaps = [b - a for a, b in itertools.pairwise(looked["r0"])]
+    assert max(gaps) == speculation.IDLE_MAX and len(looked["r0"]) < MAX_NEW // 4
+    r1 = looked["r1"]
+    assert r1[:5] == looked["r0"][:5] and r1[5:8] == [r1[4] + 1, r1[4] + 2, r1[4] + 3] and r1[8] == r1[7] + 1
+    assert r1[9] == r1[8] + 2  # NOTE: found nothing again: a new spell, from 1
