@@ -217,7 +217,8 @@ def build(timeout: float | None = None):
 
 
 KERNELS = (
-    "decode attention, small-batch linears, RMSNorm, RoPE, SiLU-and-mul, KV writes, greedy argmax, suffix drafts"
+    "decode attention, small-batch linears, RMSNorm, RoPE, SiLU-and-mul, KV writes, greedy argmax, suffix drafts, "
+    "decoder layers of decode rows"
 )
 
 
