@@ -126,3 +126,25 @@ def test_a_verifying_step_equals_the_old_path_and_an_fp64_forward():
     assert (old.double() - ref).abs().max() < 1e-4
     assert (new.double() - ref).abs().max() < 1e-4
     assert (new - old).abs().max() < 5e-5
+
+
+def test_a_cpu_step_s_ragged_indices_from_the_host_lists_equal_torch_s(monkeypatch):
+    """Up to `HOST_RAGGED_TOKENS` tokens a CPU step builds its per-token request and position indices from the host
+    lists; above, by torch ops (`ragged`): the same tensors, dtypes included, for mixed decode rows and chunks."""
+    from rollout.attention.backends import base
+
+    rng = random.Random(4)
+    table = torch.zeros(8, 64, dtype=torch.int32)
+    for _ in range(20):
+        b = rng.randint(1, 8)
+        lens = [rng.choice([1, 1, rng.randint(2, 60)]) for _ in range(b)]
+        lens[0] = max(lens[0], 2)  # NOTE: not a decode-only step
+        starts = [rng.randint(0, 500) for _ in range(b)]
+        got = {}
+        for limit in (10**6, 0):
+            monkeypatch.setattr(base, "HOST_RAGGED_TOKENS", limit)
+            step = StepInputs(starts, lens, list(range(b)), {None: table}, torch.device("cpu"))
+            got[limit] = (step.request_of_token, step.positions, step.first_row)
+        (a_of, a_pos, a_first), (b_of, b_pos, b_first) = got[10**6], got[0]
+        assert a_of.dtype == b_of.dtype and a_pos.dtype == b_pos.dtype and a_first == b_first
+        assert torch.equal(a_of, b_of) and torch.equal(a_pos, b_pos) and len(a_pos) == sum(lens)
