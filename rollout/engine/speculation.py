@@ -36,7 +36,7 @@ import torch
 from rollout.kernels import cpu_kernels
 from rollout.requests import Request, RequestStatus
 from rollout.sampling.drafts import DEFAULT_NGRAM, Drafter
-from rollout.sampling.sampler import row_argmax
+from rollout.sampling.sampler import kernel_rows, row_argmax
 from rollout.sampling.speculative import ACCEPTANCE, Rule
 from rollout.scheduling.stages import ScheduledRequest, SchedulerOutput
 
@@ -250,21 +250,22 @@ class Speculator:
     def plan(self, rows: list[Request]) -> list[list[int]] | None:
         """Each row's draft, cut to what the cost model keeps (or every draft under `max_rows`); None: plain."""
         self.width = len(rows)
-        idle, step = self.idle, self.steps
         if self.max_rows is not None:
             if len(rows) > self.max_rows:
                 return None
-            proposed = [NO_DRAFT if (w := idle.get(r.request_id)) is not None and w[0] > step else self._draft(r, 0.0)
-                        for r in rows]
-            self.estimates = [p for _, p in proposed]
-            return [t for t, _ in proposed]
-        floor = self.cost.min_prob(len(rows))
-        if floor >= 1.0:
-            return None
+            floor = 0.0
+        else:
+            floor = self.cost.min_prob(len(rows))
+            if floor >= 1.0:
+                return None
         # NOTE: a row in an idle spell (text that did not repeat) costs a dict lookup here, not a call: at 32 rows
         # of non-repeating text the step's planning took 55 us with the call, most of it these rows
+        idle, step = self.idle, self.steps
         proposed = [NO_DRAFT if (w := idle.get(r.request_id)) is not None and w[0] > step else self._draft(r, floor)
                     for r in rows]
+        if self.max_rows is not None:
+            self.estimates = [p for _, p in proposed]
+            return [t for t, _ in proposed]
         lens = self.cost.plan([p for _, p in proposed]) if any(t for t, _ in proposed) else None
         if lens is None:
             return None
@@ -372,7 +373,7 @@ class Speculator:
         the argmax of every position (the sampler's own `row_argmax`) says which are emitted, and one sampler call
         over those gives what a call per position would. Returns the drafted tokens kept."""
         core, cfg = self.core, self.core.config
-        kernel = cpu_kernels.greedy_verify() if logits.is_cpu and logits.dtype is torch.float32 else None
+        kernel = cpu_kernels.greedy_verify() if kernel_rows(logits) else None
         if kernel is not None and not any(r.top_logprobs or r.sampling.return_sampling_mask for r in rows):
             out = kernel(logits, lens, [t for d in drafts for t in d], cfg.return_logprobs)
             at, counts = [], []

@@ -246,7 +246,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
         return 0
     min_elements = MIN_WEIGHT_ELEMENTS if min_elements is None else min_elements
     dtypes = onednn_dtypes()
-    small_only = min(SMALL_WEIGHT_ELEMENTS, min_elements) if small_enabled() else min_elements
+    min_small = min(SMALL_WEIGHT_ELEMENTS, min_elements) if small_enabled() else min_elements
     small, looked = None, False  # NOTE: the kernels are built only when a CPU weight is routed (never on a GPU)
     n = small_n = nbytes = 0
     for module in view.modules():
@@ -254,7 +254,7 @@ def use_onednn_linears(view: torch.nn.Module, min_elements: int | None = None) -
             continue
         w = module.weight
         onednn = w.numel() >= min_elements
-        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() < small_only \
+        if w.device.type != "cpu" or w.dtype not in dtypes or w.numel() < min_small \
                 or (not onednn and w.dtype is not torch.float32):
             continue
         if not looked:

@@ -238,7 +238,7 @@ def support(tokens: torch.Tensor, warped: torch.Tensor | None, s_rows: list[int]
     return out
 
 
-def _kernel_rows(x: torch.Tensor) -> bool:
+def kernel_rows(x: torch.Tensor) -> bool:
     """Whether rollout's row kernels (`argmax_rows`, `greedy_verify`) take `x`: fp32 CPU [R, V], V >= 1."""
     return x.dtype is torch.float32 and x.is_cpu and x.dim() == 2 and x.shape[1] > 0
 
@@ -249,7 +249,7 @@ def greedy_logprobs(raw: torch.Tensor) -> SamplerOutput | None:
     log-softmax torch's to float rounding: within 1.5e-7, tests/kernels/test_argmax.py), instead of an argmax, a
     log_softmax over every row, a gather and a read (each op 3-5x slower right after a forward: ~150 us of a 4-row 5M
     step); None elsewhere."""
-    if not _kernel_rows(raw):
+    if not kernel_rows(raw):
         return None
     kernel = cpu_kernels.greedy_verify()
     if kernel is None:
@@ -261,7 +261,7 @@ def greedy_logprobs(raw: torch.Tensor) -> SamplerOutput | None:
 def row_argmax(x: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     """`x.argmax(dim=-1)`, the same indices; fp32 CPU rows through rollout's kernel (`cpu_kernels.argmax_rows`:
     torch's took 0.46 ms for 16 rows x 32768, most of a 100M model's sampling step)."""
-    if _kernel_rows(x):
+    if kernel_rows(x):
         kernel = cpu_kernels.argmax_rows()
         if kernel is not None:
             return kernel(x)
