@@ -339,12 +339,9 @@ def test_a_wrong_acceptance_rule_fails_the_law(law_and_model):
     assert p < 1e-6, p
 
 
-def test_rows_whose_text_does_not_repeat_are_looked_up_in_doubling_idle_spells():
-    """A row whose lookup found nothing waits 1, 2, 4, ... steps (at most `IDLE_MAX` x width / `IDLE_ROWS`) before
-    the next lookup, so text that never repeats costs a lookup every few steps, not every step; a row that drafts
-    again is looked up at the next step."""
-    from rollout.engine import speculation
-
+def _lookups(rows: int) -> dict[str, list[int]]:
+    """The steps at which each of `rows` greedy rows was looked up, a drafter that finds nothing but for r1's 5th to
+    7th lookups (a one-token draft)."""
     model = make_model("qwen3")
     core = EngineCore(model, GREEDY, config(**SPEC))
     spec = core.speculator
@@ -359,14 +356,34 @@ def test_rows_whose_text_does_not_repeat_are_looked_up_in_doubling_idle_spells()
         return [], []
 
     spec.drafter.draft = draft
-    reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(random_prompts(2, 5, 20, seed=1))]
+    reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(random_prompts(rows, 5, 20, seed=1))]
     for r in reqs:
         core.add(r)
     while core.has_work():
         core.step()
+    return looked
+
+
+def test_rows_whose_text_does_not_repeat_are_looked_up_in_doubling_idle_spells():
+    """Past `LOOKUP_ROWS` rows a row whose lookup found nothing waits 1, 2, 4, ... steps (at most `IDLE_MAX` x width
+    / `IDLE_ROWS`) before the next lookup, so text that never repeats costs a lookup every few steps, not every
+    step; a row that drafts again is looked up at the next step."""
+    from rollout.engine import speculation
+
+    looked = _lookups(speculation.LOOKUP_ROWS + 2)
     assert looked["r0"][:5] == [looked["r0"][0] + d for d in (0, 1, 3, 7, 15)]  # NOTE: spells of 1, 2, 4, 8
     gaps = [b - a for a, b in itertools.pairwise(looked["r0"])]
     assert max(gaps) == speculation.IDLE_MAX and len(looked["r0"]) < MAX_NEW // 4
     r1 = looked["r1"]
     assert r1[:5] == looked["r0"][:5] and r1[5:8] == [r1[4] + 1, r1[4] + 2, r1[4] + 3] and r1[8] == r1[7] + 1
     assert r1[9] == r1[8] + 2  # NOTE: found nothing again: a new spell, from 1
+
+
+def test_a_tail_of_few_rows_looks_every_row_up_every_step():
+    """At most `LOOKUP_ROWS` rows (a batch's tail), no spells: each row is looked up at every decode step."""
+    from rollout.engine import speculation
+
+    looked = _lookups(speculation.LOOKUP_ROWS)
+    assert len(looked) == speculation.LOOKUP_ROWS
+    for steps in looked.values():
+        assert len(steps) > MAX_NEW // 2 and steps == list(range(steps[0], steps[0] + len(steps)))
