@@ -56,7 +56,7 @@ IDLE_MAX = 8
 IDLE_ROWS = 8
 # NOTE: a step of at most this many rows (a tail) looks every row up, spell or not: a lookup is ~13 us against a
 # ~1-2 ms 5M step, and a repeat a spell misses costs steps of the rows that end the batch (the 5M tail 4 x 400,
-# seeds 490-497: 1.26x -> 1.30x median, every seed faster; 6 x 300 also gained at 8)
+# seeds 490-497: 1.26x -> 1.30x median, every seed faster; 6 x 300: 1.00x -> 1.03x; up to 8 rows: the same)
 LOOKUP_ROWS = 4
 NO_DRAFT: tuple[list[int], list[float]] = ([], [])  # NOTE: shared, never mutated
 CALIBRATION_DECAY = 0.7  # NOTE: a row's acceptance record fades by this much at each of its drafted steps
