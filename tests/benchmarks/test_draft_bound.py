@@ -60,7 +60,9 @@ def test_the_speculators_own_planning_replayed():
     rng = random.Random(1)
     fresh = rng.sample(range(10, 100_000), 120)
     assert planned([(prompt, fresh), (prompt, fresh[::-1])], 0.01, 0.05, 8) == (1.0, 0, 0)  # NOTE: nothing repeats
-    text = [1, 2, 3, 4] * 5 + [5] + [1, 2, 3, 4] * 5  # NOTE: the 5 is a break: a draft there fails
+    # NOTE: the 5 is a break, inside a cycle: a draft across it fails (at a cycle's end, a row looked up every step
+    # drafts up to it and emits the 5 as the token after its draft)
+    text = [1, 2, 3, 4] * 5 + [1, 2, 5] + [1, 2, 3, 4] * 5
     x, drafted, kept = planned([(prompt, text)], 0.0, 0.0, 4)
     assert 0 < kept < drafted and x == len(text) / (len(text) - kept)  # NOTE: free: one row's tokens / its steps
     # NOTE: dearer drafted tokens: the cost model verifies fewer of them
