@@ -264,12 +264,9 @@ class Speculator:
                 return None
         # NOTE: a row in an idle spell (text that did not repeat) costs a dict lookup here, not a call: at 32 rows
         # of non-repeating text the step's planning took 55 us with the call, most of it these rows
-        idle, step = self.idle, self.steps
-        if len(rows) <= LOOKUP_ROWS:
-            proposed = [self._draft(r, floor) for r in rows]
-        else:
-            proposed = [NO_DRAFT if (w := idle.get(r.request_id)) is not None and w[0] > step
-                        else self._draft(r, floor) for r in rows]
+        idle, step, spells = self.idle, self.steps, len(rows) > LOOKUP_ROWS
+        proposed = [NO_DRAFT if spells and (w := idle.get(r.request_id)) is not None and w[0] > step
+                    else self._draft(r, floor) for r in rows]
         if self.max_rows is not None:
             self.estimates = [p for _, p in proposed]
             return [t for t, _ in proposed]
