@@ -354,8 +354,16 @@ class EngineCore:
 
     def run_step(self, out: SchedulerOutput) -> list[Request]:
         """Run, sample and update one scheduled step, synchronously."""
-        if out.decode_only and self.speculator is not None and (news := self.speculator.step(out)) is not None:
+        spec = self.speculator if out.decode_only else None
+        if spec is not None:
+            if (news := spec.step(out)) is not None:
+                return news
+            news = self._run_step(out)
+            spec.ran_plain()  # NOTE: the plain step it handed back, timed to its end
             return news
+        return self._run_step(out)
+
+    def _run_step(self, out: SchedulerOutput) -> list[Request]:
         self._count_prompt_tokens(out)
         try:
             logits, sampled, scores = self.runner.execute(out)

@@ -231,6 +231,40 @@ def test_cost_model_in_charge():
     assert core.cache_stats()["spec_draft_tokens"] == 0
 
 
+def test_a_step_is_timed_alone_not_with_what_runs_between_steps():
+    """The cost model's times are each step's own, from its start (planning included) to its end: a caller that
+    spends 40 ms between steps (another engine in the same process, a trainer's own work) moves neither the plain
+    steps' times nor the verifying steps' -- timed up to the next step's start instead, every one of them took
+    those 40 ms too, and a drafted token's price, relative to a plain step, shrank with them."""
+    import time
+
+    model = make_model("gemma2")  # NOTE: its random model loops at once: verifying steps and plain ones
+    prompts = random_prompts(3, 5, 20, seed=2)
+    core = EngineCore(model, GREEDY, config(**SPEC))
+    cost, timed = core.speculator.cost, {"plain": [], "spec": []}
+    plain, spec = cost.observe_plain, cost.observe_spec
+
+    def observe_plain(rows, seconds):
+        timed["plain"].append(seconds)
+        plain(rows, seconds)
+
+    def observe_spec(rows, extra, seconds):
+        timed["spec"].append(seconds)
+        spec(rows, extra, seconds)
+
+    cost.observe_plain, cost.observe_spec = observe_plain, observe_spec
+    reqs = [core.make_request(p, max_new_tokens=24) for p in prompts]
+    for r in reqs:
+        core.add(r)
+    while core.has_work():
+        core.step()
+        time.sleep(0.04)
+    assert timed["plain"] and timed["spec"], timed
+    assert max(timed["plain"] + timed["spec"]) < 0.04, timed
+    assert max(cost.plain.values()) < 0.04, cost.plain
+    assert all(r.status.is_final for r in reqs)
+
+
 # ------------------------------------------------------------------------------------ the distribution test
 V = 5  # NOTE: a vocabulary small enough to enumerate the joint law of the generated tokens exactly
 PROMPT = [1, 2, 3, 1, 2, 4, 0, 1, 2]
