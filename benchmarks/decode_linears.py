@@ -11,10 +11,12 @@ for M = 1 / 4 / 16 / 32 / 64 rows, at 1 and 2 threads, each way:
           `SMALL_ROWS` rows)
 
 The weights total 403 MB, far more than any cache, so each call reads its weight from memory as in a real step.
+`--model 5m` runs the 5M model's 29 linears instead (4 layers, the 256 x 4096 head; ~17 MB, which a big L3 holds:
+the passes then read them from cache, as that model's steps do).
 For each case: the best of 5 passes, the weights' read rate, and the GFLOP/s; beside them a `torch.sum` over
 256 MB at the same thread count (the machine's read bandwidth). Results are checked against `F.linear` first.
 
-    python benchmarks/decode_linears.py [--ms 1,4,16,32,64] [--threads 1,2]
+    python benchmarks/decode_linears.py [--ms 1,4,16,32,64] [--threads 1,2] [--model 100m | 5m]
 
 Issue #26 (100M, long contexts): a decode step of 16 rows with oneDNN costs the memory time plus the FMA time.
 """
@@ -30,6 +32,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from common import MODEL_SPECS  # noqa: E402
+
 from rollout.kernels import cpu_kernels  # noqa: E402
 
 
@@ -37,6 +41,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ms", default="1,4,16,32,64")
     p.add_argument("--threads", default="1,2")
+    p.add_argument("--model", default="100m", help="a model of benchmarks/common.py (MODEL_SPECS): its linears' shapes")
     a = p.parse_args()
     torch.manual_seed(0)
     small, pack = cpu_kernels.small_linear(), cpu_kernels.pack_panels()
@@ -44,10 +49,14 @@ def main() -> None:
     def onednn(x, w):
         return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
 
-    shapes = []
-    for _ in range(12):
-        shapes += [(768, 768), (768, 256), (768, 256), (768, 768), (768, 2048), (768, 2048), (2048, 768)]
-    shapes.append((768, 32768))  # the head
+    spec = MODEL_SPECS[a.model]
+    h, q, kv = spec["hidden_size"], spec["num_attention_heads"] * spec["head_dim"], \
+        spec["num_key_value_heads"] * spec["head_dim"]
+    inter = spec["intermediate_size"]
+    shapes = []  # NOTE: (in, out) of q, k, v, o, gate, up, down per layer, then the head
+    for _ in range(spec["num_hidden_layers"]):
+        shapes += [(h, q), (h, kv), (h, kv), (q, h), (h, inter), (h, inter), (inter, h)]
+    shapes.append((h, spec["vocab_size"]))  # the head
     raw = [torch.randn(n, k) for k, n in shapes]
     ways = {"onednn": (onednn, [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in raw])}
     if small is not None:
@@ -57,8 +66,8 @@ def main() -> None:
     nbytes = sum(k * n * 4 for k, n in shapes)
     big = torch.randn(64 * 2**20)
     with torch.inference_mode():
-        x = torch.randn(5, 768)
-        for i in (0, 1, 84):
+        x = torch.randn(5, h)
+        for i in (0, 1, len(shapes) - 1):
             want = F.linear(x, raw[i])
             torch.testing.assert_close(onednn(x, ways["onednn"][1][i]), want, rtol=1e-4, atol=1e-4)
             if "ours" in ways:
@@ -74,7 +83,7 @@ def main() -> None:
             print(f"threads {threads} (torch.sum {bandwidth / 1e9:.0f} GB/s, weights {nbytes / 1e6:.0f} MB; "
                   f"memory bound {nbytes / bandwidth * 1e3:.1f} ms), load {os.getloadavg()[0]:.2f}", flush=True)
             for m in (int(v) for v in a.ms.split(",")):
-                xs = {768: torch.randn(m, 768), 2048: torch.randn(m, 2048)}
+                xs = {k: torch.randn(m, k) for k in {k for k, _ in shapes}}
                 cells, times = [], {}
                 for name, (fn, ws) in ways.items():
                     best = float("inf")
