@@ -148,9 +148,9 @@ class StepCost:
         dx = self.c1 * self.share(rows)
         inc = sorted(((p, i) for i, ps in enumerate(probs) for p in ps), reverse=True)
         gain, cost = float(rows), self.c0
-        # NOTE: no margin over the plain step: the drafting's own time is in both kinds of step's measured time, and
-        # the fit's in every speculative one (a margin of 0.15 in its place cost the 5M tail 4 x 400 2.8% and the
-        # RL-shaped log-normal batch 3.3%, paired over 60 and 30 fresh seeds: RESULTS, issue 60's eleventh session)
+        # NOTE: no margin over the plain step: the drafting's own time is in both kinds of step's measured time (a
+        # margin of 0.15 cost the 5M tail 4 x 400 1.5% and an RL-shaped log-normal G=8 batch 1.4-2.7% on fresh seeds,
+        # paired over 60 and 30 of them: RESULTS, "A step timed alone, and no margin")
         best, keep = float(rows), 0
         for n, (p, _) in enumerate(inc, 1):
             gain += p
@@ -244,8 +244,8 @@ class Speculator:
         A step is timed from its own start to its own end, not to the next step's start: what runs between two steps
         (another engine's step in the same process -- the benchmarks' lockstep --, the caller's own work) is no part
         of a step's cost (timed to the next call, in the 2-engine lockstep of benchmarks/speculation.py, a 100M
-        4-row plain step was estimated at 30 ms against its 17 ms, and a drafted token's share of it at half its
-        own)."""
+        4-row plain step was estimated at 30 ms against its 17 ms, and a drafted token's relative price at about
+        half of it)."""
         pending, self.pending = self.pending, None
         if pending is not None:
             self.cost.observe_plain(pending[1], time.perf_counter() - pending[0])
