@@ -233,10 +233,14 @@ def test_cost_model_in_charge():
 
 def test_a_step_is_timed_alone_not_with_what_runs_between_steps():
     """The cost model's times are each step's own, from its start (planning included) to its end: a caller that
-    spends 40 ms between steps (another engine in the same process, a trainer's own work) moves neither the plain
+    spends 50 ms between steps (another engine in the same process, a trainer's own work) moves neither the plain
     steps' times nor the verifying steps' -- timed up to the next step's start instead, every one of them took
-    those 40 ms too, and a drafted token's price, relative to a plain step, shrank with them."""
+    those 50 ms too, and a drafted token's price, relative to a plain step, shrank with them. (Medians, so that one
+    slow step on a loaded box does not fail it; a step of this tiny model takes a few ms.)"""
+    import statistics
     import time
+
+    between = 0.05
 
     model = make_model("gemma2")  # NOTE: its random model loops at once: verifying steps and plain ones
     prompts = random_prompts(3, 5, 20, seed=2)
@@ -258,10 +262,10 @@ def test_a_step_is_timed_alone_not_with_what_runs_between_steps():
         core.add(r)
     while core.has_work():
         core.step()
-        time.sleep(0.04)
+        time.sleep(between)
     assert timed["plain"] and timed["spec"], timed
-    assert max(timed["plain"] + timed["spec"]) < 0.04, timed
-    assert max(cost.plain.values()) < 0.04, cost.plain
+    assert statistics.median(timed["plain"]) < between / 2 and statistics.median(timed["spec"]) < between / 2, timed
+    assert max(cost.plain.values()) < between, cost.plain
     assert all(r.status.is_final for r in reqs)
 
 
