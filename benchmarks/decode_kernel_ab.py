@@ -5,12 +5,15 @@ Each of `--layers` layers has its own K/V cache (so every call reads its pages f
 unlike `decode_kernel.py`, which repeats one warm call), `--rows` decode rows of `--keys` keys (minus 0-199
 at random) over scattered `--page-size` pages, `--heads` query heads on `--kv-heads` KV heads, head size
 `--head-dim`; with `--group G`, rows in groups of G share their first `--shared-pages` pages (a GRPO group's
-prompt: the cascade path). Both builds run the same calls in turns (`--reps`); prints the median time per
-layer, the K/V bytes the rows name over that time, and the largest difference between the two outputs.
+prompt: the cascade path). With `--verify Q`, each row is a verifying row of a speculative step: Q queries, the
+j-th reading keys up to the row's end + j (the engine hands the kernel a row's draft tokens this way; its cascade
+reads the row's keys once for all Q). Both builds run the same calls in turns (`--reps`); prints the median time
+per layer, the K/V bytes the rows name over that time, and the largest difference between the two outputs.
 
     python benchmarks/decode_kernel_ab.py --against b42072b~1                                  # 5M layer, 64 rows
     python benchmarks/decode_kernel_ab.py --against b42072b~1 --rows 32 --heads 12 --kv-heads 4  # 100M layer
     python benchmarks/decode_kernel_ab.py --against b42072b~1 --rows 16 --heads 12 --kv-heads 4 --group 16
+    python benchmarks/decode_kernel_ab.py --against HEAD~1 --rows 4 --keys 570 --verify 9    # a 5M tail's drafts
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ def main() -> None:
     ap.add_argument("--page-size", type=int, default=256)
     ap.add_argument("--group", type=int, default=1)
     ap.add_argument("--shared-pages", type=int, default=2)
+    ap.add_argument("--verify", type=int, default=1, help="queries per row (a verifying row's tokens)")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--reps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
@@ -74,7 +78,7 @@ def main() -> None:
     kernels = {"live": cpu_kernels.cascade_decode_attention(), a.against: build_at(a.against)}
     if kernels["live"] is None:
         raise SystemExit("the live kernel is unavailable here (no compiler or ROLLOUT_CPU_KERNELS=0)")
-    ps, pages = a.page_size, (a.keys + a.page_size - 1) // a.page_size
+    ps, pages = a.page_size, (a.keys + a.verify + a.page_size - 1) // a.page_size
     blocks = a.rows * pages + 8
     caches = [(torch.randn(a.kv_heads, blocks * ps, a.head_dim), torch.randn(a.kv_heads, blocks * ps, a.head_dim))
               for _ in range(a.layers)]
@@ -84,10 +88,11 @@ def main() -> None:
     if a.group > 1:
         for r in range(a.rows):
             table[r, : a.shared_pages] = table[(r // a.group) * a.group, : a.shared_pages]
-    rows = torch.arange(a.rows)
-    start = torch.zeros(a.rows, dtype=torch.long)
-    end = torch.tensor([a.keys - random.Random(r).randrange(0, 200) for r in range(a.rows)], dtype=torch.long)
-    q = torch.randn(a.rows, a.heads, a.head_dim)
+    rows = torch.arange(a.rows).repeat_interleave(a.verify)
+    start = torch.zeros(len(rows), dtype=torch.long)
+    end = torch.tensor([a.keys - random.Random(r).randrange(0, 200) + j for r in range(a.rows) for j in range(a.verify)],
+                       dtype=torch.long)
+    q = torch.randn(len(rows), a.heads, a.head_dim)
     outs = {name: torch.empty_like(q) for name in kernels}
     scale = a.head_dim ** -0.5
 
@@ -104,8 +109,9 @@ def main() -> None:
         for name in kernels:
             times[name].append(run(name))
     nbytes = int(end.sum()) * a.kv_heads * a.head_dim * 4 * 2 * a.layers
-    print(f"rows {a.rows} x ~{a.keys} keys, {a.heads} heads / {a.kv_heads} KV heads x {a.head_dim}, page {ps}, "
-          f"group {a.group}, {a.layers} cold layers, {a.threads} threads, load {os.getloadavg()[0]:.2f}")
+    print(f"rows {a.rows} x ~{a.keys} keys, {a.verify} queries a row, {a.heads} heads / {a.kv_heads} KV heads x "
+          f"{a.head_dim}, page {ps}, group {a.group}, {a.layers} cold layers, {a.threads} threads, "
+          f"load {os.getloadavg()[0]:.2f}")
     med = {name: statistics.median(t) for name, t in times.items()}
     for name in kernels:
         diff = float((outs[name] - outs["live"]).abs().max())

@@ -133,10 +133,49 @@ def test_plan_groups_rows_by_shared_block_ids(kernels):
     ] == [(0, 1, [0, 1])]
 
 
-def test_plan_ignores_rows_that_share_no_full_page(kernels):
-    _, _, plan = kernels
+def test_rows_sharing_only_a_partial_page_read_its_slots_once(kernels):
+    """Rows in no group that read the first slots of one block (a verifying row's tokens before its context has a
+    full page, each query reading up to its own position) form a group of no full pages: the slots every member
+    reads, up to the shortest, once; rows reading their page from other blocks do not."""
+    paged, cascade, plan = kernels
     table = torch.tensor([[1, 2], [3, 4], [1, 5]])
-    assert plan(table, torch.arange(3), torch.zeros(3, dtype=torch.long), torch.tensor([3, 8, 3]), 4) == []
+    row, start = torch.arange(3), torch.zeros(3, dtype=torch.long)
+    assert plan(table, row, start, torch.tensor([3, 8, 2]), 4) == [(0, 0, [0, 2], 1, 2)]
+    assert plan(table[[0, 1]], torch.arange(2), start[:2], torch.tensor([3, 3]), 4) == []
+    # NOTE: one verifying row of 5 tokens at positions 20-24, its context in one partial page of 32 slots
+    ps, g = 32, torch.Generator().manual_seed(7)
+    row, start, end = torch.zeros(5, dtype=torch.long), torch.zeros(5, dtype=torch.long), torch.arange(21, 26)
+    table = torch.tensor([[2, 0]])
+    assert plan(table, row, start, end, ps) == [(0, 0, [0, 1, 2, 3, 4], 2, 21)]
+    k, v = torch.randn(2, 3 * ps, 64, generator=g), torch.randn(2, 3 * ps, 64, generator=g)
+    q = torch.randn(5, 4, 64, generator=g)
+    a, b = torch.empty_like(q), torch.empty_like(q)
+    paged(q, k, v, table, row, start, end, ps, 0.125, 0.0, a)
+    cascade(q, k, v, table, row, start, end, ps, 0.125, 0.0, b)
+    torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(b.double(), reference(q, k, v, table, row, start, end, ps, 0.125, 0.0),
+                               atol=2e-5, rtol=1e-5)
+
+
+def test_a_verifying_rows_group_reads_its_partial_page_once_too(kernels):
+    """A verifying row's queries share its full pages and, in one block, the partial page after them up to the
+    first query's end: each query's own keys are only the draft tokens before it."""
+    paged, cascade, plan = kernels
+    ps, g = 16, torch.Generator().manual_seed(8)
+    table = torch.tensor([[4, 1, 3, 0], [5, 6, 7, 2]])
+    row = torch.tensor([0] * 4 + [1] * 3)
+    end = torch.tensor([38, 39, 40, 41, 20, 21, 22])
+    start = torch.zeros(7, dtype=torch.long)
+    assert sorted(plan(table, row, start, end, ps)) == [(0, 1, [4, 5, 6], 6, 4), (0, 2, [0, 1, 2, 3], 3, 6)]
+    k, v = torch.randn(2, 8 * ps, 64, generator=g), torch.randn(2, 8 * ps, 64, generator=g)
+    for group in (2, 10):  # NOTE: 10 query heads a KV head: 40 and 30 heads a group (16 at a time)
+        q = torch.randn(7, 2 * group, 64, generator=g)
+        a, b = torch.empty_like(q), torch.empty_like(q)
+        paged(q, k, v, table, row, start, end, ps, 0.125, 0.0, a)
+        cascade(q, k, v, table, row, start, end, ps, 0.125, 0.0, b)
+        torch.testing.assert_close(b, a, atol=2e-6, rtol=1e-5)
+        torch.testing.assert_close(b.double(), reference(q, k, v, table, row, start, end, ps, 0.125, 0.0),
+                                   atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2"])
@@ -173,8 +212,9 @@ def test_engine_groups_read_their_prompt_once_and_match_generate(kernels, arch):
         core.add(r)
     while core.has_work():
         core.step()
-    # NOTE: Mistral's 24-token window holds at most one full 16-token page, which leaves it as decoding moves on
-    assert max(grouped) == (2 if arch == "mistral" else 3), "each prompt's samples should form one cascade group"
+    # NOTE: Mistral's 24-token window holds at most one full 16-token page, which leaves it as decoding moves on; a
+    # group whose window holds none shares the copied slots of its one partial page alone
+    assert max(grouped) == 3, "each prompt's samples should form one cascade group"
     assert max(n for n, _ in extended) == max(grouped), "the groups should read their forks' copied slots once too"
     # NOTE: the leaders (`i-0`, 6 new tokens) finish first; their forks keep the copied-from blocks
     assert max(n for n, gone in extended if gone) >= 1, ("after the leaders finished, the copied slots should still be "

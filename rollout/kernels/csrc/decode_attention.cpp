@@ -29,6 +29,7 @@
 #include <cmath>
 #include <set>
 #include <tuple>
+#include <utility>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -432,8 +433,12 @@ void attend_online_avx512(const float* Q, const Runs<T>& runs, float* O, float s
   }
 }
 
+inline float* align64(float* p) {
+  return reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(p) + 63) & ~static_cast<uintptr_t>(63));
+}
+
 // Many query heads against the same keys (a cascade group's shared pages: every head of every member row, M of
-// them): vectorised over the heads, 16 per vector, instead of over the head dim. The scores are an outer-product
+// them; `attend` hands it at most 16): vectorised over the heads, 16 per vector, instead of over the head dim. The scores are an outer-product
 // GEMM (4 keys x up to 64 heads a step, no horizontal sums) kept key-major [L, MP], the softmax runs 16 heads
 // per instruction, and the values stream past the outputs of 16 / (DIM / 16) heads held in registers. Equal to
 // `attend_fixed_avx512` up to float rounding (the scale is folded into the queries).
@@ -442,10 +447,10 @@ void attend_many_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t M
                         float* rcp, float* lse) {
   const int64_t MV = (M + 15) / 16, MP = MV * 16;
   thread_local std::vector<float> qt_buf, st_buf;
-  qt_buf.assign(static_cast<size_t>(DIM * MP), 0.f);
-  if (st_buf.size() < static_cast<size_t>(L * MP)) st_buf.resize(static_cast<size_t>(L * MP));
-  float* qt = qt_buf.data();
-  float* st = st_buf.data();
+  qt_buf.assign(static_cast<size_t>(DIM * MP + 16), 0.f);
+  if (st_buf.size() < static_cast<size_t>(L * MP + 16)) st_buf.resize(static_cast<size_t>(L * MP + 16));
+  float* qt = align64(qt_buf.data());  // NOTE: rows of 16 heads on cache lines (unaligned: each load split two lines)
+  float* st = align64(st_buf.data());
   for (int64_t g = 0; g < M; ++g)
     for (int d = 0; d < DIM; ++d) qt[d * MP + g] = Q[g * DIM + d] * sc;
   int64_t off = 0;
@@ -611,6 +616,19 @@ void attend(const float* Q, const Runs<T>& runs, float* O, int64_t G, int64_t L,
     if (lse != nullptr) std::fill(lse, lse + G, -INFINITY);
     return;
   }
+#if defined(__AVX512F__)
+  // NOTE: past 16 heads, 16 at a time, each chunk through the kernel its head count picks (heads are independent):
+  // in one call a last vector of a few heads computed every key's scores in 16 lanes (18 heads: 1.8x the score
+  // arithmetic of 16), and [L, 32+] scores left L1. Per query of 4 rows x 9 verifying tokens (5M heads, ~450
+  // keys, 2 threads, AMD EPYC, warm): 5.6 -> 3.3 us a layer (`benchmarks/decode_kernel_ab.py --verify`).
+  if (G > 16 && (D == 64 || D == 128 || D == 256)) {
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+      attend(Q + g0 * D, runs, O + g0 * D, std::min<int64_t>(16, G - g0), L, D, sc, cap, s, acc, r,
+             lse == nullptr ? nullptr : lse + g0);
+    }
+    return;
+  }
+#endif
   ROLLOUT_ATTEND_DIM(64)
   ROLLOUT_ATTEND_DIM(128)
   ROLLOUT_ATTEND_CASE(256, 1)
@@ -639,10 +657,13 @@ struct Cascade {
   int64_t ext_len = 0;        // (the prompt's partial last page, which every fork copied from its leader)
 };
 
-// Forks copy their leader's partial prompt page (`alias`, [n, 3] int64 per query: logical page, block copied
-// from, slots copied; page -1 for none): a group whose members all read the page after their shared full pages
-// either through such a copy of one block or as that block itself (the leader) reads the copied slots once
-// too, from that block. The caller vouches that the block still holds what was copied (`rollout.model.runner`).
+// The page after a group's shared full pages: when every member reads its first slots from one block, the group
+// reads the slots all members read (up to the shortest member's end) once too, from that block. Members name the
+// block in their table (the tokens of one verifying row, each a query reading up to its own position; prefix-cache
+// hits on a partial page) or read a copy of it: forks copy their leader's partial prompt page (`alias`, [n, 3]
+// int64 per query: logical page, block copied from, slots copied; page -1 for none, nullptr for no copies), and a
+// fork reads the copied slots from the block they were copied from. The caller vouches that the block still holds
+// what was copied (`rollout.model.runner`).
 // The `alias` argument's data ([n, 3] int64, contiguous), or nullptr when there is none.
 const int64_t* alias_data(const c10::optional<at::Tensor>& alias, int64_t n, const char* who) {
   if (!alias.has_value() || !alias->defined()) return nullptr;
@@ -652,22 +673,65 @@ const int64_t* alias_data(const c10::optional<at::Tensor>& alias, int64_t n, con
   return alias->data_ptr<int64_t>();
 }
 
+// The block query i reads logical page e from (its copy's source where it copied that page) and how many of that
+// page's slots it reads there; slots 0 when it reads none.
+template <typename I>
+std::pair<int64_t, int64_t> page_source(const I* tp, int64_t P, const int64_t* rp, const int64_t* hi,
+                                        const int64_t* alias, int64_t ps, int64_t i, int64_t e) {
+  int64_t b = static_cast<int64_t>(tp[rp[i] * P + e]), n = std::min(hi[i] - e * ps, ps);
+  if (alias != nullptr && alias[3 * i] == e) b = alias[3 * i + 1], n = std::min(n, alias[3 * i + 2]);
+  return {b, n};
+}
+
+template <typename I>
+void extend_cascade(Cascade& c, const I* tp, int64_t P, const int64_t* rp, const int64_t* hi, const int64_t* alias,
+                    int64_t ps) {
+  const int64_t e = c.first_page + c.pages;
+  int64_t block = -1, len = ps;
+  bool same = e < P;
+  for (size_t x = 0; same && x < c.rows.size(); ++x) {
+    const auto [b, n] = page_source(tp, P, rp, hi, alias, ps, c.rows[x], e);
+    same = n > 0 && (block < 0 || b == block);
+    block = b;
+    len = std::min(len, n);
+  }
+  if (same) c.ext_block = block, c.ext_len = len;
+}
+
 template <typename I>
 void extend_cascades(std::vector<Cascade>& groups, const I* tp, int64_t P, const int64_t* rp, const int64_t* hi,
                      const int64_t* alias, int64_t ps) {
-  for (Cascade& c : groups) {
-    const int64_t e = c.first_page + c.pages;
-    int64_t block = -1, len = ps;
-    bool same = e < P, copied = false;
-    for (size_t x = 0; same && x < c.rows.size(); ++x) {
-      const int64_t i = c.rows[x];
-      int64_t b = static_cast<int64_t>(tp[rp[i] * P + e]), n = hi[i] - e * ps;
-      if (alias[3 * i] == e) b = alias[3 * i + 1], n = std::min(n, alias[3 * i + 2]), copied = true;
-      same = n > 0 && (block < 0 || b == block);
-      block = b;
-      len = std::min(len, n);
+  for (Cascade& c : groups) extend_cascade(c, tp, P, rp, hi, alias, ps);
+}
+
+// Queries in no group whose keys from their first page boundary on lie in one partial page, read from the same
+// block (the tokens of a verifying row whose context has no full page yet; forks of a prompt shorter than a page):
+// groups of no full pages that share those slots (`extend_cascades`'s extension alone).
+template <typename I>
+void add_partial_cascades(std::vector<Cascade>& groups, const I* tp, int64_t P, const int64_t* rp, const int64_t* lo,
+                          const int64_t* hi, const int64_t* alias, int64_t n, int64_t ps) {
+  std::vector<char> grouped(n, 0);
+  for (const Cascade& c : groups)
+    for (int64_t i : c.rows) grouped[i] = 1;
+  std::vector<std::tuple<int64_t, int64_t, int64_t>> keyed;  // (first page, block, query)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t e = (lo[i] + ps - 1) / ps;
+    if (grouped[i] || hi[i] <= e * ps || hi[i] / ps > e || e >= P) continue;  // NOTE: no slots there, or full pages
+    keyed.emplace_back(e, page_source(tp, P, rp, hi, alias, ps, i, e).first, i);
+  }
+  std::sort(keyed.begin(), keyed.end());
+  for (size_t a = 0; a < keyed.size();) {
+    size_t b = a;
+    while (b < keyed.size() && std::get<0>(keyed[b]) == std::get<0>(keyed[a]) &&
+           std::get<1>(keyed[b]) == std::get<1>(keyed[a]))
+      ++b;
+    if (b - a >= 2) {
+      Cascade c{std::get<0>(keyed[a]), 0, {}};
+      for (size_t x = a; x < b; ++x) c.rows.push_back(std::get<2>(keyed[x]));
+      extend_cascade(c, tp, P, rp, hi, alias, ps);
+      groups.push_back(c);
     }
-    if (same && copied) c.ext_block = block, c.ext_len = len;
+    a = b;
   }
 }
 
@@ -763,8 +827,11 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t ps = page_size;
 
   std::vector<Cascade> groups;
-  if (cascade) groups = plan_cascades(tp, P, rp, sp, ep, n, ps);
-  if (alias != nullptr) extend_cascades(groups, tp, P, rp, ep, alias, ps);
+  if (cascade) {
+    groups = plan_cascades(tp, P, rp, sp, ep, n, ps);
+    extend_cascades(groups, tp, P, rp, ep, alias, ps);
+    add_partial_cascades(groups, tp, P, rp, sp, ep, alias, n, ps);
+  }
   // Per query: its cascade group (-1: none) and member index; shared outputs [sum m * H, D] by group.
   std::vector<int64_t> group_of(n, -1), member(n, 0), head0(groups.size() + 1, 0);
   for (size_t c = 0; c < groups.size(); ++c) {
@@ -1002,7 +1069,8 @@ std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>
   const int64_t* ep = end.data_ptr<int64_t>();
   auto groups = plan_cascades(tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, row.numel(), page_size);
   const int64_t* ap = alias_data(alias, row.numel(), "cascade_plan");
-  if (ap != nullptr) extend_cascades(groups, tp, table.size(1), rp, ep, ap, page_size);
+  extend_cascades(groups, tp, table.size(1), rp, ep, ap, page_size);
+  add_partial_cascades(groups, tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, ap, row.numel(), page_size);
   std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>> out;
   for (const auto& g : groups) out.emplace_back(g.first_page, g.pages, g.rows, g.ext_block, g.ext_len);
   return out;
