@@ -54,7 +54,9 @@ def plan_cascades(tables: list[list[int]], lo: list[int], hi: list[int], ps: int
     """The C++ kernel's cascade groups (`plan_cascades` in csrc/decode_attention.cpp) of decode rows reading
     positions [lo[i], hi[i]) through page table `tables[i]`: (first shared page, shared full pages, member rows).
     Only full pages inside every member's range are shared; rows sorted by their full pages' blocks, a run split
-    where keeping a row would read more keys than taking it out; a group has >= 2 rows and >= 1 page."""
+    where keeping a row would read more keys than taking it out; a group has >= 2 rows and >= 1 page. (The C++
+    kernel goes on to share a partial page every member reads from one block, `extend_cascades` and
+    `add_partial_cascades` there; the Triton cascade reads full pages only.)"""
     first = [(a + ps - 1) // ps for a in lo]
     full = [b // ps - f for b, f in zip(hi, first, strict=True)]
     idx = sorted((i for i in range(len(lo)) if full[i] > 0),
