@@ -41,18 +41,32 @@ from rollout.kernels import cpu_kernels  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
+# NOTE: the revision's decode_attention.cpp alone, bound by this file: the whole module's other classes (the suffix
+# drafts' index) cannot be registered twice in one process
+BINDING = """#include <torch/extension.h>
+void cascade_decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& table,
+                              const at::Tensor& row, const at::Tensor& start, const at::Tensor& end,
+                              int64_t page_size, double scale, double softcap, at::Tensor& out,
+                              const c10::optional<at::Tensor>& alias);
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cascade_decode_attention", &cascade_decode_attention, pybind11::arg("q"), pybind11::arg("k"),
+        pybind11::arg("v"), pybind11::arg("table"), pybind11::arg("row"), pybind11::arg("start"), pybind11::arg("end"),
+        pybind11::arg("page_size"), pybind11::arg("scale"), pybind11::arg("softcap"), pybind11::arg("out"),
+        pybind11::arg("alias") = pybind11::none(), pybind11::call_guard<pybind11::gil_scoped_release>());
+}
+"""
+
+
 def build_at(rev: str):
-    """`cascade_decode_attention` of the kernel sources at git revision `rev`, built in a temporary directory."""
+    """`cascade_decode_attention` of the kernel source at git revision `rev`, built in a temporary directory."""
     out = Path(tempfile.mkdtemp(prefix="rollout_kernel_ab_"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)  # NOTE: the loaded library needs no file once mapped
-    texts = []
-    for src in list(cpu_kernels.SOURCES) + list(cpu_kernels.HEADERS):
-        rel = src.relative_to(REPO)
-        texts.append(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:{rel}"], check=True,
-                                    capture_output=True).stdout)
-        (out / src.name).write_bytes(texts[-1])
-    digest = hashlib.sha1(b"".join(texts)).hexdigest()[:10]
-    mod = cpp_extension.load(name=f"rollout_ab_{digest}", sources=[str(out / s.name) for s in cpu_kernels.SOURCES],
+    src = (out / "decode_attention.cpp")
+    src.write_bytes(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:rollout/kernels/csrc/decode_attention.cpp"],
+                                   check=True, capture_output=True).stdout)
+    (out / "binding.cpp").write_text(BINDING)
+    digest = hashlib.sha1(src.read_bytes() + BINDING.encode()).hexdigest()[:10]
+    mod = cpp_extension.load(name=f"rollout_ab_{digest}", sources=[str(src), str(out / "binding.cpp")],
                              extra_cflags=list(cpu_kernels.CFLAGS), extra_ldflags=list(cpu_kernels.LDFLAGS),
                              build_directory=str(out), verbose=False)
     return mod.cascade_decode_attention
