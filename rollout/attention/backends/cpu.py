@@ -5,7 +5,8 @@ Decode rows (one query token each) are attended in place over the paged cache by
 the kernel): rows whose page tables name the same full pages (the G samples of a GRPO group forked from
 one prompt, prefix-cache hits) read those pages once per step as a group, merged by log-sum-exp with each
 row's own pages (equal to the per-row kernel up to float rounding), and so do the slots a group's forks copied
-from their leader's partial prompt page (`StepInputs.aliases`: read from the block they were copied from); prompt chunks
+from their leader's partial prompt page (`StepInputs.aliases`: read from the block they were copied from) and the
+slots of a partial page every member reads from one block (a verifying row's tokens, below); prompt chunks
 take the `sdpa` backend's segments (this is `SdpaBackend` with the kernel set: its builder emits `PagedDecode` rows
 instead of decode buckets). The kernel is built once per machine (see rollout.kernels.cpu_kernels); when it cannot be,
 `"auto"` picks `sdpa` instead and an explicit `"cpu"` is a ValueError.
@@ -26,7 +27,8 @@ from rollout.kv.memory_plan import AttnMemory, KVShape
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # NOTE: a speculative step's rows (`StepInputs.verify`) of at most this many tokens run through the kernel, each
 # token a decode query reading keys up to its own position (causal inside the draft): the cascade reads a row's
-# full pages once for all its tokens. Longer rows take sdpa's segments (0: every verifying step does).
+# keys up to its first token's once for all its tokens (its full pages and its partial page's slots). Longer rows
+# take sdpa's segments (0: every verifying step does).
 VERIFY_MAX_TOKENS = 33
 
 

@@ -20,8 +20,9 @@
 //   out   [n, H, D] fp32
 // softcap > 0 applies Gemma 2's cap * tanh(score / cap) to the scaled scores.
 // The result equals softmax(q K^T * scale) V up to float rounding (not bitwise equal to torch's SDPA).
-// `cascade_decode_attention` (same arguments) finds rows whose tables share full pages (same block ids) and
-// reads those pages once for all their query heads, merging by log-sum-exp (equal up to float rounding).
+// `cascade_decode_attention` (same arguments) finds rows whose tables share full pages (same block ids), and the
+// slots of a partial page that all of them read from one block (a verifying row's tokens; forks' copied prompt
+// page), and reads those keys once for all their query heads, merging by log-sum-exp (equal up to float rounding).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
