@@ -61,7 +61,7 @@ def build_at(rev: str):
     """`cascade_decode_attention` of the kernel source at git revision `rev`, built in a temporary directory."""
     out = Path(tempfile.mkdtemp(prefix="rollout_kernel_ab_"))
     atexit.register(shutil.rmtree, out, ignore_errors=True)  # NOTE: the loaded library needs no file once mapped
-    src = (out / "decode_attention.cpp")
+    src = out / "decode_attention.cpp"
     src.write_bytes(subprocess.run(["git", "-C", str(REPO), "show", f"{rev}:rollout/kernels/csrc/decode_attention.cpp"],
                                    check=True, capture_output=True).stdout)
     (out / "binding.cpp").write_text(BINDING)
@@ -104,8 +104,8 @@ def main() -> None:
             table[r, : a.shared_pages] = table[(r // a.group) * a.group, : a.shared_pages]
     rows = torch.arange(a.rows).repeat_interleave(a.verify)
     start = torch.zeros(len(rows), dtype=torch.long)
-    end = torch.tensor([a.keys - random.Random(r).randrange(0, 200) + j for r in range(a.rows) for j in range(a.verify)],
-                       dtype=torch.long)
+    ends = [a.keys - random.Random(r).randrange(0, 200) for r in range(a.rows)]
+    end = torch.tensor([e + j for e in ends for j in range(a.verify)], dtype=torch.long)
     q = torch.randn(len(rows), a.heads, a.head_dim)
     outs = {name: torch.empty_like(q) for name in kernels}
     scale = a.head_dim ** -0.5
