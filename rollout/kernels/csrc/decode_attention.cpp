@@ -439,10 +439,10 @@ inline float* align64(float* p) {
 }
 
 // Many query heads against the same keys (a cascade group's shared pages: every head of every member row, M of
-// them; `attend` hands it at most 16): vectorised over the heads, 16 per vector, instead of over the head dim. The scores are an outer-product
-// GEMM (4 keys x up to 64 heads a step, no horizontal sums) kept key-major [L, MP], the softmax runs 16 heads
-// per instruction, and the values stream past the outputs of 16 / (DIM / 16) heads held in registers. Equal to
-// `attend_fixed_avx512` up to float rounding (the scale is folded into the queries).
+// them; `attend` hands it at most 16 at a time): vectorised over the heads, 16 per vector, instead of over the head
+// dim. The scores are an outer-product GEMM (4 keys x the heads a step, no horizontal sums) kept key-major [L, MP],
+// the softmax runs 16 heads per instruction, and the values stream past the outputs of 16 / (DIM / 16) heads held
+// in registers. Equal to `attend_fixed_avx512` up to float rounding (the scale is folded into the queries).
 template <int DIM, typename T>
 void attend_many_avx512(const float* Q, const Runs<T>& runs, float* O, int64_t M, int64_t L, float sc, float cap,
                         float* rcp, float* lse) {
@@ -789,6 +789,17 @@ std::vector<Cascade> plan_cascades(const I* tp, int64_t P, const int64_t* rp, co
   return out;
 }
 
+// Every cascade group of a step: full pages (`plan_cascades`), each run on into a partial page its members read from
+// one block (`extend_cascades`), then rows of no full page sharing one (`add_partial_cascades`).
+template <typename I>
+std::vector<Cascade> cascade_groups(const I* tp, int64_t P, const int64_t* rp, const int64_t* lo, const int64_t* hi,
+                                    const int64_t* alias, int64_t n, int64_t ps) {
+  std::vector<Cascade> groups = plan_cascades(tp, P, rp, lo, hi, n, ps);
+  extend_cascades(groups, tp, P, rp, hi, alias, ps);
+  add_partial_cascades(groups, tp, P, rp, lo, hi, alias, n, ps);
+  return groups;
+}
+
 // Paged cache: k, v [Hkv, slots, D] (head-major, slot = block * page_size + offset); query i reads
 // positions start[i] .. end[i] - 1 through row row[i] of the block table table ([R, P] block ids, int32
 // or int64: the engine's persistent table, or one row per query).
@@ -828,11 +839,7 @@ void paged_impl(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c
   const int64_t ps = page_size;
 
   std::vector<Cascade> groups;
-  if (cascade) {
-    groups = plan_cascades(tp, P, rp, sp, ep, n, ps);
-    extend_cascades(groups, tp, P, rp, ep, alias, ps);
-    add_partial_cascades(groups, tp, P, rp, sp, ep, alias, n, ps);
-  }
+  if (cascade) groups = cascade_groups(tp, P, rp, sp, ep, alias, n, ps);
   // Per query: its cascade group (-1: none) and member index; shared outputs [sum m * H, D] by group.
   std::vector<int64_t> group_of(n, -1), member(n, 0), head0(groups.size() + 1, 0);
   for (size_t c = 0; c < groups.size(); ++c) {
@@ -1068,10 +1075,8 @@ std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>
   const int64_t* tp = table.data_ptr<int64_t>();
   const int64_t* rp = row.data_ptr<int64_t>();
   const int64_t* ep = end.data_ptr<int64_t>();
-  auto groups = plan_cascades(tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, row.numel(), page_size);
   const int64_t* ap = alias_data(alias, row.numel(), "cascade_plan");
-  extend_cascades(groups, tp, table.size(1), rp, ep, ap, page_size);
-  add_partial_cascades(groups, tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, ap, row.numel(), page_size);
+  auto groups = cascade_groups(tp, table.size(1), rp, start.data_ptr<int64_t>(), ep, ap, row.numel(), page_size);
   std::vector<std::tuple<int64_t, int64_t, std::vector<int64_t>, int64_t, int64_t>> out;
   for (const auto& g : groups) out.emplace_back(g.first_page, g.pages, g.rows, g.ext_block, g.ext_len);
   return out;
