@@ -46,6 +46,7 @@ MAX_DRAFT = 32
 DECAY = 0.9  # NOTE: weight of the older measurements at each new one (the cost fit, the plain step's time)
 RELAX = 0.02  # NOTE: the share of the prior mixed back into the fit at each plain step
 PRIOR_SUMS = (2.0, 1.0, 3.0, 1.0, 2.0)  # NOTE: the fit's (weight, x, y, xx, xy) of the prior's points (0, 1), (1, 2)
+RELAXED = tuple(RELAX * p for p in PRIOR_SUMS)  # NOTE: the prior's share mixed in at a plain step, computed once
 # NOTE: a row whose suffix matched nowhere skips drafting for 1, 2, 4 .. this many steps, times its step's rows / 8
 # past 8 rows: the idle rows' lookups cost ~1 row's a step whatever the width (32 rows of text that never repeats:
 # 32 lookups every 8th step were ~1% of a 5M step)
@@ -115,7 +116,9 @@ class StepCost:
             self.plain[rows] = (old + seconds) / 2
         else:
             self.plain[rows] = DECAY * old + (1 - DECAY) * min(2 * old, seconds)
-        self.sums = [(1 - RELAX) * v + RELAX * p for v, p in zip(self.sums, PRIOR_SUMS, strict=True)]
+        w, x, y, xx, xy = self.sums  # NOTE: unrolled: this runs at every plain step, right after a forward
+        keep, (rw, rx, ry, rxx, rxy) = 1 - RELAX, RELAXED
+        self.sums = [keep * w + rw, keep * x + rx, keep * y + ry, keep * xx + rxx, keep * xy + rxy]
         self._fit()
 
     def observe_spec(self, rows: int, extra: int, seconds: float) -> None:
@@ -220,22 +223,38 @@ class Speculator:
         self.calibration.rows.pop(request.request_id, None)
         self.idle.pop(request.request_id, None)
 
-    def _draft(self, req: Request, min_prob: float) -> tuple[list[int], list[float]]:
-        """`req`'s draft and its estimates (`plan` skips the rows in an idle spell without calling this)."""
-        rid = req.request_id
-        idle = self.idle.get(rid)
-        p = req.sampling
-        k = min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
-        if k <= 0 or req.routes is not None:
-            return NO_DRAFT
-        scale = self.calibration.scale(rid)
-        toks, probs = self.drafter.draft(req, k, p.max_matching_ngram_size or DEFAULT_NGRAM, min_prob / scale)
-        if toks:
-            self.idle.pop(rid, None)
-        else:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up when it drafts)
-            spell = 1 if idle is None else min(IDLE_MAX * max(1, self.width // IDLE_ROWS), 2 * idle[1])
-            self.idle[rid] = (self.steps + spell, spell)
-        return toks, [min(1.0, q * scale) for q in probs]
+    def _drafts(self, reqs: list[Request], min_prob: float, spells: bool = True) -> list[tuple[list[int], list[float]]]:
+        """Each of `reqs`' draft and its estimates, in one drafter call (`Drafter.draft_many`; `plan` skips the rows
+        in an idle spell without calling this); `spells` False (a tail: every row is looked up whatever its spell)
+        leaves the rows that found nothing as they were."""
+        out = [NO_DRAFT] * len(reqs)
+        todo, ks, ns, mins, scales = [], [], [], [], []
+        k0, scale_of = self.k, self.calibration.scale
+        for i, req in enumerate(reqs):
+            p = req.sampling
+            k = min(p.prompt_lookup_num_tokens or k0, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
+            if k <= 0 or req.routes is not None:
+                continue
+            scale = scale_of(req.request_id)
+            todo.append(i)
+            ks.append(k)
+            ns.append(p.max_matching_ngram_size or DEFAULT_NGRAM)
+            mins.append(min_prob / scale)
+            scales.append(scale)
+        if not todo:
+            return out
+        found = self.drafter.draft_many([reqs[i] for i in todo] if len(todo) < len(reqs) else reqs, ks, ns, mins)
+        idle, steps = self.idle, self.steps
+        for i, (toks, probs), scale in zip(todo, found, scales, strict=True):
+            rid = reqs[i].request_id
+            if toks:
+                idle.pop(rid, None)
+                out[i] = toks, [min(1.0, q * scale) for q in probs]
+            elif spells:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up when it drafts)
+                was = idle.get(rid)
+                spell = 1 if was is None else min(IDLE_MAX * max(1, self.width // IDLE_ROWS), 2 * was[1])
+                idle[rid] = (steps + spell, spell)
+        return out
 
     def ran_plain(self) -> None:
         """The core ran the plain step `step` handed back (None): its time, from the start of `step` (the planning
@@ -263,9 +282,14 @@ class Speculator:
                 return None
         # NOTE: a row in an idle spell (text that did not repeat) costs a dict lookup here, not a call: at 32 rows
         # of non-repeating text the step's planning took 55 us with the call, most of it these rows
-        idle, step, spells = self.idle, self.steps, len(rows) > LOOKUP_ROWS
-        proposed = [NO_DRAFT if spells and (w := idle.get(r.request_id)) is not None and w[0] > step
-                    else self._draft(r, floor) for r in rows]
+        idle, step = self.idle, self.steps
+        if len(rows) > LOOKUP_ROWS and idle:
+            looked = [i for i, r in enumerate(rows) if (w := idle.get(r.request_id)) is None or w[0] <= step]
+            proposed = [NO_DRAFT] * len(rows)
+            for i, d in zip(looked, self._drafts([rows[i] for i in looked], floor), strict=True):
+                proposed[i] = d
+        else:
+            proposed = self._drafts(rows, floor, len(rows) > LOOKUP_ROWS)
         if self.max_rows is not None:
             self.estimates = [p for _, p in proposed]
             return [t for t, _ in proposed]

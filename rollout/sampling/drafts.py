@@ -86,19 +86,23 @@ class SuffixIndex:
 
 class NativeIndex:
     """A `SuffixIndex` kept in C++ (`cpu_kernels.suffix_drafts()`): the same n-grams, positions and pairs over a
-    copy of `tokens`, brought up to date at each lookup (`sync`: the last token copied and the new ones)."""
+    copy of `tokens` (a list the C++ index reads itself: `pull`, the last token copied and the new ones, at each
+    lookup). `sources` are the other indexes its row's lookups read (`Drafter.draft_many`), held here so that the
+    C++ copy's pointers to them stay valid; `seen` is the drafter's `version` they were chosen at."""
 
-    __slots__ = ("max_n", "native", "prompt", "tokens")
+    __slots__ = ("max_n", "native", "prompt", "seen", "sources", "tokens")
 
     def __init__(self, tokens: list[int], max_n: int, module) -> None:
         self.tokens = tokens
         self.max_n = max_n
         self.native = module.SuffixIndexNative(max_n)
+        self.native.bind(tokens if type(tokens) is list else list(tokens))
         self.prompt: tuple[int, ...] = ()
+        self.sources: list = []
+        self.seen = -1
 
     def sync(self):
-        start = max(0, min(self.native.size(), len(self.tokens)) - 1)
-        self.native.sync(start, self.tokens[start:])
+        self.native.pull()
         return self.native
 
 
@@ -174,6 +178,7 @@ class Drafter:
         self.native: object | None = None
         self._native_wanted = native
         self._decided = False
+        self.version = 0  # NOTE: bumped whenever a group or a history changes: a row's sources are chosen again
 
     def _index(self, tokens: list[int], max_n: int):
         if not self._decided:
@@ -192,23 +197,27 @@ class Drafter:
             index = self.own[request.request_id] = self._index(request.token_ids, depth)
             index.prompt = tuple(request.prompt_ids)
             self.groups.setdefault(index.prompt, {})[request.request_id] = index
+            self.version += 1
         return index
+
+    def _others(self, index) -> tuple[list, tuple]:
+        """The indexes `index`'s row reads besides its own: its live siblings (at most `MAX_SIBLINGS`, the group's
+        order), then its prompt's finished rollouts."""
+        group = self.groups[index.prompt]
+        others = list(itertools.islice((i for i in group.values() if i is not index), MAX_SIBLINGS)) \
+            if len(group) > 1 else []
+        return others, self.history.get(index.prompt, ())
 
     def draft(self, request, k: int, max_n: int, min_prob: float = 0.0) -> tuple[list[int], list[float]]:
         """Up to `k` tokens likely to follow `request.token_ids` and each one's probability estimate (empty when
         no suffix of 2+ tokens -- `max_n` 1: 1 -- occurs in a source, or the first token's estimate is below
         `min_prob`)."""
         index = self.track(request, max_n)
-        toks, prompt = request.token_ids, index.prompt
-        group = self.groups[prompt]
-        others = list(itertools.islice((i for i in group.values() if i is not index), MAX_SIBLINGS)) \
-            if len(group) > 1 else []
-        done = self.history.get(prompt, ())
+        if self.native is not None:
+            return self.draft_many([request], [k], [max_n], [min_prob])[0]
+        toks = request.token_ids
+        others, done = self._others(index)
         shortest = min(MIN_NGRAM, max_n)
-        if self.native is not None:  # NOTE: the live indexes brought up to date; a finished rollout's was at its filing
-            live = [index.sync(), *(o.sync() for o in others)]
-            return self.native.suffix_draft(live[0], live[1:] + [o.native for o in done], k, max_n, shortest,
-                                            min_prob)
         others += done
         if shortest >= 2 and len(toks) >= 2:  # NOTE: every suffix tried ends with the last 2 tokens: none, no draft
             pair = (toks[-2], toks[-1])
@@ -226,10 +235,33 @@ class Drafter:
                 return walk(sources, own, k, min_prob)
         return [], []
 
+    def draft_many(self, requests: list, ks: list[int], max_ns: list[int],
+                   min_probs: list[float]) -> list[tuple[list[int], list[float]]]:
+        """`draft` of each of `requests` (the same drafts and estimates). With the C++ indexes, one call for all of
+        them: each row's sources are kept on its index (chosen again only when a group or a history changed:
+        `version`), and the C++ side reads the rows' token lists itself. Every row is tracked before any is looked
+        up, so the rows of one step read each other as siblings whatever their order."""
+        if self.native is None:
+            for r, n in zip(requests, max_ns, strict=True):
+                self.track(r, n)
+            return [self.draft(*a) for a in zip(requests, ks, max_ns, min_probs, strict=True)]
+        own, track = self.own, self.track
+        indexes = [own.get(r.request_id) or track(r, n) for r, n in zip(requests, max_ns, strict=True)]
+        owns = []
+        for index in indexes:
+            if index.seen != self.version:
+                others, done = self._others(index)
+                index.sources = [o.native for o in others] + [o.native for o in done]
+                index.native.set_sources(index.sources)
+                index.seen = self.version
+            owns.append(index.native)
+        return self.native.suffix_drafts(owns, ks, max_ns, min_probs)  # NOTE: shortest min(MIN_NGRAM, max_n) there
+
     def finish(self, request, keep: bool) -> None:
         """`request` is final: forget its live index; `keep` (it finished normally) files its tokens under its
         prompt."""
         self.own.pop(request.request_id, None)
+        self.version += 1
         prompt = tuple(request.prompt_ids)
         group = self.groups.get(prompt)
         if group is not None:

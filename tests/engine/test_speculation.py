@@ -386,14 +386,14 @@ def _lookups(rows: int) -> dict[str, list[int]]:
     spec.max_rows = 64
     looked: dict[str, list[int]] = {}
 
-    def draft(req, k, n, min_prob):
+    def draft(req):
         steps = looked.setdefault(req.request_id, [])
         steps.append(spec.steps)
         if req.request_id == "r1" and len(steps) in (5, 6, 7):  # NOTE: r1's 5th-7th lookups find a draft
             return [1], [1.0]
         return [], []
 
-    spec.drafter.draft = draft
+    spec.drafter.draft_many = lambda reqs, ks, ns, mins: [draft(r) for r in reqs]
     reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(random_prompts(rows, 5, 20, seed=1))]
     for r in reqs:
         core.add(r)

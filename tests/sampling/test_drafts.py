@@ -264,3 +264,56 @@ def test_the_native_drafter_drafts_what_the_python_one_does():
                    for a, b in rows.values())  # NOTE: the two drafters did differ
         live += len(rows)
     assert live > 0
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_drafting_a_steps_rows_in_one_call_drafts_what_each_row_alone_does(native):
+    """`Drafter.draft_many` (one C++ call a step: each row's sources kept on its index and chosen again only when a
+    group or a history changed, the token lists read by the C++ side) against `draft` row by row on a Python drafter
+    of its own: random growing rows of small alphabets, several rows of one prompt (siblings) joining and finishing,
+    finished rollouts filed and dropped, a last token written over, every row of the step at once with its own k,
+    suffix length and `min_prob`: the same drafts and the same estimates, float for float."""
+    if native and cpu_kernels.load() is None:
+        pytest.skip("rollout's CPU kernels unavailable here (no compiler)")
+    rng, drafted = random.Random(23), 0
+    for trial in range(30):
+        one, many = Drafter(history_tokens=600, native=False), Drafter(history_tokens=600, native=native)
+        alphabet = rng.randint(2, 8)
+        prompts = [[rng.randrange(alphabet) for _ in range(rng.randint(2, 20))] for _ in range(2)]
+        rows: dict[str, tuple] = {}
+        for step in range(120):
+            while len(rows) < 6 and rng.random() < 0.3:  # NOTE: new rows, siblings of each other half the time
+                prompt, rid = rng.choice(prompts), f"t{trial}r{step}_{len(rows)}"
+                rows[rid] = (req(rid, prompt), req(rid, prompt))
+            for rid in sorted(rows):
+                a, b = rows[rid]
+                if rng.random() < 0.05 and a.generated:  # NOTE: finished: filed under its prompt (or dropped)
+                    keep = rng.random() < 0.8
+                    one.finish(a, keep)
+                    many.finish(b, keep)
+                    del rows[rid]
+                    continue
+                if rng.random() < 0.1 and a.generated:  # NOTE: the last token written over
+                    t = rng.randrange(alphabet)
+                    a.token_ids[-1] = b.token_ids[-1] = a.generated[-1] = b.generated[-1] = t
+                for _ in range(rng.randint(0 if a.generated else 1, 3)):
+                    t = rng.randrange(alphabet) if rng.random() < 0.6 else (a.token_ids[-rng.randint(1, 6)]
+                                                                            if len(a.token_ids) > 6 else 0)
+                    for r in (a, b):
+                        r.token_ids.append(t)
+                        r.generated.append(t)
+            if not rows:
+                continue
+            order = sorted(rows)
+            rng.shuffle(order)
+            looked = order[: rng.randint(1, len(order))]  # NOTE: some rows skip a step (idle spells): sources go stale
+            ks = [rng.randint(1, 12) for _ in looked]
+            ns = [rng.randint(1, MAX_NGRAM) for _ in looked]
+            mins = [rng.choice((0.0, 0.0, 0.05, 0.2)) for _ in looked]
+            for rid, n in zip(looked, ns, strict=True):  # NOTE: every row of the step seen first, as `draft_many` does
+                one.track(rows[rid][0], n)
+            want = [one.draft(rows[rid][0], k, n, p) for rid, k, n, p in zip(looked, ks, ns, mins, strict=True)]
+            got = many.draft_many([rows[rid][1] for rid in looked], ks, ns, mins)
+            assert [tuple(g) for g in got] == want, (trial, step)
+            drafted += sum(bool(w[0]) for w in want)
+    assert drafted > 300  # NOTE: the rows did repeat: drafts were compared, not only empty ones
