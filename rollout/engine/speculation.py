@@ -250,7 +250,7 @@ class Speculator:
             if toks:
                 idle.pop(rid, None)
                 out[i] = toks, [min(1.0, q * scale) for q in probs]
-            elif spells:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up when it drafts)
+            elif spells:  # NOTE: text that does not repeat costs a lookup every few steps (its index catches up then)
                 was = idle.get(rid)
                 spell = 1 if was is None else min(IDLE_MAX * max(1, self.width // IDLE_ROWS), 2 * was[1])
                 idle[rid] = (steps + spell, spell)
