@@ -20,4 +20,4 @@ def plant_drafts(core, truth: list[list[int]], k: int, max_new: int, vocab: int,
             draft[wrong] = (draft[wrong] + 1) % vocab
         return draft, [1.0] * len(draft)
 
-    core.speculator._drafts = lambda reqs, min_prob: [planted(r, min_prob) for r in reqs]
+    core.speculator._drafts = lambda reqs, min_prob, spells=True: [planted(r, min_prob) for r in reqs]
