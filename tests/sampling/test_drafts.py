@@ -216,6 +216,37 @@ def test_walk_equals_the_walk_over_each_occurrence():
         assert walk(sources, periodic, k, min_prob) == _walk_each_occurrence(sources, periodic, k, min_prob), trial
 
 
+def _trial(rng: random.Random, native: bool, alphabet: int, prompt_len: int, prompts: int) -> tuple:
+    """A trial's (Python drafter, drafter under test), alphabet size (2 .. `alphabet`) and random prompts."""
+    size = rng.randint(2, alphabet)
+    texts = [[rng.randrange(size) for _ in range(rng.randint(2, prompt_len))] for _ in range(prompts)]
+    return (Drafter(history_tokens=600, native=False), Drafter(history_tokens=600, native=native)), size, texts
+
+
+def _advance(rng: random.Random, rows: dict, rid: str, drafters: tuple, alphabet: int, finish: float,
+             repeat: float) -> bool:
+    """One random step of row `rid` (a pair of equal requests, one per drafter): finished with probability `finish`
+    (filed under its prompt, or dropped: False), else its last token written over at times (a draft may have read
+    it) and 0-3 tokens appended, each a repeat of one of its last 6 with probability `repeat`."""
+    a, b = rows[rid]
+    if rng.random() < finish and a.generated:
+        keep = rng.random() < 0.8
+        for d, r in zip(drafters, (a, b), strict=True):
+            d.finish(r, keep)
+        del rows[rid]
+        return False
+    if rng.random() < 0.1 and a.generated:
+        t = rng.randrange(alphabet)
+        a.token_ids[-1] = b.token_ids[-1] = a.generated[-1] = b.generated[-1] = t
+    for _ in range(rng.randint(0 if a.generated else 1, 3)):
+        t = rng.randrange(alphabet) if rng.random() < 1 - repeat else (a.token_ids[-rng.randint(1, 6)]
+                                                                       if len(a.token_ids) > 6 else 0)
+        for r in (a, b):
+            r.token_ids.append(t)
+            r.generated.append(t)
+    return True
+
+
 @pytest.mark.skipif(cpu_kernels.load() is None, reason="rollout's CPU kernels unavailable here (no compiler)")
 def test_the_native_drafter_drafts_what_the_python_one_does():
     """The C++ indexes and lookup (`NativeIndex`, rollout/kernels/csrc/suffix_drafts.cpp) against this module's Python
@@ -224,9 +255,7 @@ def test_the_native_drafter_drafts_what_the_python_one_does():
     same drafts and the same estimates, float for float, at every step."""
     rng, live = random.Random(11), 0
     for trial in range(40):
-        py, cc = Drafter(history_tokens=600, native=False), Drafter(history_tokens=600, native=True)
-        alphabet = rng.randint(2, 9)
-        prompts = [[rng.randrange(alphabet) for _ in range(rng.randint(2, 30))] for _ in range(3)]
+        (py, cc), alphabet, prompts = _trial(rng, True, 9, 30, 3)
         rows: dict[str, tuple] = {}
         drafted = 0
         for step in range(150):
@@ -238,21 +267,8 @@ def test_the_native_drafter_drafts_what_the_python_one_does():
                 continue
             rid = rng.choice(sorted(rows))
             a, b = rows[rid]
-            if rng.random() < 0.1 and a.generated:  # NOTE: finished: filed under its prompt (or dropped)
-                keep = rng.random() < 0.8
-                py.finish(a, keep)
-                cc.finish(b, keep)
-                del rows[rid]
+            if not _advance(rng, rows, rid, (py, cc), alphabet, finish=0.1, repeat=0.3):
                 continue
-            if rng.random() < 0.1 and a.generated:  # NOTE: the last token, which a draft may have read, written over
-                t = rng.randrange(alphabet)
-                a.token_ids[-1] = b.token_ids[-1] = a.generated[-1] = b.generated[-1] = t
-            for _ in range(rng.randint(0 if a.generated else 1, 3)):
-                t = rng.randrange(alphabet) if rng.random() < 0.7 else (a.token_ids[-rng.randint(1, 6)]
-                                                                        if len(a.token_ids) > 6 else 0)
-                for r in (a, b):
-                    r.token_ids.append(t)
-                    r.generated.append(t)
             k, max_n = rng.randint(1, 12), rng.randint(1, MAX_NGRAM)
             min_prob = rng.choice((0.0, 0.0, 0.05, 0.2))
             want = py.draft(a, k, max_n, min_prob)
@@ -277,31 +293,14 @@ def test_drafting_a_steps_rows_in_one_call_drafts_what_each_row_alone_does(nativ
         pytest.skip("rollout's CPU kernels unavailable here (no compiler)")
     rng, drafted = random.Random(23), 0
     for trial in range(30):
-        one, many = Drafter(history_tokens=600, native=False), Drafter(history_tokens=600, native=native)
-        alphabet = rng.randint(2, 8)
-        prompts = [[rng.randrange(alphabet) for _ in range(rng.randint(2, 20))] for _ in range(2)]
+        (one, many), alphabet, prompts = _trial(rng, native, 8, 20, 2)
         rows: dict[str, tuple] = {}
         for step in range(120):
             while len(rows) < 6 and rng.random() < 0.3:  # NOTE: new rows, siblings of each other half the time
                 prompt, rid = rng.choice(prompts), f"t{trial}r{step}_{len(rows)}"
                 rows[rid] = (req(rid, prompt), req(rid, prompt))
             for rid in sorted(rows):
-                a, b = rows[rid]
-                if rng.random() < 0.05 and a.generated:  # NOTE: finished: filed under its prompt (or dropped)
-                    keep = rng.random() < 0.8
-                    one.finish(a, keep)
-                    many.finish(b, keep)
-                    del rows[rid]
-                    continue
-                if rng.random() < 0.1 and a.generated:  # NOTE: the last token written over
-                    t = rng.randrange(alphabet)
-                    a.token_ids[-1] = b.token_ids[-1] = a.generated[-1] = b.generated[-1] = t
-                for _ in range(rng.randint(0 if a.generated else 1, 3)):
-                    t = rng.randrange(alphabet) if rng.random() < 0.6 else (a.token_ids[-rng.randint(1, 6)]
-                                                                            if len(a.token_ids) > 6 else 0)
-                    for r in (a, b):
-                        r.token_ids.append(t)
-                        r.generated.append(t)
+                _advance(rng, rows, rid, (one, many), alphabet, finish=0.05, repeat=0.4)
             if not rows:
                 continue
             order = sorted(rows)
