@@ -272,6 +272,8 @@ class Speculator:
     def plan(self, rows: list[Request]) -> list[list[int]] | None:
         """Each row's draft, cut to what the cost model keeps (or every draft under `max_rows`); None: plain."""
         self.width = len(rows)
+        if len(rows) <= LOOKUP_ROWS and self.max_rows is None and self.drafter.nothing_to_draft(rows):
+            return None  # NOTE: a tail whose rows' last 2 tokens occur nowhere: the lookups would all find nothing
         if self.max_rows is not None:
             if len(rows) > self.max_rows:
                 return None

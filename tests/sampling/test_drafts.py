@@ -6,6 +6,7 @@ reads (few rows, a big model or a GPU, likely drafts) and not in a wide batch of
 
 from __future__ import annotations
 
+import itertools
 import random
 from types import SimpleNamespace
 
@@ -316,3 +317,49 @@ def test_drafting_a_steps_rows_in_one_call_drafts_what_each_row_alone_does(nativ
             assert [tuple(g) for g in got] == want, (trial, step)
             drafted += sum(bool(w[0]) for w in want)
     assert drafted > 300  # NOTE: the rows did repeat: drafts were compared, not only empty ones
+
+
+@pytest.mark.skipif(cpu_kernels.load() is None, reason="rollout's CPU kernels unavailable here (no compiler)")
+def test_a_tail_whose_text_does_not_repeat_is_told_so_in_one_call():
+    """`Drafter.nothing_to_draft`: True only for the last `draft_many` call's rows, unchanged since, none of whose
+    last 2 tokens occurs in its own text, a sibling's or a finished rollout's -- and then `draft_many` indeed drafts
+    nothing; a repeat in any source, another set of rows, a finished row or a 1-token suffix make it say False."""
+    d = Drafter(native=True)
+    fresh = itertools.count(1000)
+    rows = [req(f"r{i}", [next(fresh) for _ in range(5)]) for i in range(3)]
+    rows.append(req("r3", rows[0].prompt_ids))  # NOTE: a sibling of r0
+
+    def grow(r, t):
+        r.token_ids.append(t)
+        r.generated.append(t)
+
+    def lookup():
+        return d.draft_many(list(rows), [4] * 4, [4] * 4, [0.0] * 4)
+
+    assert not d.nothing_to_draft(rows)  # NOTE: nothing looked up yet
+    assert lookup() == [([], [])] * 4
+    for _ in range(5):
+        for r in rows:
+            grow(r, next(fresh))
+        assert d.nothing_to_draft(list(rows)) and lookup() == [([], [])] * 4
+    assert not d.nothing_to_draft(rows[:3])  # NOTE: not the rows looked up last
+    grow(rows[1], rows[1].token_ids[-3])
+    grow(rows[1], rows[1].token_ids[-3])  # NOTE: r1 ends with a 2-gram it holds earlier
+    assert not d.nothing_to_draft(rows) and lookup()[1][0]
+    grow(rows[1], next(fresh))
+    assert lookup() == [([], [])] * 4 and d.nothing_to_draft(rows)
+    for t in rows[0].token_ids[-2:]:  # NOTE: r3 ends with its sibling r0's last 2 tokens
+        grow(rows[3], t)
+    grow(rows[0], next(fresh))
+    assert not d.nothing_to_draft(rows) and lookup()[3][0]
+    grow(rows[3], next(fresh))
+    assert lookup() == [([], [])] * 4 and d.nothing_to_draft(rows)
+    d.finish(rows.pop(0), keep=True)  # NOTE: r0 finished: filed as r3's prompt's history
+    assert not d.nothing_to_draft(rows)
+    assert d.draft_many(list(rows), [4] * 3, [4] * 3, [0.0] * 3) == [([], [])] * 3 and d.nothing_to_draft(rows)
+    for t in d.history[tuple(rows[2].prompt_ids)][0].tokens[-4:-2]:  # NOTE: r3 now repeats r0's finished text
+        grow(rows[2], t)
+    assert not d.nothing_to_draft(rows) and d.draft_many(list(rows), [4] * 3, [4] * 3, [0.0] * 3)[2][0]
+    grow(rows[2], next(fresh))
+    d.draft_many(list(rows), [4] * 3, [1, 4, 4], [0.0] * 3)
+    assert not d.nothing_to_draft(rows)  # NOTE: a 1-token suffix asked for: no pair check decides

@@ -268,6 +268,23 @@ std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> suffix_drafts
   return out;
 }
 
+// whether any of `owns`' rows may draft from a suffix of 2+ tokens: each row (and its sources) brought up to date, and
+// its last 2 tokens looked for among the pairs `suffix_draft` checks first (`Drafter.nothing_to_draft`: a tail of
+// rows whose text does not repeat skips the step's drafting in one call)
+bool any_pairs(const std::vector<SuffixIndexNative*>& owns) {
+  for (auto* own : owns) {
+    own->pull();
+    for (auto* o : own->others) o->pull();
+    const int64_t len = own->size();
+    if (len < 2) continue;
+    const int64_t a = own->tokens[len - 2], b = own->tokens[len - 1];
+    if (own->has_pair(a, b)) return true;
+    for (auto* o : own->others)
+      if (o->has_pair(a, b)) return true;
+  }
+  return false;
+}
+
 void bind_suffix_drafts(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<SuffixIndexNative>(m, "SuffixIndexNative", "rollout.sampling.drafts.SuffixIndex in C++ (its own tokens)")
@@ -283,4 +300,6 @@ void bind_suffix_drafts(pybind11::module& m) {
         py::arg("others"), py::arg("k"), py::arg("max_n"), py::arg("shortest"), py::arg("min_prob"));
   m.def("suffix_drafts", &suffix_drafts, "Drafter.draft_many: each row's indexes pulled, then its suffix_draft",
         py::arg("owns"), py::arg("ks"), py::arg("max_ns"), py::arg("min_probs"));
+  m.def("any_pairs", &any_pairs, "whether any row's last 2 tokens occur in its sources (each pulled first)",
+        py::arg("owns"));
 }
