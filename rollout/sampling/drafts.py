@@ -95,8 +95,10 @@ class NativeIndex:
     def __init__(self, tokens: list[int], max_n: int, module) -> None:
         self.tokens = tokens
         self.max_n = max_n
+        if not isinstance(tokens, list):  # NOTE: the C++ side reads this very list as it grows (`pull`)
+            raise TypeError(f"NativeIndex follows a list of token ids, not {type(tokens).__name__}")
         self.native = module.SuffixIndexNative(max_n)
-        self.native.bind(tokens if type(tokens) is list else list(tokens))
+        self.native.bind(tokens)
         self.prompt: tuple[int, ...] = ()
         self.sources: list = []
         self.seen = -1
@@ -270,7 +272,8 @@ class Drafter:
         """True when `draft_many` of `requests` would draft nothing for sure: they are the last call's rows (the same
         objects, sources unchanged since) and no row's last 2 tokens occur in its sources (one C++ call). False
         when unknown: a draft is then looked up as usual. A tail of rows whose text never repeats skips the Python
-        of its lookups this way (4 such 5M rows: the step's drafting ~45 us -> ~2 us of a ~1.7 ms step)."""
+        of its lookups this way (4 such 5M rows, timed in the engine: the step's planning ~49 -> ~17 us of a ~2 ms
+        step, this call ~12 us of it; in a loop it takes ~1 us)."""
         last = self.last
         if last is None or last[2] != self.version or last[0] != requests:
             return False
