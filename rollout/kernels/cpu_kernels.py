@@ -388,7 +388,7 @@ def greedy_verify():
 
 
 def suffix_drafts():
-    """The C++ suffix drafter (`SuffixIndexNative`, `suffix_draft`: rollout/kernels/csrc/suffix_drafts.cpp, the same
+    """The C++ suffix drafter (`SuffixIndexNative`, `suffix_drafts`: rollout/kernels/csrc/suffix_drafts.cpp, the same
     drafts and estimates as `rollout.sampling.drafts`) when the kernels are loaded already, else None: drafting never
     starts a build (an engine on a GPU, which loads no CPU kernels, drafts in Python)."""
     return STATE.get("module") if enabled() else None

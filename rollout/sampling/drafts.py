@@ -103,9 +103,8 @@ class NativeIndex:
         self.sources: list = []
         self.seen = -1
 
-    def sync(self):
+    def sync(self) -> None:
         self.native.pull()
-        return self.native
 
 
 def walk(sources: list[tuple[list[int], list[int]]], periodic: list[int] | None, k: int,

@@ -3,7 +3,7 @@
 // same double arithmetic in the same order). The Python module is the reference and the fallback; this one only
 // takes the host's time out of a speculative step (a 4-row 5M tail drafted ~30 us a call in Python).
 //
-// An index holds a copy of its source's tokens (appended by `extend`: the row's new tokens since the last call), the
+// An index holds a copy of its source's tokens (`pull`: the new ones since the last call, read from its list), the
 // 2-grams followed by a token (`has_pair`, built lazily as in Python) and, for every n-gram (n = 1 .. max_n) of the
 // tokens, the positions that followed it: the latest POSITIONS, trimmed from 2 x POSITIONS as Python trims them.
 
@@ -59,15 +59,6 @@ struct SuffixIndexNative {
   std::unordered_set<std::array<int64_t, 2>, PairHash> pairs;
   int64_t pairs_upto = 2;
 
-  // the source's tokens from `start` on are `tail` (the last one copied may have changed: a placeholder written
-  // over; an indexed n-gram or pair never holds a source's last token, so the index stays exact)
-  void sync(int64_t start, const std::vector<int64_t>& tail) {
-    TORCH_CHECK(start >= std::max<int64_t>(0, std::min(upto, pairs_upto) - 1) && start <= size(),
-                "SuffixIndexNative.sync: a tail from the last token copied on");
-    tokens.resize(static_cast<size_t>(start));
-    tokens.insert(tokens.end(), tail.begin(), tail.end());
-  }
-
   int64_t size() const { return static_cast<int64_t>(tokens.size()); }
 
   // the Python list this index copies (`bind`: a request's `token_ids`, read at each `pull`), and the other indexes
@@ -80,8 +71,8 @@ struct SuffixIndexNative {
 
   void set_sources(const std::vector<SuffixIndexNative*>& indexes) { others = indexes; }
 
-  // `sync` from the bound list itself: its tokens from the last one copied on, read from the list under the GIL
-  // (what `NativeIndex.sync` sliced and converted in Python: a pybind call, a slice and a list conversion a row)
+  // the bound list's tokens from the last one copied on, read under the GIL (the last one copied may have changed: a
+  // placeholder written over; an indexed n-gram or pair never holds a source's last token, so the index stays exact)
   void pull() {
     if (!source) return;
     PyObject* list = source.ptr();
@@ -95,6 +86,24 @@ struct SuffixIndexNative {
       if (v == -1 && PyErr_Occurred()) throw pybind11::error_already_set();
       tokens.push_back(v);
     }
+  }
+
+  // this row's index and its sources' brought up to date
+  void pull_with_sources() {
+    pull();
+    for (auto* o : others) o->pull();
+  }
+
+  // whether this row's last 2 tokens were followed by a token in its own text or a source's: every suffix of 2+
+  // tokens ends with them, so where they were not, nothing drafts
+  bool last_pair_occurs() {
+    const int64_t len = size();
+    if (len < 2) return false;
+    const int64_t a = tokens[len - 2], b = tokens[len - 1];
+    if (has_pair(a, b)) return true;
+    for (auto* o : others)
+      if (o->has_pair(a, b)) return true;
+    return false;
   }
 
   void update() {
@@ -214,20 +223,14 @@ std::tuple<std::vector<int64_t>, std::vector<double>> walk(const std::vector<Sou
 
 }  // namespace
 
-// `Drafter.draft` after the Python side chose the sources: the pair check, every index brought up to date, the
+// One row's `Drafter.draft` over its sources (`set_sources`): the pair check, every index brought up to date, the
 // longest suffix (max_n .. shortest tokens) found in the row's own index or another's, and the walk
-std::tuple<std::vector<int64_t>, std::vector<double>> suffix_draft(SuffixIndexNative& own,
-                                                                   const std::vector<SuffixIndexNative*>& others,
-                                                                   int64_t k, int64_t max_n, int64_t shortest,
-                                                                   double min_prob) {
+std::tuple<std::vector<int64_t>, std::vector<double>> suffix_draft(SuffixIndexNative& own, int64_t k, int64_t max_n,
+                                                                   int64_t shortest, double min_prob) {
   const auto& toks = own.tokens;
+  const auto& others = own.others;
   const int64_t len = own.size();
-  if (shortest >= 2 && len >= 2) {
-    const int64_t a = toks[len - 2], b = toks[len - 1];
-    bool any = own.has_pair(a, b);
-    for (auto* o : others) any = any || o->has_pair(a, b);
-    if (!any) return {};
-  }
+  if (shortest >= 2 && !own.last_pair_occurs()) return {};
   own.update();
   for (auto* o : others) o->update();
   static const std::vector<int64_t> none;
@@ -248,9 +251,9 @@ std::tuple<std::vector<int64_t>, std::vector<double>> suffix_draft(SuffixIndexNa
 }
 
 // `Drafter.draft_many`: every row of a step in one call -- each row's own index and its sources brought up to date
-// from their bound lists (`pull`), then `suffix_draft` over its `set_sources` from max_n down to min(MIN_NGRAM, max_n)
-// tokens -- instead of a sync, a slice and a
-// lookup call a row in Python (a 4-row step of text that never repeats spent ~6 us a row there, 0.4 us of it here)
+// from their bound lists (`pull`), then `suffix_draft` from max_n down to min(MIN_NGRAM, max_n) tokens -- instead of
+// a sync, a slice and a lookup call a row in Python (a 4-row step of text that never repeats spent ~6 us a row there,
+// 0.4 us of it here)
 std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> suffix_drafts(
     const std::vector<SuffixIndexNative*>& owns, const std::vector<int64_t>& ks, const std::vector<int64_t>& max_ns,
     const std::vector<double>& min_probs) {
@@ -260,10 +263,8 @@ std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> suffix_drafts
   std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> out;
   out.reserve(R);
   for (size_t r = 0; r < R; ++r) {
-    SuffixIndexNative& own = *owns[r];
-    own.pull();
-    for (auto* o : own.others) o->pull();
-    out.push_back(suffix_draft(own, own.others, ks[r], max_ns[r], std::min(MIN_NGRAM, max_ns[r]), min_probs[r]));
+    owns[r]->pull_with_sources();
+    out.push_back(suffix_draft(*owns[r], ks[r], max_ns[r], std::min(MIN_NGRAM, max_ns[r]), min_probs[r]));
   }
   return out;
 }
@@ -273,14 +274,8 @@ std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> suffix_drafts
 // rows whose text does not repeat skips the step's drafting in one call)
 bool any_pairs(const std::vector<SuffixIndexNative*>& owns) {
   for (auto* own : owns) {
-    own->pull();
-    for (auto* o : own->others) o->pull();
-    const int64_t len = own->size();
-    if (len < 2) continue;
-    const int64_t a = own->tokens[len - 2], b = own->tokens[len - 1];
-    if (own->has_pair(a, b)) return true;
-    for (auto* o : own->others)
-      if (o->has_pair(a, b)) return true;
+    own->pull_with_sources();
+    if (own->last_pair_occurs()) return true;
   }
   return false;
 }
@@ -289,15 +284,10 @@ void bind_suffix_drafts(pybind11::module& m) {
   namespace py = pybind11;
   py::class_<SuffixIndexNative>(m, "SuffixIndexNative", "rollout.sampling.drafts.SuffixIndex in C++ (its own tokens)")
       .def(py::init<int64_t>(), py::arg("max_n"))
-      .def("sync", &SuffixIndexNative::sync, "the source's tokens from `start` on (the last copied and the new)",
-           py::arg("start"), py::arg("tail"))
-      .def("size", &SuffixIndexNative::size)
       .def("bind", &SuffixIndexNative::bind, "the Python list of tokens `pull` copies", py::arg("tokens"))
-      .def("pull", &SuffixIndexNative::pull, "`sync` from the bound list (the last token copied and the new)")
+      .def("pull", &SuffixIndexNative::pull, "the bound list's tokens from the last one copied on")
       .def("set_sources", &SuffixIndexNative::set_sources,
            "the other indexes this row's lookups read (kept alive by the caller)", py::arg("indexes"));
-  m.def("suffix_draft", &suffix_draft, "Drafter.draft's lookup and walk over native indexes", py::arg("own"),
-        py::arg("others"), py::arg("k"), py::arg("max_n"), py::arg("shortest"), py::arg("min_prob"));
   m.def("suffix_drafts", &suffix_drafts, "Drafter.draft_many: each row's indexes pulled, then its suffix_draft",
         py::arg("owns"), py::arg("ks"), py::arg("max_ns"), py::arg("min_probs"));
   m.def("any_pairs", &any_pairs, "whether any row's last 2 tokens occur in its sources (each pulled first)",
