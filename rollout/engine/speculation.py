@@ -7,7 +7,9 @@ cost model (`StepCost`) then picks the drafts worth verifying: a step that runs 
 t(B) (c0 + c1 x), x the extra tokens' share of the step by a prior from the model's size (weight bytes streamed
 once a step against the FLOPs of a token, `prior`), c0 and c1 fitted online to the steps' measured times; the
 drafted tokens (highest estimate first) kept are those maximising the expected tokens emitted per unit of time,
-and the step speculates only when that beats the plain step's B tokens. Each step is timed from its own start
+and the step speculates only when that beats the plain step's B tokens. On a CPU a verifying step runs at most as many
+tokens (rows + drafted) as the small-M kernel takes (`rollout.kernels.linear.small_rows`): past it the step leaves
+the C++ decoder layers, a cliff the cost model's line does not have. Each step is timed from its own start
 (its planning included) to its own end, whatever runs between steps. So it speculates where bound by weight reads
 (few rows, a large model, a GPU) and drafts are likely, and not in a wide batch of text that never repeats.
 
@@ -34,6 +36,7 @@ from collections.abc import Callable
 import torch
 
 from rollout.kernels import cpu_kernels
+from rollout.kernels.linear import small_rows
 from rollout.requests import Request, RequestStatus
 from rollout.sampling.drafts import DEFAULT_NGRAM, Drafter
 from rollout.sampling.sampler import kernel_rows, row_argmax
@@ -144,12 +147,14 @@ class StepCost:
         """No drafted token with a lower estimate can pay: the gain a token must bring (lower bound)."""
         return self.c1 * self.share(rows) * rows
 
-    def plan(self, probs: list[list[float]]) -> list[int] | None:
+    def plan(self, probs: list[list[float]], room: int | None = None) -> list[int] | None:
         """How many of each row's drafted tokens to verify (estimates `probs`, falling along each draft), or None
-        when no choice beats the plain step."""
+        when no choice beats the plain step; at most `room` of them (the likeliest) when given."""
         rows = len(probs)
         dx = self.c1 * self.share(rows)
         inc = sorted(((p, i) for i, ps in enumerate(probs) for p in ps), reverse=True)
+        if room is not None:
+            del inc[max(0, room):]
         gain, cost = float(rows), self.c0
         # NOTE: no margin over the plain step: the drafting's own time is in both kinds of step's measured time (a
         # margin of 0.15 cost the 5M tail 4 x 400 1.5% and an RL-shaped log-normal G=8 batch 1.4-2.7% on fresh seeds,
@@ -208,6 +213,10 @@ class Speculator:
         params = sum(p.numel() for p in model.parameters())
         dtype = next(model.parameters()).dtype
         self.cost = StepCost(*prior(params, dtype.itemsize, core.device.type, torch.get_num_threads()))
+        # NOTE: the tokens (rows + drafted) a verifying step runs with its linears on the small-M kernel and the fused
+        # decoder layers in C++ (None: no such kernel). Past them the step takes the Python path: at 5M, 32 rows and
+        # 32 drafted tokens ran 2.7x a plain step, where the cost model, fitted under it, said 1.7x
+        self.room = small_rows(core.view)
         self.calibration = Calibration()
         self.steps = 0  # NOTE: steps seen (the clock of the rows' idle spells)
         self.width = 0  # NOTE: rows of the step being planned (idle spells grow with it past `IDLE_ROWS`)
@@ -280,7 +289,7 @@ class Speculator:
             floor = 0.0
         else:
             floor = self.cost.min_prob(len(rows))
-            if floor >= 1.0:
+            if floor >= 1.0 or (self.room is not None and len(rows) >= self.room):
                 return None
         # NOTE: a row in an idle spell (text that did not repeat) costs a dict lookup here, not a call: at 32 rows
         # of non-repeating text the step's planning took 55 us with the call, most of it these rows
@@ -295,7 +304,8 @@ class Speculator:
         if self.max_rows is not None:
             self.estimates = [p for _, p in proposed]
             return [t for t, _ in proposed]
-        lens = self.cost.plan([p for _, p in proposed]) if any(t for t, _ in proposed) else None
+        room = None if self.room is None else self.room - len(rows)
+        lens = self.cost.plan([p for _, p in proposed], room) if any(t for t, _ in proposed) else None
         if lens is None:
             return None
         self.estimates = [p for _, p in proposed]

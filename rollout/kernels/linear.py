@@ -291,6 +291,13 @@ def small_only(module: torch.nn.Module) -> bool:
     return "_rollout_onednn" in vars(module) and not module._rollout_onednn
 
 
+def small_rows(view: torch.nn.Module) -> int | None:
+    """The most rows a step runs with the view's fp32 linears on the small-M kernel (`SMALL_ROWS`), or None when
+    none is routed there. Past it they take torch's linear, and the fused decoder layers their Python path
+    (`rollout.kernels.fused_decoder`): a step of a few more rows costs far more (speculation keeps under it)."""
+    return SMALL_ROWS if any(getattr(m, "_rollout_small", None) is not None for m in view.modules()) else None
+
+
 def onednn_routed(view: torch.nn.Module) -> int:
     """How many of the view's linears run through oneDNN on packed copies (`use_onednn_linears`; not the smaller
     ones routed to the small-M kernel only)."""

@@ -15,7 +15,7 @@ from support.distributions import chi_square_pvalue
 from support.greedy import ARCHS
 from support.sampling import repeating_prompt
 from support.tiny_models import hf_greedy, make_model, random_prompts, teacher_forced_logprobs
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 from rollout.config import ContinuousBatchingConfig
 from rollout.engine.core import EngineCore
@@ -229,6 +229,44 @@ def test_cost_model_in_charge():
     dear, core = run(model, prompts, config(**SPEC), core=core)
     assert [r.generated for r in dear] == [r.generated for r in base]
     assert core.cache_stats()["spec_draft_tokens"] == 0
+
+
+def test_a_verifying_step_runs_no_more_tokens_than_its_room():
+    """A verifying step runs at most `Speculator.room` tokens, rows and drafts (on a CPU the small-M kernel's rows:
+    past them the step leaves the C++ decoder layers), the likeliest drafts kept; a step of that many rows or more
+    runs plain. Tokens unchanged."""
+    model = make_model("gemma2")  # NOTE: its random model loops at once: every row drafts
+    prompts = random_prompts(6, 5, 20, seed=3)
+    lens = [16, 24, 32, 40, 48, MAX_NEW]  # NOTE: the batch narrows as its rows end
+    base, _ = run(model, prompts, config(), max_new_tokens=lens)
+    runs = {}
+    for room in (None, 10, 4):
+        core = EngineCore(model, GREEDY, config(**SPEC))
+        core.speculator.cost = StepCost(1.0, 0.0)  # NOTE: drafted tokens priced at nothing: all kept but for room
+        core.speculator.room = room
+        sizes, execute = [], core.runner.execute
+
+        def counted(out, drafts=None, _execute=execute, _sizes=sizes):
+            if drafts is not None:
+                _sizes.append((len(drafts), len(drafts) + sum(map(len, drafts))))
+            return _execute(out, drafts)
+
+        core.runner.execute = counted
+        spec, core = run(model, prompts, config(**SPEC), core=core, max_new_tokens=lens)
+        assert [r.generated for r in spec] == [r.generated for r in base], room
+        runs[room] = sizes
+    assert max(t for _, t in runs[None]) > 10, runs[None]  # NOTE: unbounded, 6 rows x (1 + 4) run
+    assert runs[10] and max(t for _, t in runs[10]) <= 10 and max(t for _, t in runs[10]) == 10
+    assert runs[4] and all(b < 4 for b, _ in runs[4]) and max(t for _, t in runs[4]) <= 4
+    assert EngineCore(model, GREEDY, config(**SPEC)).speculator.room is None  # NOTE: tiny linears: torch's
+    from rollout.kernels import cpu_kernels, linear
+
+    if cpu_kernels.small_linear() is None:
+        pytest.skip("rollout's small-M kernel is unavailable here (no AVX-512 or no build)")
+    cfg = Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=64, vocab_size=512)
+    wide = Qwen3ForCausalLM(cfg).eval()  # NOTE: 256 x 256 fp32 linears: the small-M kernel's
+    assert EngineCore(wide, GREEDY, config(**SPEC)).speculator.room == linear.SMALL_ROWS
 
 
 def test_a_step_is_timed_alone_not_with_what_runs_between_steps():

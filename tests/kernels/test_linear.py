@@ -150,6 +150,7 @@ def test_smaller_fp32_linears_run_decode_rows_on_the_small_m_kernel_only(monkeyp
     assert large.weight.numel() >= linear.MIN_WEIGHT_ELEMENTS
     assert linear.use_onednn_linears(holder) == 2 and routed(holder) == ["0", "2"]
     assert linear.onednn_routed(holder) == 1 and linear.small_only(small) and not linear.small_only(large)
+    assert linear.small_rows(holder) == linear.SMALL_ROWS and linear.small_rows(torch.nn.Linear(8, 8)) is None
     with torch.inference_mode():
         for rows in (1, 4, 36, linear.SMALL_ROWS):
             x = torch.randn(rows, 256)

@@ -107,6 +107,17 @@ def test_cost_model_weight_bound_vs_compute_bound():
     assert lens is not None and all(0 < n < 4 for n in lens)
 
 
+def test_the_cost_model_keeps_at_most_room_drafted_tokens_the_likeliest():
+    """`room`: the drafted tokens a step may run (a CPU step's small-M kernel rows, less its rows) -- the likeliest
+    of them, each row's a prefix of its draft; without it every token that pays."""
+    cost = StepCost(0.02, 0.0001)  # NOTE: cheap drafted tokens: every one of these pays
+    probs = [[0.9, 0.8, 0.3], [0.95, 0.5], [0.85, 0.7, 0.6, 0.4]]
+    assert cost.plan(probs) == [3, 2, 4]
+    assert cost.plan(probs, 4) == [2, 1, 1]
+    assert cost.plan(probs, 6) == [2, 1, 3]
+    assert cost.plan(probs, 0) is None
+
+
 def test_cost_fit_follows_measured_steps():
     cost = StepCost(0.02, 0.001)
     cost.observe_plain(4, 0.024)
