@@ -13,8 +13,9 @@ outside the timing, in lockstep: one step of each in turn (which first alternate
 system's seconds the sum of its steps' (wall, and CPU of this process), so a shared box's drifting load weighs on
 both alike. Rows are greedy,
 or with `--temperature T` sampled with a seed each (tokens must then be identical too: one draw per emitted token).
-Reported per run: wall and CPU seconds, the speedup, engine steps, drafted / accepted tokens, tokens identical,
-the load average; then the medians of the speedups.
+Reported per run: wall and CPU seconds, the speedup, engine steps, drafted / accepted tokens, what transformers'
+prompt lookup (a fixed n-gram drafter: how much the text repeats) would keep of it, tokens identical, the load
+average; then the medians of the speedups.
 
     python benchmarks/speculation.py --model 5m --init 0.02 --workloads tail --repeats 4
 """
@@ -142,6 +143,28 @@ def parted(model, wl: Workload, plain: list[list[int]], spec: list[list[int]]) -
               f"{top.values[0].item():.3f}", flush=True)
 
 
+def prompt_lookup_kept(prompts: list[list[int]], outputs: list[list[int]], k: int = 10, n: int = 2) -> tuple[int, int]:
+    """How much of this text transformers' own n-gram drafter would keep: (drafted, kept) over the rows when
+    `PromptLookupCandidateGenerator` (prompt lookup, its defaults k 10, n 2: the first earlier occurrence of the
+    longest suffix) drafts at each verifying step and greedy verification keeps the drafted tokens up to the first
+    that differs from the plain output, then one token more, as assisted generation does. A measure of how much
+    the text repeats, the same for every engine: a fixed drafter's acceptance, not the engine's."""
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    drafted = kept = 0
+    for p, out in zip(prompts, outputs, strict=True):
+        seq, end = p + out, len(p) + len(out)
+        gen = PromptLookupCandidateGenerator(num_output_tokens=k, max_matching_ngram_size=n, max_length=end)
+        at = len(p)
+        while at < end:
+            cand, _ = gen.get_candidates(torch.tensor([seq[:at]]))
+            draft = cand[0, at:].tolist()[: end - at - 1]  # NOTE: the last token is the model's own
+            m = part(draft, seq[at:])
+            m = len(draft) if m is None else m
+            drafted, kept, at = drafted + len(draft), kept + m, at + m + 1
+    return drafted, kept
+
+
 def load() -> str:
     return "load " + " ".join(f"{x:.1f}" for x in os.getloadavg())
 
@@ -187,13 +210,15 @@ def main() -> None:
             (w0, c0, out0, st0), (w1, c1, out1, st) = results[0], results[args.k]
             same = out0 == out1
             rate = st["spec_accepted_tokens"] / max(1, st["spec_draft_tokens"])
+            ref_d, ref_k = prompt_lookup_kept(wl.prompts, out0)
             wall_x.append(w0 / w1)
             cpu_x.append(c0 / c1)
             print(f"{name} seed {args.seed + rep} [{wl.describe()}]: plain {w0:.2f} s ({c0:.2f} cpu s, "
                   f"{wl.useful_tokens / w0:.1f} tok/s), speculative {w1:.2f} s ({c1:.2f} cpu s, "
                   f"{wl.useful_tokens / w1:.1f} tok/s): {w0 / w1:.2f}x wall, {c0 / c1:.2f}x cpu; steps "
                   f"{st0['steps']} -> {st['steps']}; drafted {st['spec_draft_tokens']}, accepted "
-                  f"{st['spec_accepted_tokens']} ({rate:.0%}); tokens identical: {same}; {load()}", flush=True)
+                  f"{st['spec_accepted_tokens']} ({rate:.0%}); transformers' prompt lookup would keep {ref_k} of "
+                  f"{ref_d} ({ref_k / max(1, ref_d):.0%}); tokens identical: {same}; {load()}", flush=True)
             if not same:
                 parted(model, wl, out0, out1)
                 raise SystemExit(f"{name}: speculative tokens differ from plain decoding")
