@@ -294,6 +294,37 @@ def test_the_native_drafter_drafts_what_the_python_one_does():
     assert live > 0
 
 
+def test_the_native_drafter_reads_an_ngrams_occurrences_as_the_python_list_holds_them():
+    """An n-gram seen hundreds of times (rows of 2-3 token kinds, 1,200 tokens, a sibling and a finished rollout): the
+    C++ hash chains give the positions Python's list holds -- it grows to 2 x POSITIONS, then keeps the latest
+    POSITIONS -- at every length, so the same drafts and estimates, float for float."""
+    if cpu_kernels.load() is None:
+        pytest.skip("rollout's C++ CPU kernels are unavailable here")
+    rng = random.Random(5)
+    for size in (2, 3):
+        py, cc = Drafter(native=False), Drafter(native=True)
+        prompt = [rng.randrange(size) for _ in range(8)]
+        done = [rng.randrange(size) for _ in range(700)]
+        for d in (py, cc):
+            d.finish(req("done", prompt, done), keep=True)
+        pairs = [(req(rid, prompt), req(rid, prompt)) for rid in ("a", "b")]
+        compared = 0
+        for step in range(1200):
+            t = rng.randrange(size)
+            a, b = pairs[step % 2]
+            for r in (a, b):
+                r.token_ids.append(t)
+                r.generated.append(t)
+            if step % 7:
+                continue
+            for max_n in (1, 2, 4, MAX_NGRAM):
+                want = py.draft(a, 6, max_n)
+                assert cc.draft(b, 6, max_n) == want, (size, step, max_n)
+                compared += bool(want[0])
+        assert compared > 300, compared
+        assert isinstance(cc.track(pairs[0][1]), NativeIndex)
+
+
 @pytest.mark.parametrize("native", [False, True])
 def test_drafting_a_steps_rows_in_one_call_drafts_what_each_row_alone_does(native):
     """`Drafter.draft_many` (one C++ call a step: each row's sources kept on its index and chosen again only when a
