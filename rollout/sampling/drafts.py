@@ -179,7 +179,11 @@ class Drafter:
         self.native: object | None = None
         self._native_wanted = native
         self._decided = False
-        self.version = 0  # NOTE: bumped whenever a group or a history changes: a row's sources are chosen again
+        self.version = 0  # NOTE: bumped whenever a group or a history changes
+        # NOTE: prompt -> the version its group or history last changed at: a row's sources are chosen again when
+        # its own prompt's changed since (a row finishing elsewhere leaves them be: in a draining 32-row batch every
+        # row's sources were chosen again at each of its 32 finishes)
+        self.changed: dict[tuple[int, ...], int] = {}
         # NOTE: the last `draft_many` call's rows, their native indexes and the version their sources were chosen at,
         # when every row matched suffixes of 2+ tokens (`nothing_to_draft`), else None
         self.last: tuple[list, list, int] | None = None
@@ -205,6 +209,7 @@ class Drafter:
             index.prompt = tuple(request.prompt_ids)
             self.groups.setdefault(index.prompt, {})[request.request_id] = index
             self.version += 1
+            self.changed[index.prompt] = self.version
         return index
 
     def _others(self, index) -> tuple[list, tuple]:
@@ -254,11 +259,11 @@ class Drafter:
             for r, n in zip(requests, max_ns, strict=True):
                 self.track(r, n)
             return [self.draft(*a) for a in zip(requests, ks, max_ns, min_probs, strict=True)]
-        own, track = self.own, self.track
+        own, track, changed = self.own, self.track, self.changed
         indexes = [own.get(r.request_id) or track(r, n) for r, n in zip(requests, max_ns, strict=True)]
         owns = []
         for index in indexes:
-            if index.seen != self.version:
+            if index.seen < changed.get(index.prompt, 0):
                 others, done = self._others(index)
                 index.sources = [o.native for o in others] + [o.native for o in done]
                 index.native.set_sources(index.sources)
@@ -285,11 +290,14 @@ class Drafter:
         self.version += 1
         self.last = None
         prompt = tuple(request.prompt_ids)
+        self.changed[prompt] = self.version
         group = self.groups.get(prompt)
         if group is not None:
             group.pop(request.request_id, None)
             if not group:
                 del self.groups[prompt]
+                if prompt not in self.history:
+                    del self.changed[prompt]
         if not keep or self.history_tokens <= 0 or not request.generated:
             return
         done = self.history.setdefault(prompt, [])
@@ -301,5 +309,9 @@ class Drafter:
             self.kept_tokens -= len(done.pop(0).tokens)
         self.history.move_to_end(prompt)
         while self.kept_tokens > self.history_tokens and self.history:
-            _, dropped = self.history.popitem(last=False)
+            gone, dropped = self.history.popitem(last=False)
+            if gone in self.groups:
+                self.changed[gone] = self.version
+            else:
+                self.changed.pop(gone, None)
             self.kept_tokens -= sum(len(i.tokens) for i in dropped)
