@@ -4,10 +4,12 @@
 // takes the host's time out of a speculative step (a 4-row 5M tail drafted ~30 us a call in Python).
 //
 // An index holds a copy of its source's tokens (`pull`: the new ones since the last call, read from its list), the
-// 2-grams followed by a token (`has_pair`, built lazily as in Python) and, for every n-gram (n = 1 .. max_n) of the
+// 2-grams followed by a token (`has_pair`, built lazily as in Python, in a flat set) and, for every n-gram (n = 1 .. max_n) of the
 // tokens, the positions that followed it (`Chains`: a hash chain a position, no allocation a token), read as Python's
 // lists hold them: the latest POSITIONS, trimmed from 2 x POSITIONS. (The maps of n-grams to vectors this replaced
-// spent ~100 us of a 27-row 5M log-normal step indexing its new tokens, ~2/3 of its lookups' time.)
+// spent ~100 us of a 27-row 5M log-normal step indexing its new tokens, ~2/3 of its lookups' time. On 32 rows of
+// 150-450 tokens, a token appended to each a call, caches flushed between calls: `suffix_drafts` 114-150 -> 60-71 us,
+// `any_pairs` 61-71 -> 29-35 us, benchmarks/logs/speculation_tail/draft_lookups_micro_fifteenth_session.txt.)
 
 #include <torch/extension.h>
 
@@ -16,7 +18,7 @@
 #include <cstdint>
 #include <tuple>
 #include <unordered_map>
-#include <unordered_set>
+#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -41,9 +43,45 @@ struct GramHash {
   }
 };
 
-struct PairHash {
-  size_t operator()(const std::array<int64_t, 2>& p) const {
-    return static_cast<size_t>((static_cast<uint64_t>(p[0]) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(p[1]));
+// the 2-grams followed by a token, as a flat open-addressing set (no allocation an insert)
+struct PairSet {
+  static constexpr int64_t EMPTY = std::numeric_limits<int64_t>::min();  // NOTE: no token id
+  std::vector<std::array<int64_t, 2>> slots;
+  size_t used = 0;
+
+  static size_t hash(int64_t a, int64_t b) {
+    const uint64_t h = (static_cast<uint64_t>(a) * 0x9E3779B97F4A7C15ull) ^ static_cast<uint64_t>(b);
+    return static_cast<size_t>((h ^ (h >> 32)) * 0xD6E8FEB86659FD93ull >> 7);
+  }
+
+  bool contains(int64_t a, int64_t b) const {
+    if (slots.empty()) return false;
+    const size_t mask = slots.size() - 1;
+    for (size_t i = hash(a, b) & mask;; i = (i + 1) & mask) {
+      const auto& s = slots[i];
+      if (s[0] == EMPTY) return false;
+      if (s[0] == a && s[1] == b) return true;
+    }
+  }
+
+  void insert(int64_t a, int64_t b) {
+    if (2 * (used + 1) > slots.size()) {
+      std::vector<std::array<int64_t, 2>> old(std::max<size_t>(64, slots.size() * 2), {EMPTY, 0});
+      old.swap(slots);
+      used = 0;
+      for (const auto& s : old)
+        if (s[0] != EMPTY) insert(s[0], s[1]);
+    }
+    const size_t mask = slots.size() - 1;
+    for (size_t i = hash(a, b) & mask;; i = (i + 1) & mask) {
+      auto& s = slots[i];
+      if (s[0] == EMPTY) {
+        s = {a, b};
+        ++used;
+        return;
+      }
+      if (s[0] == a && s[1] == b) return;
+    }
   }
 };
 
@@ -137,7 +175,7 @@ struct SuffixIndexNative {
   std::vector<int64_t> tokens;
   std::vector<Chains> chains;  // n-1 -> the occurrences of the n-grams
   int64_t upto = 1;  // next position whose preceding n-grams are not indexed yet
-  std::unordered_set<std::array<int64_t, 2>, PairHash> pairs;
+  PairSet pairs;
   int64_t pairs_upto = 2;
 
   int64_t size() const { return static_cast<int64_t>(tokens.size()); }
@@ -201,9 +239,9 @@ struct SuffixIndexNative {
 
   bool has_pair(int64_t a, int64_t b) {
     const int64_t len = size();
-    for (int64_t p = pairs_upto; p < len; ++p) pairs.insert({tokens[p - 2], tokens[p - 1]});
+    for (int64_t p = pairs_upto; p < len; ++p) pairs.insert(tokens[p - 2], tokens[p - 1]);
     pairs_upto = std::max(pairs_upto, len);
-    return pairs.count({a, b}) > 0;
+    return pairs.contains(a, b);
   }
 
   // the positions following the n tokens before `gram_end` (their hash given), ascending, into `out` (the latest
