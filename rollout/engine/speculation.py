@@ -10,7 +10,9 @@ drafted tokens (highest estimate first) kept are those maximising the expected t
 and the step speculates only when that beats the plain step's B tokens. On a CPU a verifying step runs at most as many
 tokens (rows + drafted) as the small-M kernel takes (`rollout.kernels.linear.small_rows`): past it the step leaves
 the C++ decoder layers, a cliff the cost model's line does not have. Each step is timed from its own start
-(its planning included) to its own end, whatever runs between steps. So it speculates where bound by weight reads
+(its planning included) to its own end, whatever runs between steps. Where the drafter's indexes are C++, a step's
+planning (the lookups, each row's calibration and idle spell, the cost model's choice) is one call (`plan_drafts`),
+the Python below its reference. So it speculates where bound by weight reads
 (few rows, a large model, a GPU) and drafts are likely, and not in a wide batch of text that never repeats.
 
 One forward runs each row's last token and its draft (`ModelRunner.execute(out, drafts)`, the chunked-prefill
@@ -209,6 +211,11 @@ class Speculator:
         self.rule: Rule = ACCEPTANCE[rule]
         self.max_rows = max_rows
         self.drafter = Drafter()
+        self.drafter.setup = self._setup
+        # NOTE: plan in one C++ call where the drafter's indexes are C++ (`plan_drafts`: the same drafts as `_drafts`
+        # and `StepCost.plan`); tests that plant drafts through `_drafts` turn it off
+        self.native_plan = True
+        self.planned_native = False  # NOTE: whether the step planned last was planned in C++ (its calibration is there)
         model = core.model
         params = sum(p.numel() for p in model.parameters())
         dtype = next(model.parameters()).dtype
@@ -232,6 +239,15 @@ class Speculator:
         self.calibration.rows.pop(request.request_id, None)
         self.idle.pop(request.request_id, None)
 
+    def _setup(self, req: Request, native) -> None:
+        """A row's planning constants, kept on its C++ index (`plan_drafts`): its k (`_drafts`: its prompt lookup's or
+        the engine's, at most `MAX_DRAFT`; 0 when it records routed experts), the position past which a draft would run
+        over its budget, its longest suffix matched."""
+        p = req.sampling
+        k = 0 if req.routes is not None else min(p.prompt_lookup_num_tokens or self.k, MAX_DRAFT)
+        native.configure(k, len(req.token_ids) - len(req.generated) + req.max_new_tokens - 1,
+                         p.max_matching_ngram_size or DEFAULT_NGRAM)
+
     def _drafts(self, reqs: list[Request], min_prob: float, spells: bool = True) -> list[tuple[list[int], list[float]]]:
         """Each of `reqs`' draft and its estimates, in one drafter call (`Drafter.draft_many`; `plan` skips the rows
         in an idle spell without calling this); `spells` False (a tail: every row is looked up whatever its spell)
@@ -243,6 +259,7 @@ class Speculator:
             p = req.sampling
             k = min(p.prompt_lookup_num_tokens or k0, MAX_DRAFT, req.max_new_tokens - len(req.generated) - 1)
             if k <= 0 or req.routes is not None:
+                self.drafter.track(req, p.max_matching_ngram_size or DEFAULT_NGRAM)  # NOTE: a sibling all the same
                 continue
             scale = scale_of(req.request_id)
             todo.append(i)
@@ -291,6 +308,9 @@ class Speculator:
             floor = self.cost.min_prob(len(rows))
             if floor >= 1.0 or (self.room is not None and len(rows) >= self.room):
                 return None
+        if self.native_plan and self.drafter.ready() is not None:
+            return self._plan_native(rows, floor)
+        self.planned_native = False
         # NOTE: a row in an idle spell (text that did not repeat) costs a dict lookup here, not a call: at 32 rows
         # of non-repeating text the step's planning took 55 us with the call, most of it these rows
         idle, step = self.idle, self.steps
@@ -310,6 +330,16 @@ class Speculator:
             return None
         self.estimates = [p for _, p in proposed]
         return [t[:n] for (t, _), n in zip(proposed, lens, strict=True)]
+
+    def _plan_native(self, rows: list[Request], floor: float) -> list[list[int]] | None:
+        """`plan` past its gates in one C++ call (`plan_drafts`, each row's state on its index: its k, calibration and
+        idle spell): the same drafts as the Python below (`_drafts`, `StepCost.plan`), without its ~2 us a row."""
+        self.planned_native = True
+        drafter, cost, width = self.drafter, self.cost, len(rows)
+        room = -1 if self.room is None else max(0, self.room - width)
+        return drafter.native.plan_drafts(drafter.natives(rows), floor, cost.c0, cost.c1 * cost.share(width), room,
+                                          self.steps, width > LOOKUP_ROWS, IDLE_MAX * max(1, width // IDLE_ROWS),
+                                          self.max_rows is not None)
 
     def step(self, out: SchedulerOutput) -> list[Request] | None:
         """Run a decode-only step speculatively; None (nothing done) when it would not pay or nothing drafts."""
@@ -394,6 +424,12 @@ class Speculator:
     def calibrate(self, rows: list[Request], drafts: list[list[int]], taken: list[int]) -> None:
         """Record, for each row that drafted, what `plan` estimated its draft would keep (`self.estimates`, summed
         over the tokens drafted) against the drafted tokens it kept: its calibration for the next plans."""
+        if self.planned_native:
+            own = self.drafter.own
+            for req, d, n in zip(rows, drafts, taken, strict=True):
+                if d:
+                    own[req.request_id].native.record(len(d), n)
+            return
         for req, d, est, n in zip(rows, drafts, self.estimates, taken, strict=True):
             if d:
                 self.calibration.record(req.request_id, sum(est[: len(d)]), n)

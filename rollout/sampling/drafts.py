@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Callable
 
 DEFAULT_NGRAM = 4  # NOTE: the longest suffix matched unless a request asks (`max_matching_ngram_size`)
 # NOTE: a single repeated token predicts the next one ~1-3% of the time on the benchmarks' random models (a
@@ -88,9 +89,10 @@ class NativeIndex:
     """A `SuffixIndex` kept in C++ (`cpu_kernels.suffix_drafts()`): the same n-grams, positions and pairs over a
     copy of `tokens` (a list the C++ index reads itself: `pull`, the last token copied and the new ones, at each
     lookup). `sources` are the other indexes its row's lookups read (`Drafter.draft_many`), held here so that the
-    C++ copy's pointers to them stay valid; `seen` is the drafter's `version` they were chosen at."""
+    C++ copy's pointers to them stay valid; `seen` is the drafter's `version` they were chosen at, `stamp` its prompt's
+    cell of `Drafter.changed` (the version its group or history last changed at)."""
 
-    __slots__ = ("max_n", "native", "prompt", "seen", "sources", "tokens")
+    __slots__ = ("max_n", "native", "prompt", "seen", "short", "sources", "stamp", "tokens")
 
     def __init__(self, tokens: list[int], max_n: int, module) -> None:
         self.tokens = tokens
@@ -102,9 +104,12 @@ class NativeIndex:
         self.prompt: tuple[int, ...] = ()
         self.sources: list = []
         self.seen = -1
+        self.stamp = [0]
+        self.short = False
 
-    def sync(self) -> None:
-        self.native.pull()
+    def freeze(self) -> None:
+        """Its tokens are final (a finished rollout): copied once, the list let go (never pulled again)."""
+        self.native.freeze()
 
 
 def walk(sources: list[tuple[list[int], list[int]]], periodic: list[int] | None, k: int,
@@ -180,13 +185,19 @@ class Drafter:
         self._native_wanted = native
         self._decided = False
         self.version = 0  # NOTE: bumped whenever a group or a history changes
-        # NOTE: prompt -> the version its group or history last changed at: a row's sources are chosen again when
+        # NOTE: prompt -> [the version its group or history last changed at]: a row's sources are chosen again when
         # its own prompt's changed since (a row finishing elsewhere leaves them be: in a draining 32-row batch every
-        # row's sources were chosen again at each of its 32 finishes)
-        self.changed: dict[tuple[int, ...], int] = {}
+        # row's sources were chosen again at each of its 32 finishes). A one-item list that the prompt's live indexes
+        # hold (`stamp`), so that a step reads it without hashing the prompt (a tuple of hundreds of ids hashed per
+        # row: ~1/4 of a 32-row step's planning on the log-normal batch, 5803)
+        self.changed: dict[tuple[int, ...], list[int]] = {}
         # NOTE: the last `draft_many` call's rows, their native indexes and the version their sources were chosen at,
         # when every row matched suffixes of 2+ tokens (`nothing_to_draft`), else None
         self.last: tuple[list, list, int] | None = None
+        # NOTE: called with (request, its `SuffixIndexNative`) when a live row's native index is made: the speculator
+        # keeps its row's planning state there (`Speculator._setup`, `natives`)
+        self.setup: Callable | None = None
+        self.short = 0  # NOTE: live native indexes of rows matching suffixes shorter than MIN_NGRAM (`natives`)
 
     def _decide(self) -> None:
         self._decided = True
@@ -194,6 +205,12 @@ class Drafter:
             from rollout.kernels import cpu_kernels  # noqa: PLC0415 - only where a drafter drafts
 
             self.native = cpu_kernels.suffix_drafts() if self._native_wanted is None else cpu_kernels.load()
+
+    def ready(self):
+        """The C++ module the indexes are kept in (decided at the first call), or None (Python indexes)."""
+        if not self._decided:
+            self._decide()
+        return self.native
 
     def _index(self, tokens: list[int], max_n: int):
         if not self._decided:
@@ -207,10 +224,24 @@ class Drafter:
             depth = min(max(max_n or self.max_n, self.max_n), MAX_NGRAM)
             index = self.own[request.request_id] = self._index(request.token_ids, depth)
             index.prompt = tuple(request.prompt_ids)
+            if isinstance(index, NativeIndex):
+                index.short = (max_n or self.max_n) < MIN_NGRAM
+                self.short += index.short
+                if self.setup is not None:
+                    self.setup(request, index.native)
             self.groups.setdefault(index.prompt, {})[request.request_id] = index
             self.version += 1
-            self.changed[index.prompt] = self.version
+            index.stamp = self._stamp(index.prompt)
         return index
+
+    def _stamp(self, prompt: tuple[int, ...]) -> list[int]:
+        """`prompt`'s cell of `changed`, set to the current version."""
+        cell = self.changed.get(prompt)
+        if cell is None:
+            cell = self.changed[prompt] = [self.version]
+        else:
+            cell[0] = self.version
+        return cell
 
     def _others(self, index) -> tuple[list, tuple]:
         """The indexes `index`'s row reads besides its own: its live siblings (at most `MAX_SIBLINGS`, the group's
@@ -259,18 +290,42 @@ class Drafter:
             for r, n in zip(requests, max_ns, strict=True):
                 self.track(r, n)
             return [self.draft(*a) for a in zip(requests, ks, max_ns, min_probs, strict=True)]
-        own, track, changed = self.own, self.track, self.changed
+        own, track = self.own, self.track
         indexes = [own.get(r.request_id) or track(r, n) for r, n in zip(requests, max_ns, strict=True)]
         owns = []
         for index in indexes:
-            if index.seen < changed.get(index.prompt, 0):
-                others, done = self._others(index)
-                index.sources = [o.native for o in others] + [o.native for o in done]
-                index.native.set_sources(index.sources)
-                index.seen = self.version
+            if index.seen < index.stamp[0]:
+                self._choose(index)
             owns.append(index.native)
         self.last = (requests, owns, self.version) if min(max_ns) >= MIN_NGRAM else None
         return self.native.suffix_drafts(owns, ks, max_ns, min_probs)  # NOTE: shortest min(MIN_NGRAM, max_n) there
+
+    def _choose(self, index: NativeIndex) -> None:
+        """`index`'s sources chosen again (its prompt's group or history changed since they were)."""
+        others, done = self._others(index)
+        index.sources = [o.native for o in others] + [o.native for o in done]
+        index.native.set_sources(index.sources)
+        index.seen = self.version
+
+    def natives(self, requests: list) -> list:
+        """The C++ indexes of `requests` (each tracked on first sight, n-grams up to its `max_matching_ngram_size`),
+        each with its sources chosen again where its prompt's group or history changed since: the rows of a step
+        planned in one C++ call (`Speculator`, `plan_drafts`). Only with the C++ indexes (`ready`). The last call's
+        list when the rows are the same objects and nothing was tracked or finished since (most steps of a batch)."""
+        last = self.last
+        if last is not None and last[2] == self.version and last[0] == requests:
+            return last[1]
+        own, track = self.own, self.track
+        owns = []
+        for r in requests:
+            index = own.get(r.request_id)
+            if index is None:
+                index = track(r, r.sampling.max_matching_ngram_size or DEFAULT_NGRAM)
+            if index.seen < index.stamp[0]:
+                self._choose(index)
+            owns.append(index.native)
+        self.last = (requests, owns, self.version) if not self.short else None
+        return owns
 
     def nothing_to_draft(self, requests: list) -> bool:
         """True when `draft_many` of `requests` would draft nothing for sure: they are the last call's rows (the same
@@ -286,11 +341,13 @@ class Drafter:
     def finish(self, request, keep: bool) -> None:
         """`request` is final: forget its live index; `keep` (it finished normally) files its tokens under its
         prompt."""
-        self.own.pop(request.request_id, None)
+        index = self.own.pop(request.request_id, None)
+        if isinstance(index, NativeIndex):
+            self.short -= index.short
         self.version += 1
         self.last = None
         prompt = tuple(request.prompt_ids)
-        self.changed[prompt] = self.version
+        self._stamp(prompt)
         group = self.groups.get(prompt)
         if group is not None:
             group.pop(request.request_id, None)
@@ -303,7 +360,7 @@ class Drafter:
         done = self.history.setdefault(prompt, [])
         done.append(index := self._index(list(request.token_ids), self.max_n))  # NOTE: indexed at its first lookup
         if isinstance(index, NativeIndex):
-            index.sync()  # NOTE: its tokens are final: copied once
+            index.freeze()
         self.kept_tokens += len(request.token_ids)
         if len(done) > HISTORY_PER_PROMPT:
             self.kept_tokens -= len(done.pop(0).tokens)
@@ -311,7 +368,7 @@ class Drafter:
         while self.kept_tokens > self.history_tokens and self.history:
             gone, dropped = self.history.popitem(last=False)
             if gone in self.groups:
-                self.changed[gone] = self.version
+                self._stamp(gone)
             else:
                 self.changed.pop(gone, None)
             self.kept_tokens -= sum(len(i.tokens) for i in dropped)

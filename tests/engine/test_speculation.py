@@ -431,6 +431,7 @@ def _lookups(rows: int) -> dict[str, list[int]]:
             return [1], [1.0]
         return [], []
 
+    spec.native_plan = False  # NOTE: planned in Python, through `Drafter.draft_many`
     spec.drafter.draft_many = lambda reqs, ks, ns, mins: [draft(r) for r in reqs]
     reqs = [core.make_request(p, request_id=f"r{i}") for i, p in enumerate(random_prompts(rows, 5, 20, seed=1))]
     for r in reqs:
@@ -463,3 +464,58 @@ def test_a_tail_of_few_rows_looks_every_row_up_every_step():
     assert len(looked) == speculation.LOOKUP_ROWS
     for steps in looked.values():
         assert len(steps) > MAX_NEW // 2 and steps == list(range(steps[0], steps[0] + len(steps)))
+
+
+@pytest.mark.parametrize("gate", [None, 64])
+def test_planning_in_cpp_proposes_what_the_python_planning_does(gate):
+    """`Speculator._plan_native` (one C++ call a step: `plan_drafts`, each row's k, calibration and idle spell kept on
+    its index) against the Python planning it replaces (`_drafts`, the idle dict, `Calibration`, `StepCost.plan`):
+    two engines, the cost model's fit frozen, the same rows -- 4 groups of 4 over repeating and random prompts,
+    per-request k and suffix length, a step's room for drafts binding, budgets from 3 tokens (rows finish and join
+    their prompt's history, rows reach their last token), the prompts sampled again -- propose the same drafts at
+    every step; idle spells, calibrations and verified drafts all occur."""
+    model = make_model("qwen3")
+    prompts = [repeating_prompt(model, seed=s) for s in range(2)] + random_prompts(2, 5, 30, seed=11)
+    cores, logs = [], []
+    for native in (True, False):
+        core = EngineCore(model, GREEDY, config(**SPEC))
+        spec = core.speculator
+        spec.max_rows, spec.native_plan = gate, native
+        spec.room = 20  # NOTE: at most 20 tokens (rows + drafted) a verifying step: the budget of the likeliest binds
+        spec.cost.observe_plain = spec.cost.observe_spec = lambda *a: None  # NOTE: decisions from the drafts alone
+        log, inner = [], spec.plan
+
+        def plan(rows, spec=spec, inner=inner, log=log):
+            drafts = inner(rows)
+            own = spec.drafter.own
+            if spec.planned_native:
+                state = sorted((r.request_id, own[r.request_id].native.spell, own[r.request_id].native.scale)
+                               for r in rows if r.request_id in own)
+                spells = sum(s > 0 for _, s, _ in state)
+                scaled = sum(c != 1.0 for _, _, c in state)
+            else:
+                spells = len(spec.idle)
+                scaled = sum(spec.calibration.scale(r.request_id) != 1.0 for r in rows)
+            log.append(([r.request_id for r in rows], drafts, spells, scaled))
+            return drafts
+
+        spec.plan = plan
+        for epoch in range(2):
+            reqs = [core.make_request(p, request_id=f"e{epoch}p{i}g{g}", max_new_tokens=3 + 13 * g + 7 * i,
+                                      prompt_lookup_num_tokens=2 if g == 1 else None,
+                                      max_matching_ngram_size=2 if g == 2 else None)
+                    for i, p in enumerate(prompts) for g in range(4)]
+            for r in reqs:
+                core.add(r)
+            while core.has_work():
+                core.step()
+        cores.append(core)
+        logs.append(log)
+    native, python = logs
+    assert len(native) == len(python) > 50
+    for step, (a, b) in enumerate(zip(native, python, strict=True)):
+        assert a[:2] == b[:2], f"step {step}: rows or drafts differ"
+    assert sum(len(d) for _, ds, _, _ in native if ds for d in ds) > 100
+    assert max(s for _, _, s, _ in native) > 0 and max(s for _, _, s, _ in python) > 0  # NOTE: idle spells
+    assert max(c for *_, c in native) > 0 and max(c for *_, c in python) > 0  # NOTE: calibrated estimates
+    assert cores[0].cache_stats()["spec_accepted_tokens"] == cores[1].cache_stats()["spec_accepted_tokens"] > 0

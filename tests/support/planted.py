@@ -20,4 +20,5 @@ def plant_drafts(core, truth: list[list[int]], k: int, max_new: int, vocab: int,
             draft[wrong] = (draft[wrong] + 1) % vocab
         return draft, [1.0] * len(draft)
 
+    core.speculator.native_plan = False  # NOTE: planned in Python, through `_drafts`
     core.speculator._drafts = lambda reqs, min_prob, spells=True: [planted(r, min_prob) for r in reqs]

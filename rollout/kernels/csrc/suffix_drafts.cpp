@@ -4,21 +4,21 @@
 // takes the host's time out of a speculative step (a 4-row 5M tail drafted ~30 us a call in Python).
 //
 // An index holds a copy of its source's tokens (`pull`: the new ones since the last call, read from its list), the
-// 2-grams followed by a token (`has_pair`, built lazily as in Python, in a flat set) and, for every n-gram (n = 1 .. max_n) of the
-// tokens, the positions that followed it (`Chains`: a hash chain a position, no allocation a token), read as Python's
-// lists hold them: the latest POSITIONS, trimmed from 2 x POSITIONS. (The maps of n-grams to vectors this replaced
-// spent ~100 us of a 27-row 5M log-normal step indexing its new tokens, ~2/3 of its lookups' time. On 32 rows of
-// 150-450 tokens, a token appended to each a call, caches flushed between calls: `suffix_drafts` 114-150 -> 60-71 us,
-// `any_pairs` 61-71 -> 29-35 us, benchmarks/logs/speculation_tail/draft_lookups_micro_fifteenth_session.txt.)
+// 2-grams followed by a token (`has_pair`, built lazily as in Python, in a flat set) and, for every n-gram (n = 1 ..
+// max_n) of the tokens, the positions that followed it (`Chains`: a hash chain a position, no allocation a token),
+// read as Python's lists hold them: the latest POSITIONS, trimmed from 2 x POSITIONS. (The maps of n-grams to vectors
+// this replaced spent ~100 us of a 27-row 5M log-normal step indexing its new tokens, ~2/3 of its lookups' time. On 32
+// rows of 150-450 tokens, a token appended to each a call, caches flushed between calls: `suffix_drafts` 114-150 ->
+// 60-71 us, `any_pairs` 61-71 -> 29-35 us, benchmarks/logs/speculation_tail/draft_lookups_micro_fifteenth_session.txt.)
 
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <tuple>
 #include <unordered_map>
-#include <limits>
 #include <vector>
 
 #include "kernels.h"
@@ -29,6 +29,7 @@ constexpr int MAX_NGRAM = 8;       // rollout.sampling.drafts.MAX_NGRAM
 constexpr int64_t MIN_NGRAM = 2;   // rollout.sampling.drafts.MIN_NGRAM
 constexpr size_t POSITIONS = 32;   // rollout.sampling.drafts.POSITIONS
 constexpr double SMOOTHING = 1.0;  // rollout.sampling.drafts.SMOOTHING
+constexpr double CALIBRATION_DECAY = 0.7;  // rollout.engine.speculation.CALIBRATION_DECAY
 
 struct Gram {
   std::array<int64_t, MAX_NGRAM> t{};
@@ -85,7 +86,6 @@ struct PairSet {
   }
 };
 
-
 // One n's occurrences: for every n-gram of the tokens, its latest position (the position following it) and how
 // many there were, in a flat open-addressing table keyed by the n-gram's hash (the n-gram itself compared on a match:
 // it is read off the tokens before the entry's latest position), and for every position the previous one whose n
@@ -127,7 +127,8 @@ struct Chains {
   // position p follows the n-gram tokens[p - n : p] (its hash given)
   void add(const std::vector<int64_t>& tokens, int64_t p, int64_t n, uint64_t hash) {
     if (2 * (used + 1) > table.size()) grow();
-    if (prev.size() <= static_cast<size_t>(p)) prev.resize(std::max<size_t>(static_cast<size_t>(p) + 1, 2 * prev.size()), -1);
+    const size_t at = static_cast<size_t>(p);
+    if (prev.size() <= at) prev.resize(std::max<size_t>(at + 1, 2 * prev.size()), -1);
     const size_t mask = table.size() - 1;
     const int64_t* gram_end = tokens.data() + p;
     for (size_t i = hash & mask;; i = (i + 1) & mask) {
@@ -157,6 +158,9 @@ inline uint64_t grow_hash(uint64_t h, int64_t token) {
 
 constexpr uint64_t HASH_SEED = 0x243F6A8885A308D3ull;
 
+// the calls of `suffix_drafts` and `any_pairs` so far (under the GIL): an index pulled in this one is not pulled again
+uint64_t epoch = 0;
+
 // how many of an n-gram's `count` occurrences Python's list holds: it grows to 2 x POSITIONS, then keeps the latest
 // POSITIONS (appended, then trimmed: `SuffixIndex.update`)
 inline int64_t visible(int64_t count) {
@@ -185,8 +189,44 @@ struct SuffixIndexNative {
   // alive by the Python side, `NativeIndex.sources`: no reference from here, so no cycle the collector cannot see)
   pybind11::object source;
   std::vector<SuffixIndexNative*> others;
+  uint64_t pulled = 0;  // the call (`epoch`) that last pulled it: a sibling is a source of every row of its group
+
+  // its row's planning state (`plan_drafts`, `rollout.engine.speculation.Speculator` on these indexes): the most tokens
+  // a draft (its k, at most MAX_DRAFT: `configure`), the position past which it must not draft (prompt + forced +
+  // max_new_tokens - 1), its longest suffix matched; its calibration (`Calibration`: its verified drafts' estimates and
+  // kept tokens, decayed); its idle spell (looked up again at step `idle_until`; `spell` 0: none); the estimates of the
+  // draft it proposed last (`record`)
+  int64_t kcap = 0, last = 0, ngram = 4;
+  double cal_est = 0.0, cal_kept = 0.0;
+  int64_t idle_until = 0, spell = 0;
+  std::vector<double> proposed;
+
+  void configure(int64_t k, int64_t end, int64_t n) {
+    TORCH_CHECK(n >= 1 && n <= max_n, "SuffixIndexNative.configure: ngram in 1..", max_n);
+    kcap = k;
+    last = end;
+    ngram = n;
+  }
+
+  double scale() const { return std::min(2.0, (cal_kept + 1) / (cal_est + 1)); }
+
+  // `Calibration.record` of the first `drafted` tokens of its last proposed draft, `kept` of them kept
+  void record(int64_t drafted, int64_t kept) {
+    TORCH_CHECK(drafted >= 0 && drafted <= static_cast<int64_t>(proposed.size()),
+                "SuffixIndexNative.record: more tokens verified than proposed");
+    double est = 0.0;
+    for (int64_t i = 0; i < drafted; ++i) est += proposed[static_cast<size_t>(i)];
+    cal_est = CALIBRATION_DECAY * cal_est + est;
+    cal_kept = CALIBRATION_DECAY * cal_kept + static_cast<double>(kept);
+  }
 
   void bind(pybind11::list list) { source = std::move(list); }
+
+  // its list's tokens are final (a finished rollout): copied now, never read again
+  void freeze() {
+    pull();
+    source = pybind11::object();
+  }
 
   void set_sources(const std::vector<SuffixIndexNative*>& indexes) { others = indexes; }
 
@@ -207,10 +247,19 @@ struct SuffixIndexNative {
     }
   }
 
-  // this row's index and its sources' brought up to date
-  void pull_with_sources() {
-    pull();
-    for (auto* o : others) o->pull();
+  // this row's index and its sources' brought up to date, each once in a call (`call`, of `epoch`: the Python lists
+  // do not change during one)
+  void pull_with_sources(uint64_t call) {
+    if (pulled != call) {
+      pull();
+      pulled = call;
+    }
+    for (auto* o : others) {
+      if (o->pulled != call) {
+        o->pull();
+        o->pulled = call;
+      }
+    }
   }
 
   // whether this row's last 2 tokens were followed by a token in its own text or a source's: every suffix of 2+
@@ -295,7 +344,8 @@ std::tuple<std::vector<int64_t>, std::vector<double>> walk(const std::vector<Sou
       for (size_t c : cands) {
         Path& q = paths[c];
         const auto& qt = *sources[q.src].tokens;
-        if (q.len == len && q.loops == loops && std::equal(qt.begin() + q.p, qt.begin() + q.p + len, toks.begin() + p)) {
+        if (q.len == len && q.loops == loops &&
+            std::equal(qt.begin() + q.p, qt.begin() + q.p + len, toks.begin() + p)) {
           ++q.count;
           found = true;
           break;
@@ -397,9 +447,75 @@ std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> suffix_drafts
               "suffix_drafts: a k, max_n and min_prob per row");
   std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> out;
   out.reserve(R);
+  const uint64_t call = ++epoch;
   for (size_t r = 0; r < R; ++r) {
-    owns[r]->pull_with_sources();
+    owns[r]->pull_with_sources(call);
     out.push_back(suffix_draft(*owns[r], ks[r], max_ns[r], std::min(MIN_NGRAM, max_ns[r]), min_probs[r]));
+  }
+  return out;
+}
+
+// `Speculator.plan` past its gates, in one call (its Python, `Speculator._drafts` and `StepCost.plan`, is the
+// reference: the same drafts, tests/engine/test_speculation.py). Each row not in an idle spell (`spells`: a step of
+// more than LOOKUP_ROWS rows) is looked up with k = min(kcap, last - its length) and min_prob `floor` / its scale, its
+// estimates scaled (at most 1), an idle spell begun or doubled (at most `spell_cap`) where it found nothing. Then,
+// unless `every` (each draft whole), the likeliest drafted tokens (at most `room` of them, unless negative) that
+// maximise the expected tokens a unit of time (`c0` a step, `dx` more a drafted token) over the plain step's rows.
+// None when nothing is worth verifying, else each row's draft. (Steps of more than 16 rows of the log-normal G=8
+// batch: their planning ~125-235 -> ~80-150 us, benchmarks/logs/speculation_tail/ab_sixteenth_session.txt.)
+pybind11::object plan_drafts(const std::vector<SuffixIndexNative*>& owns, double floor, double c0, double dx,
+                             int64_t room, int64_t step, bool spells, int64_t spell_cap, bool every) {
+  const size_t R = owns.size();
+  const uint64_t call = ++epoch;
+  std::vector<std::vector<int64_t>> drafts(R);
+  bool any = false;
+  for (size_t r = 0; r < R; ++r) {
+    SuffixIndexNative& own = *owns[r];
+    if (spells && own.spell > 0 && own.idle_until > step) continue;
+    own.pull_with_sources(call);
+    const int64_t k = std::min(own.kcap, own.last - own.size());
+    if (k <= 0) continue;
+    const double scale = own.scale();
+    auto [toks, probs] = suffix_draft(own, k, own.ngram, std::min(MIN_NGRAM, own.ngram), floor / scale);
+    if (!toks.empty()) {
+      own.spell = 0;
+      for (double& q : probs) q = std::min(1.0, q * scale);
+      own.proposed = std::move(probs);
+      drafts[r] = std::move(toks);
+      any = true;
+    } else if (spells) {
+      own.spell = own.spell == 0 ? 1 : std::min(spell_cap, 2 * own.spell);
+      own.idle_until = step + own.spell;
+    }
+  }
+  namespace py = pybind11;
+  if (!every) {
+    if (!any) return py::none();
+    std::vector<std::pair<double, int64_t>> inc;  // NOTE: (estimate, row), the likeliest first: ties, the later row
+    for (size_t r = 0; r < R; ++r)
+      for (size_t j = 0; j < drafts[r].size(); ++j) inc.emplace_back(owns[r]->proposed[j], static_cast<int64_t>(r));
+    std::sort(inc.begin(), inc.end(), [](const auto& a, const auto& b) { return a > b; });
+    if (room >= 0 && static_cast<size_t>(room) < inc.size()) inc.resize(static_cast<size_t>(room));
+    double gain = static_cast<double>(R), cost = c0, best = static_cast<double>(R);
+    size_t keep = 0;
+    for (size_t n = 0; n < inc.size(); ++n) {
+      gain += inc[n].first;
+      cost += dx;
+      if (gain / cost > best) {
+        best = gain / cost;
+        keep = n + 1;
+      }
+    }
+    if (keep == 0) return py::none();
+    std::vector<size_t> lens(R, 0);
+    for (size_t n = 0; n < keep; ++n) ++lens[static_cast<size_t>(inc[n].second)];  // NOTE: each row's a prefix
+    for (size_t r = 0; r < R; ++r) drafts[r].resize(lens[r]);
+  }
+  py::list out(R);
+  for (size_t r = 0; r < R; ++r) {
+    py::list d(drafts[r].size());
+    for (size_t j = 0; j < drafts[r].size(); ++j) d[j] = py::int_(drafts[r][j]);
+    out[r] = std::move(d);
   }
   return out;
 }
@@ -408,8 +524,9 @@ std::vector<std::tuple<std::vector<int64_t>, std::vector<double>>> suffix_drafts
 // its last 2 tokens looked for among the pairs `suffix_draft` checks first (`Drafter.nothing_to_draft`: a tail of
 // rows whose text does not repeat skips the step's drafting in one call)
 bool any_pairs(const std::vector<SuffixIndexNative*>& owns) {
+  const uint64_t call = ++epoch;
   for (auto* own : owns) {
-    own->pull_with_sources();
+    own->pull_with_sources(call);
     if (own->last_pair_occurs()) return true;
   }
   return false;
@@ -421,10 +538,21 @@ void bind_suffix_drafts(pybind11::module& m) {
       .def(py::init<int64_t>(), py::arg("max_n"))
       .def("bind", &SuffixIndexNative::bind, "the Python list of tokens `pull` copies", py::arg("tokens"))
       .def("pull", &SuffixIndexNative::pull, "the bound list's tokens from the last one copied on")
+      .def("freeze", &SuffixIndexNative::freeze, "pull, then let the list go: its tokens are final")
+      .def("configure", &SuffixIndexNative::configure, "its row's k, the position past which it does not draft, and "
+           "its longest suffix matched (`plan_drafts`)", py::arg("kcap"), py::arg("last"), py::arg("ngram"))
+      .def("record", &SuffixIndexNative::record, "Calibration.record of its last proposed draft's first `drafted` "
+           "tokens, `kept` of them kept", py::arg("drafted"), py::arg("kept"))
+      .def_property_readonly("scale", &SuffixIndexNative::scale, "its calibration's scale of its next estimates")
+      .def_readonly("spell", &SuffixIndexNative::spell, "its idle spell's length (0: none)")
+      .def_readonly("idle_until", &SuffixIndexNative::idle_until, "the step its idle spell ends at")
       .def("set_sources", &SuffixIndexNative::set_sources,
            "the other indexes this row's lookups read (kept alive by the caller)", py::arg("indexes"));
   m.def("suffix_drafts", &suffix_drafts, "Drafter.draft_many: each row's indexes pulled, then its suffix_draft",
         py::arg("owns"), py::arg("ks"), py::arg("max_ns"), py::arg("min_probs"));
+  m.def("plan_drafts", &plan_drafts, "Speculator.plan past its gates: each row's draft cut to what pays, or None",
+        py::arg("owns"), py::arg("floor"), py::arg("c0"), py::arg("dx"), py::arg("room"), py::arg("step"),
+        py::arg("spells"), py::arg("spell_cap"), py::arg("every"));
   m.def("any_pairs", &any_pairs, "whether any row's last 2 tokens occur in its sources (each pulled first)",
         py::arg("owns"));
 }
