@@ -157,8 +157,10 @@ def test_grpo_groups_read_their_prompt_once_and_equal_the_per_row_kernel(kernel_
     assert mixed, f"no cascade group beside a prompt chunk: {calls}"
     _, toks0, lps0, calls0, _ = _grpo(model, arch, cascade=False)
     assert not calls0 and toks == toks0
+    # NOTE: fp32, summed in another order (the prompt's pages once a group, then each row's own): 2.3e-6 apart on an AMD
+    # EPYC of family 26 (~20 ulps of a logprob near 1), under 2e-6 on family 25; each is within 5e-5 of fp64 below
     for a, b in zip(lps, lps0, strict=True):
-        assert a == pytest.approx(b, abs=2e-6)
+        assert a == pytest.approx(b, abs=1e-5)
     # NOTE: gpt-oss's experts run torch's grouped GEMM, which has no fp64: its reference is fp32
     ref = copy.deepcopy(model).double() if arch != "gpt_oss" else model
     owners = [p for p in prompts[:2] for _ in range(3)] + prompts[2:]

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 from support.tiny_models import VOCAB, make_model, random_prompts
-from support.triton_interpreter import device, load
+from support.triton_interpreter import device, load, ordered_dots
 from transformers import GenerationConfig
 
 from rollout import ContinuousBatchingConfig, RolloutEngine
@@ -33,7 +33,10 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 @pytest.fixture(scope="module")
 def kernels():
     load("rollout.kernels.triton_decode")
-    return load("rollout.kernels.triton_invariant")
+    module = load("rollout.kernels.triton_invariant")
+    undo = ordered_dots()  # NOTE: the interpreter's dot summed in the kernel's order, not by numpy's BLAS
+    yield module
+    undo()
 
 
 @pytest.fixture

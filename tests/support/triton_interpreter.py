@@ -39,3 +39,38 @@ def load(module_name: str = MODULE):
     if not module.available(device()):
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set, and this machine has no GPU")
     return module
+
+
+def ordered_dots():
+    """Under Triton's interpreter, `tl.dot` as each output element's own chain of multiply-adds over K in order, until
+    the returned callable is called (a no-op on a CUDA machine, where the compiled kernels run).
+
+    The interpreter runs `tl.dot` as numpy's `matmul`, whose BLAS decides a row's summation order by where the row
+    falls in its micro-kernel's blocks: on an AMD EPYC of family 26 (OpenBLAS's Haswell kernels) a row's bits changed
+    with its place in the tile, so a batch-invariance test failed on the interpreter, not on the kernel (whose tile
+    shapes and K order do not depend on the batch); on family 25 (AVX-512 kernels) they did not. A compiled kernel's
+    dot sums K in its own fixed order, as this does."""
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        return lambda: None
+    import numpy as np  # noqa: PLC0415 - only under the interpreter
+    from triton.runtime import interpreter  # noqa: PLC0415
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_dot
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        if a.dtype.primitive_bitwidth == 8 or b.dtype.primitive_bitwidth == 8:
+            return original(self, a, b, d, input_precision, max_num_imprecise_acc)
+        dt = d.data.dtype
+        x, y = a.data.astype(dt), b.data.astype(dt)
+        acc = np.zeros(np.broadcast_shapes(x.shape[:-1] + (1,), y.shape[:-2] + (1, y.shape[-1])), dtype=dt)
+        for k in range(x.shape[-1]):
+            acc += x[..., :, k : k + 1] * y[..., k : k + 1, :]
+        return interpreter.TensorHandle(acc + d.data, d.dtype.scalar)
+
+    builder.create_dot = create_dot
+
+    def undo() -> None:
+        builder.create_dot = original
+
+    return undo
