@@ -86,7 +86,7 @@ def planned(rows: list[tuple[list[int], list[int]]], price: float, overhead: flo
     spec = object.__new__(Speculator)  # NOTE: its planning state only: no engine, no model
     spec.k, spec.max_rows, spec.drafter, spec.calibration = k, None, Drafter(), Calibration()
     spec.steps, spec.width, spec.idle, spec.estimates, spec.room = 0, 0, {}, [], None
-    spec.native_plan = spec.planned_native = False  # NOTE: the Python planning (the C++ one proposes the same drafts)
+    spec.native_plan = False  # NOTE: the Python planning (the C++ one proposes the same drafts)
     spec.cost = StepCost(1.0, 0.0)
     spec.cost.share = lambda _rows: price
     spec.cost.c0, spec.cost.c1 = 1.0 + overhead, 1.0

@@ -215,7 +215,6 @@ class Speculator:
         # NOTE: plan in one C++ call where the drafter's indexes are C++ (`plan_drafts`: the same drafts as `_drafts`
         # and `StepCost.plan`); tests that plant drafts through `_drafts` turn it off
         self.native_plan = True
-        self.planned_native = False  # NOTE: whether the step planned last was planned in C++ (its calibration is there)
         model = core.model
         params = sum(p.numel() for p in model.parameters())
         dtype = next(model.parameters()).dtype
@@ -310,7 +309,6 @@ class Speculator:
                 return None
         if self.native_plan and self.drafter.ready() is not None:
             return self._plan_native(rows, floor)
-        self.planned_native = False
         # NOTE: a row in an idle spell (text that did not repeat) costs a dict lookup here, not a call: at 32 rows
         # of non-repeating text the step's planning took 55 us with the call, most of it these rows
         idle, step = self.idle, self.steps
@@ -331,10 +329,14 @@ class Speculator:
         self.estimates = [p for _, p in proposed]
         return [t[:n] for (t, _), n in zip(proposed, lens, strict=True)]
 
+    @property
+    def planned_native(self) -> bool:
+        """Whether `plan` plans in C++ (`_plan_native`): asked, and the drafter's indexes are C++."""
+        return self.native_plan and self.drafter.native is not None
+
     def _plan_native(self, rows: list[Request], floor: float) -> list[list[int]] | None:
         """`plan` past its gates in one C++ call (`plan_drafts`, each row's state on its index: its k, calibration and
         idle spell): the same drafts as the Python below (`_drafts`, `StepCost.plan`), without its ~2 us a row."""
-        self.planned_native = True
         drafter, cost, width = self.drafter, self.cost, len(rows)
         room = -1 if self.room is None else max(0, self.room - width)
         return drafter.native.plan_drafts(drafter.natives(rows), floor, cost.c0, cost.c1 * cost.share(width), room,
@@ -424,7 +426,7 @@ class Speculator:
     def calibrate(self, rows: list[Request], drafts: list[list[int]], taken: list[int]) -> None:
         """Record, for each row that drafted, what `plan` estimated its draft would keep (`self.estimates`, summed
         over the tokens drafted) against the drafted tokens it kept: its calibration for the next plans."""
-        if self.planned_native:
+        if self.planned_native:  # NOTE: each row's estimates are on its C++ index
             own = self.drafter.own
             for req, d, n in zip(rows, drafts, taken, strict=True):
                 if d:

@@ -290,14 +290,7 @@ class Drafter:
             for r, n in zip(requests, max_ns, strict=True):
                 self.track(r, n)
             return [self.draft(*a) for a in zip(requests, ks, max_ns, min_probs, strict=True)]
-        own, track = self.own, self.track
-        indexes = [own.get(r.request_id) or track(r, n) for r, n in zip(requests, max_ns, strict=True)]
-        owns = []
-        for index in indexes:
-            if index.seen < index.stamp[0]:
-                self._choose(index)
-            owns.append(index.native)
-        self.last = (requests, owns, self.version) if min(max_ns) >= MIN_NGRAM else None
+        owns = self.natives(requests, max_ns)
         return self.native.suffix_drafts(owns, ks, max_ns, min_probs)  # NOTE: shortest min(MIN_NGRAM, max_n) there
 
     def _choose(self, index: NativeIndex) -> None:
@@ -307,24 +300,29 @@ class Drafter:
         index.native.set_sources(index.sources)
         index.seen = self.version
 
-    def natives(self, requests: list) -> list:
-        """The C++ indexes of `requests` (each tracked on first sight, n-grams up to its `max_matching_ngram_size`),
-        each with its sources chosen again where its prompt's group or history changed since: the rows of a step
-        planned in one C++ call (`Speculator`, `plan_drafts`). Only with the C++ indexes (`ready`). The last call's
-        list when the rows are the same objects and nothing was tracked or finished since (most steps of a batch)."""
+    def natives(self, requests: list, max_ns: list[int] | None = None) -> list:
+        """The C++ indexes of `requests` (each tracked on first sight, n-grams up to `max_ns`' or else its request's
+        `max_matching_ngram_size`), each with its sources chosen again where its prompt's group or history changed
+        since: the rows of one C++ call (`draft_many`; `Speculator`'s `plan_drafts`). Only with the C++ indexes
+        (`ready`). The last call's list when the rows are the same objects and nothing was tracked or finished since
+        (most steps of a batch). They become `last` unless a row may match a suffix shorter than MIN_NGRAM (one of
+        `max_ns`, or without them a live row's)."""
         last = self.last
         if last is not None and last[2] == self.version and last[0] == requests:
-            return last[1]
-        own, track = self.own, self.track
-        owns = []
-        for r in requests:
-            index = own.get(r.request_id)
-            if index is None:
-                index = track(r, r.sampling.max_matching_ngram_size or DEFAULT_NGRAM)
-            if index.seen < index.stamp[0]:
-                self._choose(index)
-            owns.append(index.native)
-        self.last = (requests, owns, self.version) if not self.short else None
+            owns = last[1]
+        else:
+            own, track = self.own, self.track
+            # NOTE: every row tracked before any chooses its sources: the rows of one step are each other's siblings
+            indexes = [own.get(r.request_id) or track(r, max_ns[i] if max_ns is not None
+                                                      else r.sampling.max_matching_ngram_size or DEFAULT_NGRAM)
+                       for i, r in enumerate(requests)]
+            owns = []
+            for index in indexes:
+                if index.seen < index.stamp[0]:
+                    self._choose(index)
+                owns.append(index.native)
+        short = min(max_ns) < MIN_NGRAM if max_ns is not None else self.short
+        self.last = None if short else (requests, owns, self.version)
         return owns
 
     def nothing_to_draft(self, requests: list) -> bool:
